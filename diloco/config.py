@@ -1,0 +1,71 @@
+"""The whole job's configuration: each component's dataclass, composed and cross-checked once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from diloco.cluster import ClusterConfig
+from diloco.config_base import check, from_dict
+from diloco.data import DataConfig
+from diloco.metrics import LoggerConfig
+from diloco.model import ModelConfig
+from diloco.optim import InnerOptConfig
+from diloco.trainer import TrainerConfig
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """Which replica group this process belongs to (``role=group`` on a multi-host job)."""
+
+    id: int = 0
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything a run needs; built from the composed hydra config by ``run.py``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner_opt: InnerOptConfig = field(default_factory=InnerOptConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    role: Literal["local", "group"] = "local"
+    group: GroupConfig = field(default_factory=GroupConfig)
+    name: str = "diloco"
+
+    def validate(self) -> None:
+        for part in (self.model, self.data, self.inner_opt, self.trainer, self.cluster, self.logger):
+            part.validate()
+        check(
+            self.model.vocab_size == self.data.vocab_size,
+            "model.vocab_size",
+            self.model.vocab_size,
+            f"differs from data.vocab_size={self.data.vocab_size}; the tokenizer decides the "
+            "vocabulary, so set data.vocab_size and leave model.vocab_size unset",
+        )
+        check(
+            self.trainer.seq_len <= self.model.max_seq_len,
+            "trainer.seq_len",
+            self.trainer.seq_len,
+            f"exceeds model.max_seq_len={self.model.max_seq_len}; lower it or raise model.max_seq_len",
+        )
+        check(
+            0 <= self.group.id < self.cluster.groups,
+            "group.id",
+            self.group.id,
+            f"must be in [0, cluster.groups={self.cluster.groups})",
+        )
+
+
+def job_config_from_dict(raw: dict[str, Any]) -> JobConfig:
+    """Typed, validated config from a plain dict; the model's vocabulary follows the data's."""
+    raw = dict(raw)
+    model = dict(raw.get("model") or {})
+    data = from_dict(DataConfig, raw.get("data"), "data")
+    model.setdefault("vocab_size", data.vocab_size)
+    raw["model"] = model
+    job = from_dict(JobConfig, raw)
+    job.validate()
+    return job

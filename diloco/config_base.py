@@ -1,0 +1,106 @@
+"""Typed configuration: plain dicts in, validated frozen dataclasses out.
+
+Each component owns a small dataclass (``ModelConfig`` in ``model.py`` and so on) and its
+``validate()``; this module holds what they share: the error type and a strict converter
+that names the offending key, its value and what is allowed. It never imports hydra, so the
+library stays usable without it (``run.py`` hands it a plain, resolved dict).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value a user can fix; the message names the key and the fix."""
+
+
+def check(ok: bool, key: str, value: Any, requirement: str) -> None:
+    """Raise ``ConfigError("key=value: requirement")`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {requirement}")
+
+
+def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``, checking keys and value types recursively.
+
+    ``prefix`` is the dotted path of ``data`` inside the whole config, so errors name the
+    key exactly as a user writes it on the command line (``trainer.max_steps``).
+    """
+    where = prefix or "config"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key {_join(prefix, unknown[0])}; allowed keys of {where}: {', '.join(sorted(fields))}"
+        )
+    hints = get_type_hints(cls)
+    kwargs = {name: _convert(hints[name], data[name], _join(prefix, name)) for name in data}
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"missing key {_join(prefix, missing[0])}")
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """The JSON-friendly form of a config dataclass (tuples become lists)."""
+    return dataclasses.asdict(obj)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin in (Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        inner = [o for o in options if o is not type(None)]
+        if len(inner) == 1:
+            return _convert(inner[0], value, key)
+        raise TypeError(f"unsupported config type {tp} for {key}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        check(value in allowed, key, value, f"must be one of {', '.join(map(str, allowed))}")
+        return value
+    if origin is tuple:
+        args = get_args(tp)
+        check(
+            isinstance(value, (list, tuple)) and len(value) == len(args),
+            key,
+            value,
+            f"must be a list of {len(args)} values",
+        )
+        return tuple(_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if tp is bool:
+        check(isinstance(value, bool), key, value, "must be true or false")
+        return value
+    if tp is int:
+        check(isinstance(value, int) and not isinstance(value, bool), key, value, "must be an integer")
+        return value
+    if tp is float:
+        check(isinstance(value, (int, float)) and not isinstance(value, bool), key, value, "must be a number")
+        return float(value)
+    if tp is str:
+        check(isinstance(value, str), key, value, "must be a string")
+        return value
+    if tp is typing.Any:
+        return value
+    raise TypeError(f"unsupported config type {tp} for {key}")

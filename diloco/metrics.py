@@ -1,0 +1,90 @@
+"""Where a group's metrics go: a JSON-lines file in the run directory, and wandb.
+
+The JSON-lines file is the launcher's view of progress (it draws the console bar from it)
+and a record anyone can plot without wandb; wandb is the dashboard users know.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from diloco.config_base import check
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    """wandb settings; ``offline`` needs no account and no network (``wandb sync`` uploads later)."""
+
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "diloco"
+    entity: str | None = None
+    name: str | None = None
+
+    def validate(self) -> None:
+        check(bool(self.project), "logger.project", self.project, "must be a non-empty string")
+
+
+class MetricsLogger:
+    """Appends ``{"step": s, "time": t, **metrics}`` lines to a file and mirrors them to wandb."""
+
+    def __init__(self, jsonl_path: Path, wandb_run: Any | None) -> None:
+        jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = jsonl_path.open("a", buffering=1)
+        self._wandb_run = wandb_run
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        record = {"step": step, "time": time.time(), **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb_run is not None:
+            self._wandb_run.log(metrics, step=step)
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        self._file.close()
+        if self._wandb_run is not None:
+            if summary:
+                self._wandb_run.summary.update(summary)
+            self._wandb_run.finish()
+
+
+def start_wandb(
+    cfg: LoggerConfig, *, run_dir: Path, run_name: str, job_name: str, config: dict[str, Any]
+) -> Any | None:
+    """Start one wandb run (grouped by job), or ``None`` when logging is disabled."""
+    if cfg.mode == "disabled":
+        return None
+    import wandb  # heavy import: only the processes that log pay for it
+
+    return wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        name=cfg.name or run_name,
+        group=job_name,
+        mode=cfg.mode,
+        dir=str(run_dir),
+        config=config,
+        settings=wandb.Settings(console="off", silent=True),
+    )
+
+
+def read_jsonl_tail(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """Complete records appended to ``path`` since byte ``offset``, and the new offset."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read()
+    except FileNotFoundError:
+        return [], offset
+    complete = chunk[: chunk.rfind(b"\n") + 1]
+    records = [json.loads(line) for line in complete.splitlines() if line.strip()]
+    return records, offset + len(complete)
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no NaN: a non-finite metric is written as null so the file stays parseable."""
+    value = float(value)
+    return value if math.isfinite(value) else None

@@ -1,0 +1,73 @@
+"""The inner optimizer: AdamW with linear warmup then cosine decay (the DiLoCo inner loop)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from diloco.config_base import check
+
+
+@dataclass(frozen=True)
+class InnerOptConfig:
+    """AdamW settings for the inner steps each replica group takes on its own data."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        check(self.lr > 0, "inner_opt.lr", self.lr, "must be > 0")
+        check(self.weight_decay >= 0, "inner_opt.weight_decay", self.weight_decay, "must be >= 0")
+        for i, beta in enumerate(self.betas):
+            check(0 <= beta < 1, f"inner_opt.betas[{i}]", beta, "must be in [0, 1)")
+        check(self.eps > 0, "inner_opt.eps", self.eps, "must be > 0")
+        check(self.warmup_steps >= 0, "inner_opt.warmup_steps", self.warmup_steps, "must be >= 0")
+        check(0 <= self.min_lr_ratio <= 1, "inner_opt.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        check(self.grad_clip >= 0, "inner_opt.grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Factor on the peak lr for optimizer step ``step`` (0-based).
+
+    Linear warmup reaches the peak on step ``warmup_steps - 1``; cosine then decays to
+    ``min_lr_ratio`` at the last step, so the first step already moves (lr > 0).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max_steps - warmup_steps
+    if decay_steps <= 1:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (decay_steps - 1))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
+
+
+def build_inner_optimizer(
+    params: list[torch.nn.Parameter], cfg: InnerOptConfig, max_steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW without weight decay on norms (1-D weights), as in Llama training."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_multiplier(
+            step, warmup_steps=cfg.warmup_steps, max_steps=max_steps, min_lr_ratio=cfg.min_lr_ratio
+        ),
+    )
+    return optimizer, scheduler

@@ -1,0 +1,65 @@
+"""The console view of a running job: one progress line drawn from the groups' metric files."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from diloco.metrics import read_jsonl_tail
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60:d}:{seconds % 60:02d}"
+
+
+def render_progress(step: int, max_steps: int, elapsed_s: float, last: dict[str, Any], width: int = 24) -> str:
+    """``step 120/300 [#########...] loss 2.31 eval 2.40 tok/s 9.1k 0:31<0:46``."""
+    frac = min(1.0, step / max_steps) if max_steps else 0.0
+    filled = int(round(frac * width))
+    eta = elapsed_s * (1 - frac) / frac if frac > 0 else 0.0
+    parts = [f"step {step}/{max_steps}", f"[{'#' * filled}{'.' * (width - filled)}]"]
+    if last.get("train/loss") is not None:
+        parts.append(f"loss {last['train/loss']:.3f}")
+    if last.get("eval/loss") is not None:
+        parts.append(f"eval {last['eval/loss']:.3f}")
+    if last.get("train/tokens_per_s") is not None:
+        parts.append(f"tok/s {last['train/tokens_per_s'] / 1000:.1f}k")
+    parts.append(f"{format_duration(elapsed_s)}<{format_duration(eta)}")
+    return " ".join(parts)
+
+
+@dataclass
+class ProgressView:
+    """Follows ``metrics/group*.jsonl`` and redraws the slowest group's progress.
+
+    On a terminal the line is redrawn in place; elsewhere (CI, a pipe) a line is printed
+    at most every ``plain_interval_s`` so logs stay readable.
+    """
+
+    files: list[Path]
+    max_steps: int
+    out: TextIO = sys.stdout
+    plain_interval_s: float = 10.0
+    _offsets: dict[Path, int] = field(default_factory=dict)
+    _latest: dict[Path, dict[str, Any]] = field(default_factory=dict)
+    _last_plain: float = -1e9
+    _last_line: str = ""
+
+    def update(self, elapsed_s: float, final: bool = False) -> None:
+        for path in self.files:
+            records, self._offsets[path] = read_jsonl_tail(path, self._offsets.get(path, 0))
+            for record in records:
+                self._latest.setdefault(path, {}).update({k: v for k, v in record.items() if v is not None})
+        if not self._latest:
+            return
+        slowest = min(self._latest.values(), key=lambda r: r.get("step", 0))
+        line = render_progress(int(slowest.get("step", 0)), self.max_steps, elapsed_s, slowest)
+        if self.out.isatty():
+            self.out.write("\r" + line + ("\n" if final else ""))
+            self.out.flush()
+        elif line != self._last_line and (final or elapsed_s - self._last_plain >= self.plain_interval_s):
+            self._last_plain, self._last_line = elapsed_s, line
+            print(line, file=self.out, flush=True)

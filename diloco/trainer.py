@@ -1,0 +1,200 @@
+"""One replica group's inner loop: the same code for one worker or N FSDP2-sharded workers."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from diloco.config_base import check
+from diloco.data import ShardedBatches
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Inner-loop length and batch shape.
+
+    ``batch_size`` is sequences per worker per micro-batch, so one optimizer step of a group
+    sees ``batch_size * workers_per_group * grad_accum`` sequences of ``seq_len`` tokens.
+    """
+
+    max_steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 128
+    grad_accum: int = 1
+    eval_every: int = 250
+    eval_batches: int = 8
+    log_every: int = 10
+    seed: int = 0
+
+    def validate(self) -> None:
+        for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every"):
+            value = getattr(self, key)
+            check(value >= 1, f"trainer.{key}", value, "must be a positive integer")
+        check(self.eval_every >= 0, "trainer.eval_every", self.eval_every, "must be >= 0 (0: evaluate only at the end)")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a group reports when its inner loop ends (goes into summary.json)."""
+
+    steps: int
+    tokens_seen: int
+    final_train_loss: float
+    final_eval_loss: float
+    train_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_seen / self.train_seconds if self.train_seconds > 0 else 0.0
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+MetricsCallback = Callable[[dict[str, float], int], None]
+
+
+class Trainer:
+    """AdamW inner steps with grad accumulation, clipping, bf16 autocast on CUDA, periodic eval."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        batches: ShardedBatches,
+        eval_set: list[Batch],
+        cfg: TrainerConfig,
+        grad_clip: float,
+        device: torch.device,
+        sharded: bool,
+        on_metrics: MetricsCallback | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.batches = batches
+        self.eval_set = eval_set
+        self.cfg = cfg
+        self.grad_clip = grad_clip
+        self.device = device
+        self.sharded = sharded
+        self.on_metrics = on_metrics
+        self.step = 0
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over this worker's micro-batches; returns (mean loss, grad norm)."""
+        micro_batches = self.batches.next_step()
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            if self.sharded:
+                # Reduce-scatter gradients once per step, not once per micro-batch.
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            loss = self._loss(batch)
+            (loss / len(micro_batches)).backward()
+            total += loss.detach()
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return total / len(micro_batches), grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss (nats per token) over the whole group's evaluation windows."""
+        self.model.eval()
+        sums = torch.zeros(2, dtype=torch.float64)
+        for batch in self.eval_set:
+            sums[0] += self._loss(batch).item() * batch[1].numel()
+            sums[1] += batch[1].numel()
+        self.model.train()
+        return _group_mean(sums)
+
+    def fit(self) -> TrainResult:
+        """Run inner steps until ``max_steps``, logging and evaluating on the way."""
+        cfg = self.cfg
+        tokens_per_step = self.batches.tokens_per_step
+        start = window_start = time.perf_counter()
+        window_loss = torch.zeros(2, dtype=torch.float64)
+        train_loss = eval_loss = math.nan
+        while self.step < cfg.max_steps:
+            loss, grad_norm = self.train_step()
+            window_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+            last = self.step == cfg.max_steps
+            metrics: dict[str, float] = {}
+            if self.step % cfg.log_every == 0 or last:
+                elapsed = time.perf_counter() - window_start
+                steps = int(window_loss[1].item())
+                train_loss = _group_mean(window_loss)
+                metrics.update(
+                    {
+                        "train/loss": train_loss,
+                        "train/lr": self.scheduler.get_last_lr()[0],
+                        "train/grad_norm": grad_norm.item(),
+                        "train/step_ms": 1000.0 * elapsed / steps,
+                        "train/tokens_per_s": tokens_per_step * steps / elapsed,
+                        "train/tokens": float(tokens_per_step * self.step),
+                    }
+                )
+                window_loss.zero_()
+                window_start = time.perf_counter()
+            if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
+                eval_loss = self.evaluate()
+                metrics.update({"eval/loss": eval_loss, "eval/ppl": _perplexity(eval_loss)})
+                window_start = time.perf_counter()  # evaluation time is not training throughput
+            if metrics and self.on_metrics is not None:
+                self.on_metrics(metrics, self.step)
+        return TrainResult(
+            steps=self.step,
+            tokens_seen=tokens_per_step * self.step,
+            final_train_loss=train_loss,
+            final_eval_loss=eval_loss,
+            train_seconds=time.perf_counter() - start,
+        )
+
+    def progress_state(self) -> dict[str, Any]:
+        """The group's position (step and data read position), JSON-friendly, so a restart does not replay data."""
+        return {"step": self.step, "data": self.batches.state_dict()}
+
+    def load_progress_state(self, state: dict[str, Any]) -> None:
+        self.batches.load_state_dict(state["data"])
+        self.step = int(state["step"])
+        # LambdaLR sets the lr of step k when stepped to last_epoch=k.
+        self.scheduler.last_epoch = self.step - 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
+        )
+        with autocast:
+            logits = self.model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _group_mean(sums: torch.Tensor) -> float:
+    """All-reduce ``[sum, count]`` over the group (when there is one) and divide."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item()
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))

@@ -1,0 +1,189 @@
+"""One worker process of a replica group: wires model, data, optimizer and trainer, then trains.
+
+Run by the embedded launcher as ``python -m diloco.worker --job JOB.json --run-dir DIR``
+with torchrun's variables in the environment, or through ``run.py role=group`` under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diloco.config import JobConfig, job_config_from_dict
+from diloco.config_base import to_dict
+from diloco.data import ShardedBatches, eval_batches, load_corpus
+from diloco.distributed import WorkerEnv, init_group, select_device, shard_model
+from diloco.metrics import MetricsLogger, start_wandb
+from diloco.model import Transformer, count_parameters
+from diloco.optim import build_inner_optimizer
+from diloco.trainer import Trainer, TrainResult
+
+JOB_FILE = "job.json"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Files a run writes, all under one directory."""
+
+    root: Path
+
+    @property
+    def job(self) -> Path:
+        return self.root / JOB_FILE
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "model.pt"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def metrics(self, group: int) -> Path:
+        return self.root / "metrics" / f"group{group}.jsonl"
+
+    def result(self, group: int) -> Path:
+        return self.root / "results" / f"group{group}.json"
+
+
+def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tuple[ShardedBatches, list]:
+    """This worker's training batches and evaluation batches; fails fast on bad data."""
+    splits = load_corpus(job.data)
+    t = job.trainer
+    batches = ShardedBatches(
+        splits.train,
+        seq_len=t.seq_len,
+        micro_batch_size=t.batch_size,
+        grad_accum=t.grad_accum,
+        group=group,
+        num_groups=job.cluster.groups,
+        worker=worker,
+        num_workers=num_workers,
+        seed=t.seed,
+    )
+    evals = eval_batches(
+        splits.val,
+        seq_len=t.seq_len,
+        batch_size=t.batch_size,
+        max_batches=t.eval_batches,
+        worker=worker,
+        num_workers=num_workers,
+    )
+    return batches, evals
+
+
+def preflight(job: JobConfig) -> int:
+    """Check, in the launching process, what would otherwise fail inside every worker.
+
+    Loads the data for every group (a missing or corrupt path, or a shard too small, is
+    reported before any process starts) and returns the model's parameter count.
+    """
+    for group in range(job.cluster.groups):
+        build_data(job, group, 0, job.cluster.workers_per_group)
+    with torch.device("meta"):
+        return count_parameters(Transformer(job.model))
+
+
+def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths) -> TrainResult:
+    """Train this worker's part of replica group ``job.group.id``; the leader logs and saves."""
+    group = job.group.id
+    leader = env.rank == 0
+    device = select_device(job.cluster.device, env.local_rank)
+    mesh = init_group(
+        env,
+        device,
+        connect_timeout_s=job.cluster.timeouts.connect,
+        collective_timeout_s=job.cluster.timeouts.collective,
+    )
+    try:
+        torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
+        model = Transformer(job.model).to(device)
+        n_params = count_parameters(model)
+        sharded = shard_model(model, model.layers, mesh, device)
+        optimizer, scheduler = build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
+        batches, evals = build_data(job, group, env.rank, env.world_size)
+        logger = None
+        if leader:
+            print(f"group {group}: model has {n_params:,} parameters", flush=True)
+            wandb_run = start_wandb(
+                job.logger,
+                run_dir=paths.root,
+                run_name=f"{job.name}-group{group}",
+                job_name=job.name,
+                config=to_dict(job),
+            )
+            logger = MetricsLogger(paths.metrics(group), wandb_run)
+        trainer = Trainer(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            batches=batches,
+            eval_set=evals,
+            cfg=job.trainer,
+            grad_clip=job.inner_opt.grad_clip,
+            device=device,
+            sharded=sharded,
+            on_metrics=logger.log if logger else None,
+        )
+        result = trainer.fit()
+        weights = _full_state_dict(model, sharded)
+        if leader:
+            report = _result_record(group, result, n_params)
+            if group == 0:
+                torch.save(weights, paths.weights)
+            paths.result(group).parent.mkdir(parents=True, exist_ok=True)
+            paths.result(group).write_text(json.dumps(report, indent=2))
+            logger.close(report)
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def _full_state_dict(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
+    """Unsharded CPU weights on rank 0 (a collective: every worker must call it)."""
+    if not sharded:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _result_record(group: int, result: TrainResult, n_params: int) -> dict[str, Any]:
+    return {
+        "group": group,
+        "steps": result.steps,
+        "final_train_loss": result.final_train_loss,
+        "final_eval_loss": result.final_eval_loss,
+        "tokens_seen": result.tokens_seen,
+        "train_seconds": result.train_seconds,
+        "tokens_per_s": result.tokens_per_s,
+        "parameters": n_params,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--group", type=int, required=True)
+    args = parser.parse_args(argv)
+    paths = RunPaths(args.run_dir)
+    raw = json.loads(paths.job.read_text())
+    raw["group"] = {"id": args.group}
+    job = job_config_from_dict(raw)
+    run_worker(job, WorkerEnv.from_environ(os.environ), paths)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Shared fixtures: the real conf/ tree composed with hydra, shrunk for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from diloco.config import JobConfig, job_config_from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+
+# Small enough that a multi-process run takes seconds on two cores.
+FAST = ["logger=none", "trainer.max_steps=20", "trainer.eval_every=0", "trainer.eval_batches=2", "trainer.log_every=5"]
+
+
+def compose_raw(overrides: list[str]) -> dict:
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    raw.pop("hydra", None)
+    return raw
+
+
+def compose_job(overrides: list[str]) -> JobConfig:
+    """The JobConfig ``python run.py *overrides`` would build."""
+    return job_config_from_dict(compose_raw(overrides))
+
+
+@pytest.fixture
+def fast_job():
+    """A factory: ``fast_job("trainer.max_steps=5", ...)`` composes FAST plus the given overrides."""
+
+    def make(*overrides: str) -> JobConfig:
+        return compose_job(FAST + list(overrides))
+
+    return make

@@ -1,0 +1,99 @@
+"""Config composition and validation: every error names the key and what is allowed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from diloco.config import JobConfig, job_config_from_dict
+from diloco.config_base import ConfigError, to_dict
+from tests.conftest import CONF_DIR, REPO, compose_job, compose_raw
+
+
+def test_default_config_is_the_embedded_default():
+    job = compose_job([])
+    assert job.role == "local"
+    assert job.cluster.groups == 1 and job.cluster.workers_per_group == 2
+    assert job.logger.mode == "offline"
+    assert job.data.corpus == "stdlib"
+    assert job.model.vocab_size == job.data.vocab_size == 256
+
+
+@pytest.mark.parametrize("group", ["model", "data", "inner_opt", "trainer", "cluster", "logger"])
+def test_every_option_of_every_group_composes(group):
+    for option in sorted((CONF_DIR / group).glob("*.yaml")):
+        overrides = [f"{group}={option.stem}"]
+        if group == "data" and option.stem != "stdlib":
+            overrides.append(f"data.path={option}")  # any existing file will do for composition
+            if option.stem == "tokens":
+                overrides.append("data.vocab_size=512")
+        assert isinstance(compose_job(overrides), JobConfig)
+
+
+def test_yaml_defaults_match_dataclass_defaults():
+    """The conf/ tree documents the defaults; it must not drift from the code's."""
+    raw = compose_raw([])
+    defaults = to_dict(JobConfig())
+    for section in ("inner_opt", "trainer", "cluster", "data"):
+        for key, value in raw[section].items():
+            expected = defaults[section][key]
+            assert value == (list(expected) if isinstance(expected, tuple) else expected), f"{section}.{key}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.batch_size=0"], r"trainer\.batch_size=0: must be a positive integer"),
+        (["trainer.max_steps=abc"], r"trainer\.max_steps='abc': must be an integer"),
+        (["cluster.device=tpu"], r"cluster\.device='tpu': must be one of auto, cpu, cuda"),
+        (["cluster.timeouts.collective=0"], r"cluster\.timeouts\.collective"),
+        (["inner_opt.lr=-1"], r"inner_opt\.lr=-1\.0: must be > 0"),
+        (["inner_opt.betas=[0.9,1.5]"], r"inner_opt\.betas\[1\]"),
+        (["data=text"], r"data\.path=None: required"),
+        (["trainer.seq_len=4096"], r"trainer\.seq_len=4096: exceeds model\.max_seq_len"),
+        (["model.n_kv_heads=3"], r"model\.n_kv_heads"),
+        (["+model.vocab_size=300"], r"model\.vocab_size=300: differs from data\.vocab_size=256"),
+        (["group.id=3"], r"group\.id=3: must be in \[0, cluster\.groups=1\)"),
+        (["role=boss"], r"role='boss': must be one of local, group"),
+    ],
+)
+def test_invalid_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        compose_job(overrides)
+
+
+def test_unknown_key_is_refused_with_the_allowed_keys():
+    raw = compose_raw([])
+    raw["trainer"]["max_step"] = 3
+    with pytest.raises(ConfigError, match=r"unknown key trainer\.max_step; allowed keys of trainer: .*max_steps"):
+        job_config_from_dict(raw)
+
+
+def test_job_config_round_trips_through_json_form():
+    job = compose_job(["model=small", "trainer.grad_accum=2"])
+    assert job_config_from_dict(to_dict(job)) == job
+
+
+def _run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "run.py"), f"hydra.run.dir={tmp_path}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+def test_run_py_rejects_an_invalid_value_before_starting_anything(tmp_path):
+    result = _run(["trainer.batch_size=0"], tmp_path)
+    assert result.returncode != 0
+    assert "trainer.batch_size=0: must be a positive integer" in result.stderr
+    assert not (tmp_path / "logs").exists()  # no worker was started
+
+
+def test_run_py_names_the_allowed_presets_for_an_unknown_one(tmp_path):
+    result = _run(["model=huge"], tmp_path)
+    assert result.returncode != 0
+    assert "tiny" in result.stderr and "llama3_1b" in result.stderr

@@ -1,0 +1,38 @@
+"""The console progress line and the metrics file it is drawn from."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from diloco.metrics import MetricsLogger, read_jsonl_tail
+from diloco.progress import ProgressView, render_progress
+
+
+def test_render_progress_shows_step_bar_loss_throughput_and_eta():
+    line = render_progress(50, 200, 30.0, {"train/loss": 2.3456, "train/tokens_per_s": 12345.0}, width=8)
+    assert line == "step 50/200 [##......] loss 2.346 tok/s 12.3k 0:30<1:30"
+
+
+def test_metrics_file_is_read_incrementally_and_nan_becomes_null(tmp_path):
+    path = tmp_path / "m" / "group0.jsonl"
+    logger = MetricsLogger(path, wandb_run=None)
+    logger.log({"train/loss": 3.0}, step=1)
+    records, offset = read_jsonl_tail(path, 0)
+    assert [r["train/loss"] for r in records] == [3.0]
+    logger.log({"train/loss": float("nan")}, step=2)
+    with path.open("a") as fh:
+        fh.write('{"step": 3')  # a half-written line is left for the next read
+    records, offset2 = read_jsonl_tail(path, offset)
+    assert [r["step"] for r in records] == [2] and records[0]["train/loss"] is None
+    assert offset2 > offset
+    logger.close()
+
+
+def test_progress_view_follows_the_slowest_group(tmp_path):
+    files = [tmp_path / "g0.jsonl", tmp_path / "g1.jsonl"]
+    files[0].write_text(json.dumps({"step": 40, "train/loss": 2.0}) + "\n")
+    files[1].write_text(json.dumps({"step": 10, "train/loss": 4.0}) + "\n")
+    out = io.StringIO()
+    ProgressView(files, max_steps=100, out=out).update(elapsed_s=5.0)
+    assert out.getvalue().startswith("step 10/100") and "loss 4.000" in out.getvalue()
