@@ -1,0 +1,182 @@
+"""Quorum rules: who takes part in the next outer sync, decided from heartbeats and requests alone.
+
+Pure logic with time passed in, no network: the lighthouse calls it under a lock, and tests
+drive it with plain numbers. Symbols follow DESIGN.md section 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diloco.config_base import check
+
+
+@dataclass(frozen=True)
+class QuorumRules:
+    """``min_groups`` must ask before any quorum forms; ``join_timeout_s`` is how long the
+    first asker waits for the rest; a group silent for ``heartbeat_timeout_s`` is dropped."""
+
+    min_groups: int = 1
+    join_timeout_s: float = 5.0
+    heartbeat_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        check(self.min_groups >= 1, "cluster.min_groups", self.min_groups, "must be a positive integer")
+        check(self.join_timeout_s > 0, "cluster.timeouts.join", self.join_timeout_s, "must be > 0 seconds")
+        check(
+            self.heartbeat_timeout_s > 0,
+            "cluster.timeouts.heartbeat",
+            self.heartbeat_timeout_s,
+            "must be > 0 seconds",
+        )
+
+
+@dataclass(frozen=True)
+class QuorumRequest:
+    """A group leader asking to take part in the next sync.
+
+    ``step`` is the group's committed outer step; ``commit_failed`` reports that its last
+    round failed, which forces a new quorum id (and so fresh lanes) even if nobody left.
+    """
+
+    group: str
+    step: int
+    commit_failed: bool = False
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The lighthouse's answer, identical for every participant."""
+
+    quorum_id: int
+    participants: tuple[str, ...]  # fixed order: a participant's index is its rank in every lane
+    max_step: int
+    heal_from: dict[str, str]  # group behind max_step (or new) -> the live peer it receives state from
+
+    def rank_of(self, group: str) -> int:
+        return self.participants.index(group)
+
+    def to_json(self) -> dict:
+        return {
+            "quorum_id": self.quorum_id,
+            "participants": list(self.participants),
+            "max_step": self.max_step,
+            "heal_from": dict(self.heal_from),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Quorum:
+        return cls(
+            quorum_id=int(data["quorum_id"]),
+            participants=tuple(str(p) for p in data["participants"]),
+            max_step=int(data["max_step"]),
+            heal_from={str(k): str(v) for k, v in data["heal_from"].items()},
+        )
+
+
+def healthy_groups(last_heartbeat: dict[str, float], now: float, timeout_s: float) -> set[str]:
+    """Groups whose last heartbeat is younger than the timeout."""
+    return {g for g, t in last_heartbeat.items() if now - t < timeout_s}
+
+
+def quorum_ready(
+    askers: set[str],
+    healthy: set[str],
+    previous: tuple[str, ...] | None,
+    first_ask_at: float | None,
+    now: float,
+    rules: QuorumRules,
+) -> bool:
+    """Whether the askers may form a quorum now.
+
+    Never with fewer than ``min_groups``, and never without a strict majority of the
+    heartbeating groups (so two halves of a partitioned job cannot both move on). Then: at
+    once when the previous quorum asks again in full (the steady state costs no waiting) or
+    every healthy group has asked; otherwise once ``join_timeout`` has passed since the first ask.
+    """
+    if len(askers) < rules.min_groups or first_ask_at is None:
+        return False
+    if 2 * len(askers & healthy) <= len(healthy):
+        return False
+    if previous and set(previous) <= askers:
+        return True
+    if healthy <= askers:
+        return True
+    return now - first_ask_at >= rules.join_timeout_s
+
+
+def assign_healing(steps: dict[str, int]) -> dict[str, str]:
+    """Each participant behind the max step -> an up-to-date peer, spread round-robin.
+
+    Both lists are sorted, so every lighthouse restart gives the same assignment for the
+    same inputs.
+    """
+    max_step = max(steps.values())
+    sources = sorted(g for g, s in steps.items() if s == max_step)
+    behind = sorted(g for g, s in steps.items() if s < max_step)
+    return {g: sources[i % len(sources)] for i, g in enumerate(behind)}
+
+
+def next_quorum_id(previous: Quorum | None, participants: tuple[str, ...], any_commit_failed: bool) -> int:
+    """Changes exactly when membership changes or a member reports a failed commit."""
+    if previous is None:
+        return 1
+    if previous.participants != participants or any_commit_failed:
+        return previous.quorum_id + 1
+    return previous.quorum_id
+
+
+@dataclass
+class QuorumBook:
+    """The lighthouse's memory: heartbeats, open requests and the last quorum.
+
+    ``quorum_id_floor`` lets a restarted lighthouse continue above ids the groups have
+    already seen (they report theirs in heartbeats), so an id is never reused.
+    """
+
+    rules: QuorumRules
+    last_heartbeat: dict[str, float] = field(default_factory=dict)
+    pending: dict[str, QuorumRequest] = field(default_factory=dict)
+    first_ask_at: float | None = None
+    previous: Quorum | None = None
+    quorum_id_floor: int = 0
+
+    def heartbeat(self, group: str, now: float, quorum_id_seen: int = 0) -> None:
+        self.last_heartbeat[group] = now
+        self.quorum_id_floor = max(self.quorum_id_floor, quorum_id_seen)
+
+    def ask(self, request: QuorumRequest, now: float) -> None:
+        """Register (or refresh) a request; asking is also a heartbeat."""
+        self.heartbeat(request.group, now)
+        if not self.pending:
+            self.first_ask_at = now
+        self.pending[request.group] = request
+
+    def withdraw(self, group: str) -> None:
+        """Drop an open request whose caller gave up waiting."""
+        self.pending.pop(group, None)
+        if not self.pending:
+            self.first_ask_at = None
+
+    def healthy(self, now: float) -> set[str]:
+        return healthy_groups(self.last_heartbeat, now, self.rules.heartbeat_timeout_s)
+
+    def decide(self, now: float) -> Quorum | None:
+        """Form a quorum from the open requests if the rules allow it, and close them."""
+        healthy = self.healthy(now)
+        for group in [g for g in self.pending if g not in healthy]:
+            self.withdraw(group)  # an asker that stopped heartbeating is not waited for
+        askers = set(self.pending)
+        previous = self.previous.participants if self.previous else None
+        if not quorum_ready(askers, healthy, previous, self.first_ask_at, now, self.rules):
+            return None
+        participants = tuple(sorted(askers))
+        steps = {g: self.pending[g].step for g in participants}
+        quorum_id = next_quorum_id(self.previous, participants, any(r.commit_failed for r in self.pending.values()))
+        if self.previous is None or quorum_id != self.previous.quorum_id:
+            quorum_id = max(quorum_id, self.quorum_id_floor + 1)
+        quorum = Quorum(quorum_id, participants, max(steps.values()), assign_healing(steps))
+        self.previous = quorum
+        self.pending.clear()
+        self.first_ask_at = None
+        return quorum

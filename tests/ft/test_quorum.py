@@ -1,0 +1,140 @@
+"""Quorum rules as pure functions: time is a number the test chooses."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.ft.quorum import (
+    Quorum,
+    QuorumBook,
+    QuorumRequest,
+    QuorumRules,
+    assign_healing,
+    healthy_groups,
+    next_quorum_id,
+    quorum_ready,
+)
+
+RULES = QuorumRules(min_groups=2, join_timeout_s=5.0, heartbeat_timeout_s=10.0)
+
+
+def test_healthy_means_heartbeat_younger_than_timeout():
+    beats = {"a": 100.0, "b": 95.0, "c": 90.0}
+    assert healthy_groups(beats, now=100.0, timeout_s=10.0) == {"a", "b"}  # c is exactly 10 s old
+
+
+def test_ready_when_every_healthy_group_asked():
+    assert quorum_ready({"a", "b"}, {"a", "b"}, None, first_ask_at=0.0, now=0.0, rules=RULES)
+
+
+def test_waits_for_healthy_groups_until_join_timeout():
+    args = dict(askers={"a", "b"}, healthy={"a", "b", "c"}, previous=None, first_ask_at=10.0, rules=RULES)
+    assert not quorum_ready(now=14.9, **args)
+    assert quorum_ready(now=15.0, **args)
+
+
+def test_never_below_min_groups_even_after_timeout():
+    assert not quorum_ready({"a"}, {"a"}, None, first_ask_at=0.0, now=100.0, rules=RULES)
+
+
+def test_split_brain_guard_needs_a_strict_majority_of_heartbeating_groups():
+    healthy = {"a", "b", "c", "d"}
+    assert not quorum_ready({"a", "b"}, healthy, None, first_ask_at=0.0, now=100.0, rules=RULES)
+    assert quorum_ready({"a", "b", "c"}, healthy, None, first_ask_at=0.0, now=100.0, rules=RULES)
+
+
+def test_fast_path_when_the_previous_quorum_asks_again_in_full():
+    healthy = {"a", "b", "c"}  # c is new and has not asked yet
+    assert quorum_ready({"a", "b"}, healthy, ("a", "b"), first_ask_at=0.0, now=0.0, rules=RULES)
+    assert not quorum_ready({"a", "b"}, healthy, ("a", "b", "c"), first_ask_at=0.0, now=0.0, rules=RULES)
+
+
+def test_healing_sources_are_up_to_date_peers_spread_evenly():
+    heal = assign_healing({"a": 10, "b": 10, "c": 7, "d": 0, "e": 9, "f": 10})
+    assert heal == {"c": "a", "d": "b", "e": "f"}
+    assert assign_healing({"a": 3, "b": 3}) == {}
+
+
+def test_quorum_id_changes_exactly_on_membership_change_or_failed_commit():
+    previous = Quorum(4, ("a", "b"), 10, {})
+    assert next_quorum_id(None, ("a",), False) == 1
+    assert next_quorum_id(previous, ("a", "b"), False) == 4
+    assert next_quorum_id(previous, ("a", "b"), True) == 5
+    assert next_quorum_id(previous, ("a", "b", "c"), False) == 5
+    assert next_quorum_id(previous, ("a",), False) == 5
+
+
+def test_quorum_json_round_trip():
+    q = Quorum(3, ("g0", "g2"), 17, {"g2": "g0"})
+    assert Quorum.from_json(q.to_json()) == q
+    assert q.rank_of("g2") == 1
+
+
+class TestBook:
+    def _book(self) -> QuorumBook:
+        book = QuorumBook(RULES)
+        for g in ("g0", "g1", "g2"):
+            book.heartbeat(g, now=0.0)
+        return book
+
+    def test_forms_once_all_asked_in_fixed_order_with_healing(self):
+        book = self._book()
+        book.ask(QuorumRequest("g2", step=5), now=1.0)
+        book.ask(QuorumRequest("g0", step=5), now=1.0)
+        assert book.decide(now=1.0) is None
+        book.ask(QuorumRequest("g1", step=0), now=1.5)
+        q = book.decide(now=1.5)
+        assert q == Quorum(1, ("g0", "g1", "g2"), 5, {"g1": "g0"})
+        assert book.pending == {} and book.decide(now=1.6) is None
+
+    def test_steady_state_keeps_the_id_and_a_dead_group_changes_it(self):
+        book = self._book()
+        for g in ("g0", "g1", "g2"):
+            book.ask(QuorumRequest(g, step=1), now=1.0)
+        first = book.decide(now=1.0)
+        for g in ("g0", "g1", "g2"):
+            book.ask(QuorumRequest(g, step=2), now=2.0)
+        assert book.decide(now=2.0).quorum_id == first.quorum_id
+        # g2 dies: its heartbeat ages out, the other two wait for the join timeout.
+        for g in ("g0", "g1"):
+            book.heartbeat(g, now=11.0)
+            book.ask(QuorumRequest(g, step=3), now=11.0)
+        assert book.decide(now=11.0) is None  # g2 is still healthy (heartbeat at 2.0)
+        q = book.decide(now=12.0)
+        assert q.participants == ("g0", "g1") and q.quorum_id == first.quorum_id + 1
+
+    def test_an_asker_that_stops_heartbeating_is_dropped_from_pending(self):
+        book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=60.0, heartbeat_timeout_s=2.0))
+        book.ask(QuorumRequest("a", step=0), now=0.0)
+        book.heartbeat("b", now=0.0)
+        book.heartbeat("b", now=5.0)
+        book.ask(QuorumRequest("b", step=0), now=5.0)
+        q = book.decide(now=5.0)  # a's last sign of life was at 0.0: not waited for, not included
+        assert q is not None and q.participants == ("b",)
+
+    def test_a_restarted_lighthouse_continues_above_ids_groups_have_seen(self):
+        book = QuorumBook(RULES)
+        book.heartbeat("g0", now=0.0, quorum_id_seen=7)
+        book.heartbeat("g1", now=0.0, quorum_id_seen=6)
+        book.ask(QuorumRequest("g0", step=3), now=0.0)
+        book.ask(QuorumRequest("g1", step=3), now=0.0)
+        assert book.decide(now=0.0).quorum_id == 8
+
+    def test_failed_commit_forces_a_new_id(self):
+        book = self._book()
+        for g in ("g0", "g1", "g2"):
+            book.ask(QuorumRequest(g, step=1), now=1.0)
+        first = book.decide(now=1.0)
+        book.ask(QuorumRequest("g0", step=1), now=2.0)
+        book.ask(QuorumRequest("g1", step=1, commit_failed=True), now=2.0)
+        book.ask(QuorumRequest("g2", step=2), now=2.0)
+        q = book.decide(now=2.0)
+        assert q.quorum_id == first.quorum_id + 1 and q.heal_from == {"g0": "g2", "g1": "g2"}
+
+
+@pytest.mark.parametrize("field,value", [("min_groups", 0), ("join_timeout_s", 0.0), ("heartbeat_timeout_s", -1.0)])
+def test_rules_validation_names_the_key(field, value):
+    from diloco.config_base import ConfigError
+
+    with pytest.raises(ConfigError, match="cluster"):
+        QuorumRules(**{field: value}).validate()
