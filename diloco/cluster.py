@@ -1,4 +1,4 @@
-"""Where a job runs: how many replica groups, how many workers each, on which device, with which timeouts."""
+"""Where a job runs: replica groups, workers per group, device, the lighthouse, and every timeout."""
 
 from __future__ import annotations
 
@@ -6,17 +6,27 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from diloco.config_base import check
+from diloco.ft.lighthouse import LighthouseConfig
+from diloco.ft.quorum import QuorumRules
 
 
 @dataclass(frozen=True)
 class TimeoutsConfig:
-    """Seconds; every wait in the system is bounded by one of these."""
+    """Seconds; every wait in the system is bounded by one of these.
+
+    ``connect``: peers and stores to appear; ``collective``: one all-reduce or state transfer;
+    ``quorum``: a leader's wait for a quorum; ``heartbeat``: silence after which a group is
+    dropped; ``join``: how long the first asker waits for the other healthy groups.
+    """
 
     connect: float = 60.0
     collective: float = 120.0
+    quorum: float = 60.0
+    heartbeat: float = 5.0
+    join: float = 2.0
 
     def validate(self) -> None:
-        for key in ("connect", "collective"):
+        for key in ("connect", "collective", "quorum", "heartbeat", "join"):
             value = getattr(self, key)
             check(value > 0, f"cluster.timeouts.{key}", value, "must be > 0 seconds")
 
@@ -25,10 +35,12 @@ class TimeoutsConfig:
 class ClusterConfig:
     """M replica groups of N workers; ``master_addr`` is where a group's workers rendezvous."""
 
-    groups: int = 1
+    groups: int = 2
     workers_per_group: int = 2
+    min_groups: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     master_addr: str = "127.0.0.1"
+    lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
 
     def validate(self) -> None:
@@ -39,4 +51,19 @@ class ClusterConfig:
             self.workers_per_group,
             "must be a positive integer",
         )
+        check(
+            1 <= self.min_groups <= self.groups,
+            "cluster.min_groups",
+            self.min_groups,
+            f"must be in [1, cluster.groups={self.groups}]",
+        )
+        self.lighthouse.validate()
         self.timeouts.validate()
+        self.quorum_rules().validate()
+
+    def quorum_rules(self) -> QuorumRules:
+        return QuorumRules(
+            min_groups=self.min_groups,
+            join_timeout_s=self.timeouts.join,
+            heartbeat_timeout_s=self.timeouts.heartbeat,
+        )

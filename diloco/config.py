@@ -8,10 +8,13 @@ from typing import Any, Literal
 from diloco.cluster import ClusterConfig
 from diloco.config_base import check, from_dict
 from diloco.data import DataConfig
+from diloco.fragments import validate_schedule
 from diloco.metrics import LoggerConfig
 from diloco.model import ModelConfig
 from diloco.optim import InnerOptConfig
+from diloco.outer import AlgoConfig
 from diloco.trainer import TrainerConfig
+from outer_opt import OuterOptConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     inner_opt: InnerOptConfig = field(default_factory=InnerOptConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    outer_opt: OuterOptConfig = field(default_factory=OuterOptConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     role: Literal["local", "group"] = "local"
@@ -36,8 +41,24 @@ class JobConfig:
     name: str = "diloco"
 
     def validate(self) -> None:
-        for part in (self.model, self.data, self.inner_opt, self.trainer, self.cluster, self.logger):
+        for part in (
+            self.model,
+            self.data,
+            self.inner_opt,
+            self.trainer,
+            self.algo,
+            self.outer_opt,
+            self.cluster,
+            self.logger,
+        ):
             part.validate()
+        validate_schedule(
+            sync_every=self.algo.sync_every,
+            fragments=self.algo.fragments,
+            delay=self.algo.delay,
+            alpha=self.algo.alpha,
+            n_blocks=self.model.n_layers,
+        )
         check(
             self.model.vocab_size == self.data.vocab_size,
             "model.vocab_size",
@@ -50,6 +71,13 @@ class JobConfig:
             "trainer.seq_len",
             self.trainer.seq_len,
             f"exceeds model.max_seq_len={self.model.max_seq_len}; lower it or raise model.max_seq_len",
+        )
+        check(
+            self.trainer.max_steps % self.algo.sync_every == 0,
+            "trainer.max_steps",
+            self.trainer.max_steps,
+            f"is not a multiple of algo.sync_every={self.algo.sync_every}; the inner steps after the last "
+            "sync would never reach the global model, so round max_steps to a multiple of sync_every",
         )
         check(
             0 <= self.group.id < self.cluster.groups,

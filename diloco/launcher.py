@@ -1,15 +1,18 @@
-"""The embedded launcher: starts M replica groups x N worker processes on this machine and watches them.
+"""The embedded launcher: a lighthouse plus M replica groups x N worker processes on this machine.
 
 Each worker is a real process with torchrun's environment, so what runs here is what runs
-under torchrun or Slurm on many hosts; only the spawning differs.
+under torchrun or Slurm on many hosts; only the spawning differs. ``LocalCluster`` owns the
+processes, so a test or a fault injector can kill, stop and restart any part of the job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,7 +36,7 @@ LOG_TAIL_LINES = 20
 
 
 class JobFailed(RuntimeError):
-    """A worker exited with an error; the message carries the end of its log."""
+    """A process of the job failed; the message carries the end of its log."""
 
 
 @dataclass
@@ -45,7 +48,7 @@ class WorkerProcess:
 
 
 def free_port(host: str) -> int:
-    """A port the OS says is free now, for a group's rendezvous store."""
+    """A port the OS says is free now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -56,25 +59,15 @@ def threads_per_worker(total_workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // total_workers)
 
 
-def spawn_group(job: JobConfig, paths: RunPaths, group: int) -> list[WorkerProcess]:
-    """Start the N workers of one replica group, each logging to its own file."""
-    n = job.cluster.workers_per_group
-    port = free_port(job.cluster.master_addr)
-    threads = threads_per_worker(job.cluster.groups * n)
-    workers = []
-    for rank in range(n):
-        env = WorkerEnv(rank=rank, world_size=n, local_rank=rank, master_addr=job.cluster.master_addr, master_port=port)
-        log_path = paths.logs / f"group{group}_rank{rank}.log"
-        with log_path.open("ab") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "diloco.worker", "--run-dir", str(paths.root), "--group", str(group)],
-                env={**os.environ, **env.to_environ(), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"},
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # the launcher alone decides when its workers stop
-            )
-        workers.append(WorkerProcess(group, rank, process, log_path))
-    return workers
+def resolve_lighthouse(job: JobConfig) -> JobConfig:
+    """Fill in what a local job leaves open: a free port and a fresh secret token."""
+    lighthouse = job.cluster.lighthouse
+    lighthouse = dataclasses.replace(
+        lighthouse,
+        port=lighthouse.port or free_port(lighthouse.host),
+        token=lighthouse.token or secrets.token_hex(16),
+    )
+    return dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, lighthouse=lighthouse))
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -84,63 +77,156 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
-def stop_all(workers: list[WorkerProcess]) -> None:
-    """SIGTERM every live worker, then SIGKILL whatever is still there after a grace period."""
-    for w in workers:
-        if w.process.poll() is None:
-            w.process.terminate()
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM (and SIGCONT, in case one is stopped), then SIGKILL what is left after a grace period."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+            process.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + TERMINATE_GRACE_S
-    for w in workers:
+    for process in processes:
         try:
-            w.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            w.process.kill()
-            w.process.wait()
+            process.kill()
+            process.wait()
+
+
+class LocalCluster:
+    """The processes of one job on this machine: a lighthouse and every group's workers."""
+
+    def __init__(self, job: JobConfig, paths: RunPaths, signature: str) -> None:
+        self.job = resolve_lighthouse(job)
+        self.paths = paths
+        self.signature = signature
+        self.lighthouse: subprocess.Popen | None = None
+        self.groups: dict[int, list[WorkerProcess]] = {}
+        paths.logs.mkdir(parents=True, exist_ok=True)
+        paths.job.touch(mode=0o600)  # it holds the token: only its owner may read it
+        paths.job.write_text(json.dumps(to_dict(self.job), indent=2))
+
+    @property
+    def lighthouse_url(self) -> str:
+        return f"http://{self.job.cluster.lighthouse.host}:{self.job.cluster.lighthouse.port}"
+
+    def start_lighthouse(self) -> None:
+        """Start the lighthouse and wait (bounded by the connect timeout) until it listens."""
+        with (self.paths.logs / "lighthouse.log").open("ab") as log_file:
+            self.lighthouse = subprocess.Popen(
+                [sys.executable, "-m", "diloco.ft", "--run-dir", str(self.paths.root), "--signature", self.signature],
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        cfg = self.job.cluster.lighthouse
+        deadline = time.monotonic() + self.job.cluster.timeouts.connect
+        while time.monotonic() < deadline:
+            if self.lighthouse.poll() is not None:
+                raise JobFailed(
+                    f"the lighthouse exited with code {self.lighthouse.returncode}:\n"
+                    + log_tail(self.paths.logs / "lighthouse.log")
+                )
+            try:
+                with socket.create_connection((cfg.host, cfg.port), timeout=1.0):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise JobFailed(
+            f"the lighthouse did not listen on {cfg.host}:{cfg.port} in {self.job.cluster.timeouts.connect}s"
+        )
+
+    def kill_lighthouse(self) -> None:
+        if self.lighthouse is not None:
+            self.lighthouse.kill()
+            self.lighthouse.wait()
+
+    def start_group(self, group: int) -> None:
+        """Start the N workers of one replica group, each logging to its own file."""
+        n = self.job.cluster.workers_per_group
+        port = free_port(self.job.cluster.master_addr)
+        threads = threads_per_worker(self.job.cluster.groups * n)
+        workers = []
+        for rank in range(n):
+            env = WorkerEnv(
+                rank=rank, world_size=n, local_rank=rank, master_addr=self.job.cluster.master_addr, master_port=port
+            )
+            log_path = self.paths.logs / f"group{group}_rank{rank}.log"
+            with log_path.open("ab") as log_file:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "diloco.worker", "--run-dir", str(self.paths.root), "--group", str(group)],
+                    env={**os.environ, **env.to_environ(), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"},
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # the launcher alone decides when its workers stop
+                )
+            workers.append(WorkerProcess(group, rank, process, log_path))
+        self.groups[group] = workers
+
+    def signal_group(self, group: int, signum: int) -> None:
+        """Send ``signum`` to every worker of ``group`` (SIGKILL, SIGSTOP, SIGCONT, SIGUSR1...).
+
+        A killed group is forgotten (it is not a failure of the job) until it is started again.
+        """
+        for w in self.groups[group]:
+            if w.process.poll() is None:
+                w.process.send_signal(signum)
+        if signum == signal.SIGKILL:
+            for w in self.groups.pop(group):
+                w.process.wait()
+
+    def failed_worker(self) -> WorkerProcess | None:
+        """A worker that exited with an error, if any."""
+        for workers in self.groups.values():
+            for w in workers:
+                if w.process.poll() not in (None, 0):
+                    return w
+        return None
+
+    def finished(self) -> bool:
+        return all(w.process.poll() == 0 for workers in self.groups.values() for w in workers)
+
+    def stop(self) -> None:
+        """Stop every process of the job; nothing is left behind."""
+        processes = [w.process for workers in self.groups.values() for w in workers]
+        stop_processes(processes + ([self.lighthouse] if self.lighthouse else []))
 
 
 def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str, Any]:
     """Run the whole job on this machine; returns (and writes) the summary."""
     paths = RunPaths(run_dir)
     paths.root.mkdir(parents=True, exist_ok=True)
-    paths.logs.mkdir(exist_ok=True)
-    paths.job.write_text(json.dumps(to_dict(job), indent=2))
-    n_params = preflight(job)
+    n_params, signature = preflight(job)
+    cluster = LocalCluster(job, paths, signature)
     print(
-        f"model: {n_params:,} parameters; {job.cluster.groups} group(s) x {job.cluster.workers_per_group} worker(s)",
+        f"model: {n_params:,} parameters; {job.cluster.groups} group(s) x {job.cluster.workers_per_group} "
+        f"worker(s); lighthouse status page {cluster.lighthouse_url}/",
         file=out,
         flush=True,
     )
     start = time.monotonic()
-    workers: list[WorkerProcess] = []
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
+        cluster.start_lighthouse()
         for group in range(job.cluster.groups):
-            workers += spawn_group(job, paths, group)
+            cluster.start_group(group)
         view = ProgressView([paths.metrics(g) for g in range(job.cluster.groups)], job.trainer.max_steps, out=out)
-        _wait(workers, view, start)
+        while not cluster.finished():
+            view.update(time.monotonic() - start)
+            failed = cluster.failed_worker()
+            if failed is not None:
+                raise JobFailed(
+                    f"group {failed.group} rank {failed.rank} exited with code {failed.process.returncode}; "
+                    f"last lines of {failed.log_path}:\n" + log_tail(failed.log_path)
+                )
+            time.sleep(POLL_INTERVAL_S)
         view.update(time.monotonic() - start, final=True)
     finally:
-        stop_all(workers)
+        cluster.stop()
         signal.signal(signal.SIGTERM, previous_sigterm)
     summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
     paths.summary.write_text(json.dumps(summary, indent=2))
     return summary
-
-
-def _wait(workers: list[WorkerProcess], view: ProgressView, start: float) -> None:
-    """Until every worker exits; the first failure stops the job with the failing worker's log."""
-    while True:
-        view.update(time.monotonic() - start)
-        for w in workers:
-            code = w.process.poll()
-            if code not in (None, 0):
-                raise JobFailed(
-                    f"group {w.group} rank {w.rank} exited with code {code}; last lines of {w.log_path}:\n"
-                    + log_tail(w.log_path)
-                )
-        if all(w.process.poll() == 0 for w in workers):
-            return
-        time.sleep(POLL_INTERVAL_S)
 
 
 def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: float) -> dict[str, Any]:
@@ -162,6 +248,11 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "wall_seconds": wall_seconds,
         "train_seconds": train_seconds,
         "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
+        "rounds": max(r["rounds"] for r in results),
+        "syncs_committed": sum(r["syncs_committed"] for r in results),
+        "syncs_attempted": sum(r["syncs_attempted"] for r in results),
+        "bytes_sent": sum(r["bytes_sent"] for r in results),
+        "recoveries": sum(r["recoveries"] for r in results),
         "per_group": results,
     }
 

@@ -64,6 +64,7 @@ def build_inner_optimizer(
         betas=cfg.betas,
         eps=cfg.eps,
     )
+    init_adamw_state(optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_multiplier(
@@ -71,3 +72,21 @@ def build_inner_optimizer(
         ),
     )
     return optimizer, scheduler
+
+
+@torch.no_grad()
+def init_adamw_state(optimizer: torch.optim.AdamW) -> None:
+    """Create AdamW's per-parameter state now rather than at the first step.
+
+    A healing group receives its peer's inner-optimizer state into tensors of the same
+    names and shapes, so both must exist before any step; these are the values AdamW's own
+    lazy initialisation would create.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }

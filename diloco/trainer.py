@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from diloco.config_base import check
 from diloco.data import ShardedBatches
+from diloco.outer import OuterOutcome, OuterSync
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class TrainerConfig:
     sees ``batch_size * workers_per_group * grad_accum`` sequences of ``seq_len`` tokens.
     """
 
-    max_steps: int = 1000
+    max_steps: int = 500
     batch_size: int = 8
     seq_len: int = 128
     grad_accum: int = 1
@@ -79,6 +80,7 @@ class Trainer:
         device: torch.device,
         sharded: bool,
         on_metrics: MetricsCallback | None = None,
+        outer: OuterSync | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -90,6 +92,7 @@ class Trainer:
         self.device = device
         self.sharded = sharded
         self.on_metrics = on_metrics
+        self.outer = outer
         self.step = 0
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,11 +134,15 @@ class Trainer:
         start = window_start = time.perf_counter()
         window_loss = torch.zeros(2, dtype=torch.float64)
         train_loss = eval_loss = math.nan
+        if self.outer is not None:
+            self._follow(self.outer.join())
         while self.step < cfg.max_steps:
             loss, grad_norm = self.train_step()
             window_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
-            last = self.step == cfg.max_steps
             metrics: dict[str, float] = {}
+            if self.outer is not None:
+                metrics.update(self._follow(self.outer.on_step(self.step, tokens_per_step)))
+            last = self.step >= cfg.max_steps
             if self.step % cfg.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start
                 steps = int(window_loss[1].item())
@@ -153,6 +160,8 @@ class Trainer:
                 window_loss.zero_()
                 window_start = time.perf_counter()
             if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
+                if last and self.outer is not None:
+                    self.outer.load_global_into_local()  # the result of DiLoCo is θ_g
                 eval_loss = self.evaluate()
                 metrics.update({"eval/loss": eval_loss, "eval/ppl": _perplexity(eval_loss)})
                 window_start = time.perf_counter()  # evaluation time is not training throughput
@@ -172,12 +181,27 @@ class Trainer:
 
     def load_progress_state(self, state: dict[str, Any]) -> None:
         self.batches.load_state_dict(state["data"])
-        self.step = int(state["step"])
+        self.set_step(int(state["step"]))
+
+    def set_step(self, step: int) -> None:
+        """Move to inner step ``step``: lr schedule and data read position follow it.
+
+        A group that healed from a peer jumps to the peer's step; its data position is
+        where it would be had it never stopped (its own shard, step × windows per step),
+        so it neither replays nor shares windows.
+        """
+        self.step = step
+        self.batches.consumed = step * self.batches.tokens_per_step // self.batches.seq_len
         # LambdaLR sets the lr of step k when stepped to last_epoch=k.
         self.scheduler.last_epoch = self.step - 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
+
+    def _follow(self, outcome: OuterOutcome) -> dict[str, float]:
+        if outcome.healed_to_step is not None:
+            self.set_step(outcome.healed_to_step)
+        return outcome.metrics
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)

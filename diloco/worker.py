@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,9 @@ from diloco.config_base import to_dict
 from diloco.data import ShardedBatches, eval_batches, load_corpus
 from diloco.distributed import WorkerEnv, init_group, select_device, shard_model
 from diloco.metrics import MetricsLogger, start_wandb
-from diloco.model import Transformer, count_parameters
+from diloco.model import Transformer, count_parameters, param_signature
 from diloco.optim import build_inner_optimizer
+from diloco.outer_setup import build_outer_sync
 from diloco.trainer import Trainer, TrainResult
 
 JOB_FILE = "job.json"
@@ -57,6 +59,9 @@ class RunPaths:
     def result(self, group: int) -> Path:
         return self.root / "results" / f"group{group}.json"
 
+    def commits(self, group: int) -> Path:
+        return self.root / "commits" / f"group{group}.jsonl"
+
 
 def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tuple[ShardedBatches, list]:
     """This worker's training batches and evaluation batches; fails fast on bad data."""
@@ -84,16 +89,17 @@ def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tup
     return batches, evals
 
 
-def preflight(job: JobConfig) -> int:
+def preflight(job: JobConfig) -> tuple[int, str]:
     """Check, in the launching process, what would otherwise fail inside every worker.
 
     Loads the data for every group (a missing or corrupt path, or a shard too small, is
-    reported before any process starts) and returns the model's parameter count.
+    reported before any process starts); returns the model's parameter count and signature.
     """
     for group in range(job.cluster.groups):
         build_data(job, group, 0, job.cluster.workers_per_group)
     with torch.device("meta"):
-        return count_parameters(Transformer(job.model))
+        model = Transformer(job.model)
+    return count_parameters(model), param_signature(job.model, model)
 
 
 def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths) -> TrainResult:
@@ -110,9 +116,20 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths) -> TrainResult:
     try:
         torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
         model = Transformer(job.model).to(device)
-        n_params = count_parameters(model)
+        n_params, signature = count_parameters(model), param_signature(job.model, model)
         sharded = shard_model(model, model.layers, mesh, device)
         optimizer, scheduler = build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
+        outer = build_outer_sync(
+            job,
+            env,
+            model=model,
+            inner_optimizer=optimizer,
+            signature=signature,
+            device=device,
+            commits_path=paths.commits(group),
+        )
+        signal.signal(signal.SIGUSR1, lambda *_: outer.fail_next_round())
+        outer.manager.start()
         batches, evals = build_data(job, group, env.rank, env.world_size)
         logger = None
         if leader:
@@ -136,11 +153,23 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths) -> TrainResult:
             device=device,
             sharded=sharded,
             on_metrics=logger.log if logger else None,
+            outer=outer,
         )
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        finally:
+            outer.manager.stop()
         weights = _full_state_dict(model, sharded)
+        digest = outer.group_digest()
         if leader:
-            report = _result_record(group, result, n_params)
+            report = _result_record(group, result, n_params) | {
+                "rounds": outer.manager.committed,
+                "syncs_committed": outer.committed_here,
+                "syncs_attempted": outer.attempted,
+                "bytes_sent": outer.bytes_sent,
+                "recoveries": outer.recoveries,
+                "digest": digest,
+            }
             if group == 0:
                 torch.save(weights, paths.weights)
             paths.result(group).parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,15 @@ REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
 
 # Small enough that a multi-process run takes seconds on two cores.
-FAST = ["logger=none", "trainer.max_steps=20", "trainer.eval_every=0", "trainer.eval_batches=2", "trainer.log_every=5"]
+FAST = [
+    "logger=none",
+    "cluster.groups=1",
+    "algo.sync_every=10",
+    "trainer.max_steps=20",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=2",
+    "trainer.log_every=5",
+]
 
 
 def compose_raw(overrides: list[str]) -> dict:

@@ -15,13 +15,14 @@ from tests.conftest import CONF_DIR, REPO, compose_job, compose_raw
 def test_default_config_is_the_embedded_default():
     job = compose_job([])
     assert job.role == "local"
-    assert job.cluster.groups == 1 and job.cluster.workers_per_group == 2
+    assert job.cluster.groups == 2 and job.cluster.workers_per_group == 2
+    assert job.algo.name == "diloco" and job.outer_opt.name == "nesterov"
     assert job.logger.mode == "offline"
     assert job.data.corpus == "stdlib"
     assert job.model.vocab_size == job.data.vocab_size == 256
 
 
-@pytest.mark.parametrize("group", ["model", "data", "inner_opt", "trainer", "cluster", "logger"])
+@pytest.mark.parametrize("group", ["model", "data", "inner_opt", "trainer", "algo", "outer_opt", "cluster", "logger"])
 def test_every_option_of_every_group_composes(group):
     for option in sorted((CONF_DIR / group).glob("*.yaml")):
         overrides = [f"{group}={option.stem}"]
@@ -36,7 +37,7 @@ def test_yaml_defaults_match_dataclass_defaults():
     """The conf/ tree documents the defaults; it must not drift from the code's."""
     raw = compose_raw([])
     defaults = to_dict(JobConfig())
-    for section in ("inner_opt", "trainer", "cluster", "data"):
+    for section in ("inner_opt", "trainer", "algo", "outer_opt", "cluster", "data"):
         for key, value in raw[section].items():
             expected = defaults[section][key]
             assert value == (list(expected) if isinstance(expected, tuple) else expected), f"{section}.{key}"
@@ -54,8 +55,17 @@ def test_yaml_defaults_match_dataclass_defaults():
         (["data=text"], r"data\.path=None: required"),
         (["trainer.seq_len=4096"], r"trainer\.seq_len=4096: exceeds model\.max_seq_len"),
         (["model.n_kv_heads=3"], r"model\.n_kv_heads"),
+        (["trainer.max_steps=70"], r"trainer\.max_steps=70: is not a multiple of algo\.sync_every=50"),
         (["+model.vocab_size=300"], r"model\.vocab_size=300: differs from data\.vocab_size=256"),
-        (["group.id=3"], r"group\.id=3: must be in \[0, cluster\.groups=1\)"),
+        (["group.id=3"], r"group\.id=3: must be in \[0, cluster\.groups=2\)"),
+        (
+            ["model=small", "algo=streaming", "algo.sync_every=30", "algo.fragments=4"],
+            r"algo\.sync_every=30 is not divisible",
+        ),
+        (["algo=streaming", "algo.delay=50"], r"algo\.delay=50"),
+        (["algo.fragments=2"], r"algo\.fragments=2: must be 1 for algo=diloco"),
+        (["outer_opt.name=adagrad"], r"outer_opt\.name='adagrad': must be one of"),
+        (["cluster.min_groups=3"], r"cluster\.min_groups=3"),
         (["role=boss"], r"role='boss': must be one of local, group"),
     ],
 )

@@ -43,7 +43,15 @@ def _trainer(job, splits, metrics=None) -> Trainer:
 
 
 def test_fit_logs_the_named_metrics_and_the_loss_falls():
-    job = compose_job(["trainer.max_steps=30", "trainer.log_every=10", "trainer.eval_every=15", "trainer.seq_len=64"])
+    job = compose_job(
+        [
+            "algo.sync_every=10",
+            "trainer.max_steps=30",
+            "trainer.log_every=10",
+            "trainer.eval_every=15",
+            "trainer.seq_len=64",
+        ]
+    )
     metrics: list = []
     result = _trainer(job, load_corpus(job.data), metrics).fit()
     steps = [s for s, _ in metrics]
@@ -57,7 +65,7 @@ def test_fit_logs_the_named_metrics_and_the_loss_falls():
 
 
 def test_progress_state_resumes_data_and_lr_without_replay():
-    job = compose_job(["trainer.max_steps=10", "trainer.seq_len=32", "trainer.batch_size=2"])
+    job = compose_job(["algo.sync_every=10", "trainer.max_steps=10", "trainer.seq_len=32", "trainer.batch_size=2"])
     splits = load_corpus(job.data)
     original = _trainer(job, splits)
     for _ in range(4):

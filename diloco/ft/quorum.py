@@ -83,7 +83,7 @@ def quorum_ready(
     askers: set[str],
     healthy: set[str],
     previous: tuple[str, ...] | None,
-    first_ask_at: float | None,
+    join_clock_start: float | None,
     now: float,
     rules: QuorumRules,
 ) -> bool:
@@ -92,9 +92,10 @@ def quorum_ready(
     Never with fewer than ``min_groups``, and never without a strict majority of the
     heartbeating groups (so two halves of a partitioned job cannot both move on). Then: at
     once when the previous quorum asks again in full (the steady state costs no waiting) or
-    every healthy group has asked; otherwise once ``join_timeout`` has passed since the first ask.
+    every healthy group has asked; otherwise once ``join_timeout`` has passed on the join
+    clock (see ``QuorumBook.join_clock_start``).
     """
-    if len(askers) < rules.min_groups or first_ask_at is None:
+    if len(askers) < rules.min_groups:
         return False
     if 2 * len(askers & healthy) <= len(healthy):
         return False
@@ -102,7 +103,7 @@ def quorum_ready(
         return True
     if healthy <= askers:
         return True
-    return now - first_ask_at >= rules.join_timeout_s
+    return join_clock_start is not None and now - join_clock_start >= rules.join_timeout_s
 
 
 def assign_healing(steps: dict[str, int]) -> dict[str, str]:
@@ -137,7 +138,7 @@ class QuorumBook:
     rules: QuorumRules
     last_heartbeat: dict[str, float] = field(default_factory=dict)
     pending: dict[str, QuorumRequest] = field(default_factory=dict)
-    first_ask_at: float | None = None
+    asked_at: dict[str, float] = field(default_factory=dict)
     previous: Quorum | None = None
     quorum_id_floor: int = 0
 
@@ -148,18 +149,26 @@ class QuorumBook:
     def ask(self, request: QuorumRequest, now: float) -> None:
         """Register (or refresh) a request; asking is also a heartbeat."""
         self.heartbeat(request.group, now)
-        if not self.pending:
-            self.first_ask_at = now
         self.pending[request.group] = request
+        self.asked_at.setdefault(request.group, now)
 
     def withdraw(self, group: str) -> None:
         """Drop an open request whose caller gave up waiting."""
         self.pending.pop(group, None)
-        if not self.pending:
-            self.first_ask_at = None
+        self.asked_at.pop(group, None)
 
     def healthy(self, now: float) -> set[str]:
         return healthy_groups(self.last_heartbeat, now, self.rules.heartbeat_timeout_s)
+
+    def join_clock_start(self) -> float | None:
+        """When the join timeout starts counting: the first ask of a member of the previous quorum.
+
+        A newcomer asking between rounds must not start it: its old request would let the
+        next round form the moment a majority asks, leaving out members about to ask.
+        """
+        members = set(self.previous.participants) if self.previous else set(self.pending)
+        times = [t for g, t in self.asked_at.items() if g in members]
+        return min(times) if times else None
 
     def decide(self, now: float) -> Quorum | None:
         """Form a quorum from the open requests if the rules allow it, and close them."""
@@ -168,7 +177,7 @@ class QuorumBook:
             self.withdraw(group)  # an asker that stopped heartbeating is not waited for
         askers = set(self.pending)
         previous = self.previous.participants if self.previous else None
-        if not quorum_ready(askers, healthy, previous, self.first_ask_at, now, self.rules):
+        if not quorum_ready(askers, healthy, previous, self.join_clock_start(), now, self.rules):
             return None
         participants = tuple(sorted(askers))
         steps = {g: self.pending[g].step for g in participants}
@@ -178,5 +187,5 @@ class QuorumBook:
         quorum = Quorum(quorum_id, participants, max(steps.values()), assign_healing(steps))
         self.previous = quorum
         self.pending.clear()
-        self.first_ask_at = None
+        self.asked_at.clear()
         return quorum

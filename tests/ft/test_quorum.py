@@ -24,29 +24,33 @@ def test_healthy_means_heartbeat_younger_than_timeout():
 
 
 def test_ready_when_every_healthy_group_asked():
-    assert quorum_ready({"a", "b"}, {"a", "b"}, None, first_ask_at=0.0, now=0.0, rules=RULES)
+    assert quorum_ready({"a", "b"}, {"a", "b"}, None, join_clock_start=0.0, now=0.0, rules=RULES)
 
 
 def test_waits_for_healthy_groups_until_join_timeout():
-    args = dict(askers={"a", "b"}, healthy={"a", "b", "c"}, previous=None, first_ask_at=10.0, rules=RULES)
+    args = dict(askers={"a", "b"}, healthy={"a", "b", "c"}, previous=None, join_clock_start=10.0, rules=RULES)
     assert not quorum_ready(now=14.9, **args)
     assert quorum_ready(now=15.0, **args)
 
 
+def test_no_join_clock_means_no_timeout_path():
+    assert not quorum_ready({"a", "b"}, {"a", "b", "c"}, None, join_clock_start=None, now=100.0, rules=RULES)
+
+
 def test_never_below_min_groups_even_after_timeout():
-    assert not quorum_ready({"a"}, {"a"}, None, first_ask_at=0.0, now=100.0, rules=RULES)
+    assert not quorum_ready({"a"}, {"a"}, None, join_clock_start=0.0, now=100.0, rules=RULES)
 
 
 def test_split_brain_guard_needs_a_strict_majority_of_heartbeating_groups():
     healthy = {"a", "b", "c", "d"}
-    assert not quorum_ready({"a", "b"}, healthy, None, first_ask_at=0.0, now=100.0, rules=RULES)
-    assert quorum_ready({"a", "b", "c"}, healthy, None, first_ask_at=0.0, now=100.0, rules=RULES)
+    assert not quorum_ready({"a", "b"}, healthy, None, join_clock_start=0.0, now=100.0, rules=RULES)
+    assert quorum_ready({"a", "b", "c"}, healthy, None, join_clock_start=0.0, now=100.0, rules=RULES)
 
 
 def test_fast_path_when_the_previous_quorum_asks_again_in_full():
     healthy = {"a", "b", "c"}  # c is new and has not asked yet
-    assert quorum_ready({"a", "b"}, healthy, ("a", "b"), first_ask_at=0.0, now=0.0, rules=RULES)
-    assert not quorum_ready({"a", "b"}, healthy, ("a", "b", "c"), first_ask_at=0.0, now=0.0, rules=RULES)
+    assert quorum_ready({"a", "b"}, healthy, ("a", "b"), join_clock_start=0.0, now=0.0, rules=RULES)
+    assert not quorum_ready({"a", "b"}, healthy, ("a", "b", "c"), join_clock_start=0.0, now=0.0, rules=RULES)
 
 
 def test_healing_sources_are_up_to_date_peers_spread_evenly():
@@ -111,6 +115,22 @@ class TestBook:
         book.ask(QuorumRequest("b", step=0), now=5.0)
         q = book.decide(now=5.0)  # a's last sign of life was at 0.0: not waited for, not included
         assert q is not None and q.participants == ("b",)
+
+    def test_a_newcomer_asking_between_rounds_does_not_start_the_join_clock(self):
+        """Regression: members must not take turns being left out after a late joiner asks."""
+        book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=1.0, heartbeat_timeout_s=100.0))
+        for g in ("a", "b", "c", "j"):
+            book.heartbeat(g, now=0.0)
+        for g in ("a", "b", "c"):
+            book.ask(QuorumRequest(g, step=1), now=0.0)
+        assert book.decide(now=1.0).participants == ("a", "b", "c")
+        book.ask(QuorumRequest("j", step=0), now=1.5)  # asks just after the round formed
+        book.ask(QuorumRequest("a", step=2), now=10.0)
+        book.ask(QuorumRequest("b", step=2), now=10.0)
+        assert book.decide(now=10.0) is None  # c is about to ask: wait for it, do not drop it
+        book.ask(QuorumRequest("c", step=2), now=10.2)
+        q = book.decide(now=10.2)
+        assert q.participants == ("a", "b", "c", "j") and q.heal_from == {"j": "a"}
 
     def test_a_restarted_lighthouse_continues_above_ids_groups_have_seen(self):
         book = QuorumBook(RULES)

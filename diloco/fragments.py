@@ -1,0 +1,172 @@
+"""Streaming DiLoCo's fragments and their schedule, as pure functions of plain ints.
+
+Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512) splits the model's transformer
+blocks into P fragments and syncs one fragment at a time, staggered evenly over the window
+of H inner steps, so the peak bandwidth drops by P. Each fragment's all-reduce is launched τ
+inner steps before its result is applied, overlapping communication with computation. With
+P = 1 and τ = 0 this is plain DiLoCo (arXiv 2311.08105): one outer step every H steps.
+
+Steps count completed inner steps: ``step = s`` means "after inner step s", s ≥ 1.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from diloco.config_base import ConfigError, check
+
+Pattern = Literal["strided", "sequential"]
+
+# Components that wrappers insert into parameter names without changing the model
+# (torch.compile, activation checkpointing, FSDP1); peers must agree whatever they wrap.
+_WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def partition_blocks(n_blocks: int, fragments: int, pattern: Pattern = "strided") -> list[list[int]]:
+    """The transformer blocks of each fragment, ascending.
+
+    strided: fragment p holds blocks p, p+P, p+2P, … — each fragment spans the whole depth,
+    the paper's default, which it found better than contiguous fragments.
+    sequential: contiguous runs; the first n_blocks % P fragments hold one block more.
+    """
+    if n_blocks < 1 or not 1 <= fragments <= n_blocks:
+        raise ValueError(f"need 1 <= fragments <= n_blocks, got fragments={fragments}, n_blocks={n_blocks}")
+    if pattern == "strided":
+        return [list(range(p, n_blocks, fragments)) for p in range(fragments)]
+    if pattern == "sequential":
+        base, extra = divmod(n_blocks, fragments)
+        out, start = [], 0
+        for p in range(fragments):
+            size = base + (1 if p < extra else 0)
+            out.append(list(range(start, start + size)))
+            start += size
+        return out
+    raise ValueError(f"unknown fragment pattern {pattern!r}; expected 'strided' or 'sequential'")
+
+
+def _block_fragment(n_blocks: int, fragments: int, pattern: Pattern) -> list[int]:
+    """block index → fragment index."""
+    owner = [0] * n_blocks
+    for p, blocks in enumerate(partition_blocks(n_blocks, fragments, pattern)):
+        for b in blocks:
+            owner[b] = p
+    return owner
+
+
+def _fragment_of(parts: list[str], name: str, owner: list[int], fragments: int) -> int:
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+        block = int(parts[1])
+        if block >= len(owner):
+            raise ValueError(f"parameter {name} is in block {block}, but the model has {len(owner)} blocks")
+        return owner[block]
+    if parts[0] == "tok_embeddings":
+        return 0
+    if parts[0] in ("norm", "output"):
+        return fragments - 1
+    raise ValueError(f"no fragment for parameter {name!r}; expected tok_embeddings.*, layers.<i>.*, norm.* or output.*")
+
+
+def fragment_of_parameter(name: str, n_blocks: int, fragments: int, pattern: Pattern = "strided") -> int:
+    """The fragment that syncs parameter ``name`` (a ``Transformer.named_parameters()`` name).
+
+    ``layers.{i}.…`` belongs with block i. The embedding sits at the input, so it travels
+    with fragment 0, which holds the first block; the final norm and the output head sit at
+    the output, so they travel with fragment P−1, which holds the last block whenever P
+    divides the number of blocks (strided) and always for sequential. With tied embeddings
+    the shared weight is named ``tok_embeddings.weight`` and goes to fragment 0.
+    """
+    parts = [c for c in name.split(".") if c not in _WRAPPER_COMPONENTS]
+    return _fragment_of(parts or [""], name, _block_fragment(n_blocks, fragments, pattern), fragments)
+
+
+def fragment_parameter_names(
+    names: list[str], n_blocks: int, fragments: int, pattern: Pattern = "strided"
+) -> list[list[str]]:
+    """``names`` split into P lists by ``fragment_of_parameter``, keeping their input order."""
+    owner = _block_fragment(n_blocks, fragments, pattern)
+    out: list[list[str]] = [[] for _ in range(fragments)]
+    for name in names:
+        parts = [c for c in name.split(".") if c not in _WRAPPER_COMPONENTS]
+        out[_fragment_of(parts or [""], name, owner, fragments)].append(name)
+    return out
+
+
+def _check_schedule(H: int, P: int, tau: int) -> None:
+    if H < 1 or P < 1 or H % P != 0 or not 0 <= tau < H // P:
+        raise ValueError(
+            f"invalid schedule H={H}, P={P}, tau={tau}: need H >= 1, P >= 1, P dividing H and 0 <= tau < H/P "
+            "(validate_schedule explains which algo.* key to change)"
+        )
+
+
+def fragment_offset(p: int, H: int, P: int) -> int:
+    """Where in the H-step window fragment p is applied: after inner steps ≡ this mod H.
+
+    Offsets (p+1)·H/P, taken mod H, space the P fragments evenly, H/P steps apart; the last
+    fragment lands on multiples of H, so with P = 1 the only fragment is DiLoCo's every-H sync.
+    """
+    if not 0 <= p < P:
+        raise ValueError(f"fragment {p} out of range for P={P}")
+    return ((p + 1) * H // P) % H
+
+
+def fragments_to_apply(step: int, H: int, P: int, tau: int) -> list[int]:
+    """Fragments whose outer update is applied after inner step ``step`` (sorted)."""
+    _check_schedule(H, P, tau)
+    if step < 1:
+        raise ValueError(f"step counts completed inner steps and must be >= 1, got {step}")
+    return [p for p in range(P) if step % H == fragment_offset(p, H, P)]
+
+
+def fragments_to_launch(step: int, H: int, P: int, tau: int) -> list[int]:
+    """Fragments whose all-reduce is launched after inner step ``step`` (sorted): τ steps before their apply.
+
+    The first apply of any fragment is at step ≥ H/P > τ, so every launch falls on a step ≥ 1.
+    """
+    _check_schedule(H, P, tau)
+    if step < 1:
+        raise ValueError(f"step counts completed inner steps and must be >= 1, got {step}")
+    return [p for p in range(P) if (step + tau) % H == fragment_offset(p, H, P)]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_schedule(*, sync_every: int, fragments: int, delay: int, alpha: float, n_blocks: int) -> None:
+    """Raise ``ConfigError`` naming the ``algo.*`` key whose value breaks the schedule, and the fix."""
+    H, P, tau = sync_every, fragments, delay
+    check(_is_int(H) and H >= 1, "algo.sync_every", H, "must be an integer >= 1 (inner steps per outer window H)")
+    check(_is_int(P) and P >= 1, "algo.fragments", P, "must be an integer >= 1 (1 is plain DiLoCo)")
+    check(
+        P <= n_blocks,
+        "algo.fragments",
+        P,
+        f"is larger than the model's {n_blocks} transformer blocks (model.n_layers); every fragment needs "
+        f"at least one block, so pick fragments <= {n_blocks}",
+    )
+    if H % P != 0:
+        choices = [d for d in _divisors(H) if d <= n_blocks]
+        limit = f" (the divisors of {H} up to model.n_layers={n_blocks})" if max(_divisors(H)) > n_blocks else ""
+        raise ConfigError(
+            f"algo.sync_every={H} is not divisible by algo.fragments={P}; pick fragments in "
+            f"{{{', '.join(map(str, choices))}}}{limit} or change algo.sync_every"
+        )
+    check(_is_int(tau) and tau >= 0, "algo.delay", tau, "must be an integer >= 0 (0: apply right after launch)")
+    check(
+        tau < H // P,
+        "algo.delay",
+        tau,
+        f"must be < algo.sync_every / algo.fragments = {H // P}, so each fragment's all-reduce is applied "
+        "before the next fragment's is launched; lower algo.delay or use fewer fragments",
+    )
+    check(
+        isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 <= alpha <= 1,
+        "algo.alpha",
+        alpha,
+        "must be in [0, 1] (θ_l ← α·θ_l + (1−α)·θ_g after a fragment's outer step; 0 is DiLoCo's reset)",
+    )

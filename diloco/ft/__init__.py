@@ -1,0 +1,1 @@
+"""Fault tolerance: quorum rules, the lighthouse that applies them, and the groups' side of it."""

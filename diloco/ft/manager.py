@@ -1,0 +1,197 @@
+"""One worker's side of the fault-tolerant outer layer: quorum, lanes, commit.
+
+The group's leader (local rank 0) talks to the lighthouse and shares each answer with its
+group over the inner process group, so every worker of a group acts on the same quorum. A
+round is committed only if every rank of the group succeeded; the committed-round counter
+is what the lighthouse compares to decide who is behind and must heal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diloco.ft.lanes import LaneError, Lanes
+from diloco.ft.lighthouse import LighthouseClient, LighthouseRefused, LighthouseUnavailable, QuorumTimeout
+from diloco.ft.quorum import Quorum
+
+log = logging.getLogger(__name__)
+
+MAX_BROADCAST_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Round:
+    """What this worker does in one outer round, derived from the quorum."""
+
+    quorum: Quorum
+    group: str
+    lane: dist.ProcessGroup
+    lane_rank: int
+
+    @property
+    def heal_source(self) -> int | None:
+        """Lane rank of the peer this group receives the live state from, if it is behind."""
+        source = self.quorum.heal_from.get(self.group)
+        return None if source is None else self.quorum.rank_of(source)
+
+    @property
+    def heal_targets(self) -> list[int]:
+        """Lane ranks of the groups this group sends its state to."""
+        return [self.quorum.rank_of(g) for g, src in sorted(self.quorum.heal_from.items()) if src == self.group]
+
+    @property
+    def size(self) -> int:
+        return len(self.quorum.participants)
+
+
+class Manager:
+    """Quorum rounds and commits for one worker of replica group ``group``."""
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        inner_pg: dist.ProcessGroup | None,
+        client: LighthouseClient | None,
+        lanes: Lanes,
+        quorum_timeout_s: float,
+        heartbeat_interval_s: float,
+    ) -> None:
+        self.group = group
+        self.inner_pg = inner_pg
+        self.client = client  # only the leader has one
+        self.lanes = lanes
+        self.quorum_timeout_s = quorum_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.committed = 0
+        self.last_commit_failed = False
+        self.refused: str | None = None
+        self._stop = threading.Event()
+        self._heartbeats: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Leader only: heartbeat in the background, so a long inner phase is not mistaken for death."""
+        if self.client is not None:
+            self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+            self._heartbeats.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._heartbeats is not None:
+            self._heartbeats.join(timeout=self.heartbeat_interval_s + 5)
+        self.lanes.drop()
+
+    def start_round(self) -> Round | None:
+        """Ask for a quorum (leader), share it with the group, and make sure the lane matches it.
+
+        Returns ``None`` when there is no quorum this time (lighthouse down, timeout, lane
+        could not form): the group then keeps training and tries again at its next sync.
+        Raises ``RuntimeError`` when the lighthouse refused the group (wrong token, job or model).
+        """
+        answer = self._ask() if self.client is not None else None
+        answer = self._broadcast(answer)
+        if "refused" in answer:
+            raise RuntimeError(f"the lighthouse refused group {self.group}: {answer['refused']}")
+        if "quorum" not in answer:
+            log.warning("group %s: no quorum (%s); training on", self.group, answer.get("error"))
+            return None
+        quorum = Quorum.from_json(answer["quorum"])
+        lane_rank = quorum.rank_of(self.group)
+        try:
+            lane = self.lanes.ensure(quorum.quorum_id, lane_rank, len(quorum.participants), tuple(answer["store"]))
+            ok = True
+        except LaneError as error:
+            log.warning("group %s: %s", self.group, error)
+            ok = False
+        if not self.all_ranks(ok):  # every rank of the group must have its lane, or none uses it
+            self.lanes.drop()
+            self.last_commit_failed = True
+            return None
+        return Round(quorum=quorum, group=self.group, lane=lane, lane_rank=lane_rank)
+
+    def commit(self, round_: Round, local_ok: bool) -> bool:
+        """Commit the round iff every rank of this group succeeded; a failure drops the lane."""
+        ok = self.all_ranks(local_ok)
+        if ok:
+            self.committed += 1
+        else:
+            self.lanes.drop()
+        self.last_commit_failed = not ok
+        return ok
+
+    def all_ranks(self, ok: bool) -> bool:
+        """True only if ``ok`` holds on every rank of the group (a MIN all-reduce)."""
+        if self.inner_pg is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.inner_pg)
+        return bool(flag.item())
+
+    def combine_digests(self, own: bytes) -> str:
+        """One hex digest for the group: sha256 over every rank's digest in rank order."""
+        mine = torch.frombuffer(bytearray(own), dtype=torch.uint8)
+        if self.inner_pg is None:
+            parts = [mine]
+        else:
+            parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.inner_pg))]
+            dist.all_gather(parts, mine, group=self.inner_pg)
+        return hashlib.sha256(b"".join(bytes(p.tolist()) for p in parts)).hexdigest()
+
+    def _ask(self) -> dict[str, Any]:
+        assert self.client is not None
+        if self.refused:
+            return {"refused": self.refused}
+        try:
+            quorum, store = self.client.quorum(self.committed, self.last_commit_failed, self.quorum_timeout_s)
+        except LighthouseRefused as error:
+            return {"refused": str(error)}
+        except (QuorumTimeout, LighthouseUnavailable) as error:
+            return {"error": str(error)}
+        return {"quorum": quorum.to_json(), "store": list(store)}
+
+    def _broadcast(self, answer: dict[str, Any] | None) -> dict[str, Any]:
+        """The leader's answer on every rank, as JSON bytes (never pickled)."""
+        if self.inner_pg is None:
+            assert answer is not None
+            return answer
+        leader = answer is not None
+        payload = json.dumps(answer).encode() if leader else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.inner_pg)
+        n = int(size.item())
+        if not 0 < n <= MAX_BROADCAST_BYTES:
+            raise RuntimeError(f"group {self.group}: leader sent a quorum message of {n} bytes")
+        buffer = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8) if leader else torch.empty(n, dtype=torch.uint8)
+        )
+        dist.broadcast(buffer, src=0, group=self.inner_pg)
+        return answer if leader else json.loads(bytes(buffer.tolist()).decode())
+
+    def _heartbeat_loop(self) -> None:
+        assert self.client is not None
+        while not self._stop.wait(self.heartbeat_interval_s):
+            try:
+                self.client.heartbeat(self.committed, self.lanes.quorum_id or 0)
+            except LighthouseRefused as error:
+                self.refused = str(error)
+                log.error("group %s: heartbeat refused: %s", self.group, error)
+                return
+            except LighthouseUnavailable as error:
+                log.debug("group %s: heartbeat failed (%s); retrying", self.group, error)
+
+
+def wait_work(work: dist.Work, timeout_s: float) -> None:
+    """Wait for a lane collective with a bound; any failure becomes a ``LaneError``."""
+    try:
+        work.wait(timedelta(seconds=timeout_s))
+    except Exception as error:
+        raise LaneError(f"lane collective failed: {error}") from error

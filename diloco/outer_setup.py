@@ -1,0 +1,109 @@
+"""Builds one worker's outer layer: fragments of its shard, θ_g copies, outer optimizers, manager."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from diloco.config import JobConfig
+from diloco.distributed import WorkerEnv
+from diloco.fragments import fragment_parameter_names
+from diloco.ft.lanes import Lanes
+from diloco.ft.lighthouse import LighthouseClient
+from diloco.ft.manager import Manager
+from diloco.ft.state import HealState, local_tensor
+from diloco.outer import Fragment, OuterSync
+from outer_opt import build_outer_optimizer
+
+HEARTBEATS_PER_TIMEOUT = 4
+
+
+def group_name(group: int) -> str:
+    """The replica group's id as the lighthouse sees it."""
+    return f"group{group}"
+
+
+def lighthouse_url(job: JobConfig) -> str:
+    return f"http://{job.cluster.lighthouse.host}:{job.cluster.lighthouse.port}"
+
+
+def build_fragments(job: JobConfig, model: nn.Module, device: torch.device) -> list[Fragment]:
+    """Split this worker's shard of θ_l into P fragments, each with an fp32 CPU θ_g and an outer optimizer."""
+    params = dict(model.named_parameters())
+    names = fragment_parameter_names(list(params), job.model.n_layers, job.algo.fragments, job.algo.pattern)
+    fragments = []
+    for index, fragment_names in enumerate(names):
+        local = [local_tensor(params[n]).detach() for n in fragment_names]
+        global_ = []
+        for tensor in local:
+            copy = tensor.float().cpu().clone()
+            global_.append(nn.Parameter(copy.pin_memory() if device.type == "cuda" else copy))
+        optimizer = build_outer_optimizer(global_, job.outer_opt)
+        fragments.append(Fragment(index=index, local=local, global_=global_, optimizer=optimizer))
+    return fragments
+
+
+def build_outer_sync(
+    job: JobConfig,
+    env: WorkerEnv,
+    *,
+    model: nn.Module,
+    inner_optimizer: torch.optim.Optimizer,
+    signature: str,
+    device: torch.device,
+    commits_path: Path,
+) -> OuterSync:
+    """Everything the trainer needs to take part in outer rounds; the leader also talks to the lighthouse."""
+    group = group_name(job.group.id)
+    timeouts = job.cluster.timeouts
+    client = None
+    if env.rank == 0:
+        client = LighthouseClient(
+            lighthouse_url(job),
+            token=job.cluster.lighthouse.token,
+            job_id=job.name,
+            signature=signature,
+            group=group,
+            connect_timeout_s=timeouts.connect,
+        )
+    manager = Manager(
+        group=group,
+        inner_pg=dist.group.WORLD if env.world_size > 1 else None,
+        client=client,
+        lanes=Lanes(local_rank=env.rank, connect_timeout_s=timeouts.connect, collective_timeout_s=timeouts.collective),
+        quorum_timeout_s=timeouts.quorum,
+        heartbeat_interval_s=timeouts.heartbeat / HEARTBEATS_PER_TIMEOUT,
+    )
+    fragments = build_fragments(job, model, device)
+    heal_state = HealState(
+        global_params=[f.global_ for f in fragments],
+        outer_optimizers=[f.optimizer for f in fragments],
+        inner_optimizer=inner_optimizer,
+    )
+    return OuterSync(
+        algo=job.algo,
+        fragments=fragments,
+        manager=manager,
+        heal_state=heal_state,
+        collective_timeout_s=timeouts.collective,
+        commit_log=_commit_logger(commits_path) if env.rank == 0 else _ignore,
+    )
+
+
+def _commit_logger(path: Path) -> Callable[[dict], None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(record: dict) -> None:
+        with path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    return write
+
+
+def _ignore(record: dict) -> None:
+    return None

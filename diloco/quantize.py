@@ -1,0 +1,191 @@
+"""Quantized payloads for the outer all-reduce: pure functions from fp32 tensors to bytes and back.
+
+Streaming DiLoCo (arXiv 2501.18512) exchanges pseudo-gradients Δ in low precision (down to 4
+bits) with no loss in quality, as long as they are accumulated in fp32. A payload is ONE flat
+uint8 tensor, so a single all_gather moves it; each group then dequantizes every peer's
+payload and sums in fp32 (``reduce_quantized``), in the same order on every group, so all
+groups get bit-identical sums.
+
+Formats and bytes per element (block formats carry one fp32 absmax scale per ``block``):
+
+=======  ============================  =======================================
+none     fp32, exact                   4
+bf16     bfloat16, round to nearest    2
+fp8      e4m3 (max 448) × scale        1 + 4/block
+int8     symmetric [-127, 127] × scale 1 + 4/block
+fp4      e2m1 (max 6) × scale          0.5 + 4/block (two codes per byte)
+=======  ============================  =======================================
+
+Block layout: [scales as fp32 bytes | payload]. The scales come first so they sit at a
+4-byte aligned offset of a freshly received buffer. The last block is zero-padded for the
+absmax; the payload holds only ``numel`` values (fp4: ceil(numel/2) bytes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+FORMATS = ("none", "bf16", "fp8", "int8", "fp4")
+DEFAULT_BLOCK = 128
+
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+_INT8_MAX = 127.0
+# E2M1 magnitudes by code 0..7; bit 3 of a code is the sign.
+_FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_FP4_MAX = 6.0
+# Midpoints between neighbouring magnitudes: the rounding thresholds.
+_FP4_MIDPOINTS = tuple((a + b) / 2 for a, b in itertools.pairwise(_FP4_GRID))
+
+_MAXIMA = {"fp8": _FP8_MAX, "int8": _INT8_MAX, "fp4": _FP4_MAX}
+
+
+def _check(fmt: str, block: int) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"quantization block must be a positive integer, got {block!r}")
+
+
+def _n_blocks(numel: int, block: int) -> int:
+    return math.ceil(numel / block)
+
+
+def packed_nbytes(numel: int, fmt: str, block: int = DEFAULT_BLOCK) -> int:
+    """Exact size in bytes of ``quantize(x, fmt, block)`` for ``x.numel() == numel``."""
+    _check(fmt, block)
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if fmt == "none":
+        return 4 * numel
+    if fmt == "bf16":
+        return 2 * numel
+    scales = 4 * _n_blocks(numel, block)
+    return scales + (math.ceil(numel / 2) if fmt == "fp4" else numel)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def _reinterpret(u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """View bytes as ``dtype``; copy first when the offset is not aligned for it."""
+    try:
+        return u8.view(dtype)
+    except RuntimeError:
+        return u8.clone().view(dtype)
+
+
+def _blockwise(x: torch.Tensor, block: int, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x zero-padded to whole blocks as [n_blocks, block] divided by its scale, and the scales.
+
+    scale = absmax / qmax, so each block's largest magnitude maps to the format's largest
+    value. An all-zero block has scale 0 and maps to zeros (no 0/0).
+    """
+    n = x.numel()
+    padded = torch.zeros(_n_blocks(n, block) * block, dtype=torch.float32, device=x.device)
+    padded[:n] = x
+    rows = padded.view(-1, block)
+    scales = rows.abs().amax(dim=1) / qmax
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return rows / safe[:, None], scales
+
+
+def _fp4_encode(y: torch.Tensor) -> torch.Tensor:
+    """Codes (uint8, 0..15) of the E2M1 values nearest to y, ties to the even code (as OCP MX)."""
+    magnitude = y.abs()
+    midpoints = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32, device=y.device)
+    # right=False: a value equal to a midpoint goes to the lower code ...
+    code = torch.bucketize(magnitude, midpoints)
+    # ... then a tie whose lower code is odd moves up to the even one.
+    at_mid = midpoints[code.clamp(max=len(_FP4_MIDPOINTS) - 1)]
+    tie_up = (code < len(_FP4_MIDPOINTS)) & (magnitude == at_mid) & (code % 2 == 1)
+    code = code + tie_up.to(code.dtype)
+    return (code + 8 * (y < 0).to(code.dtype)).to(torch.uint8)
+
+
+def _fp4_pack(codes: torch.Tensor) -> torch.Tensor:
+    """Two codes per byte: element 2i in the low nibble, 2i+1 in the high nibble."""
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def _fp4_decode(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    grid = torch.tensor(_FP4_GRID, dtype=torch.float32, device=packed.device)
+    lut = torch.cat([grid, -grid])
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)[:numel]
+    return lut[codes.long()]
+
+
+def quantize(x: torch.Tensor, fmt: str, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """A 1-D fp32 tensor as one flat uint8 payload of ``packed_nbytes(x.numel(), fmt, block)`` bytes.
+
+    Rounds to nearest: bf16 and fp8 by torch's casts (ties to even), int8 by ``round``
+    (ties to even), fp4 to the nearest E2M1 value (ties to the even code). The block
+    formats need finite values (an inf or NaN would poison its block's scale).
+    """
+    _check(fmt, block)
+    if x.dim() != 1 or x.dtype != torch.float32:
+        raise ValueError(f"quantize takes a 1-D fp32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    x = x.detach()
+    if fmt == "none":
+        return _as_bytes(x.clone())
+    if fmt == "bf16":
+        return _as_bytes(x.to(torch.bfloat16))
+    if x.numel() and not torch.isfinite(x).all():
+        raise ValueError(f"quantize({fmt}) needs finite values; the tensor holds inf or NaN")
+    y, scales = _blockwise(x, block, _MAXIMA[fmt])
+    y = y.reshape(-1)[: x.numel()]
+    if fmt == "fp8":
+        # The clamp only guards rounding in x / scale; torch's cast would give NaN above 448.
+        payload = _as_bytes(y.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8))
+    elif fmt == "int8":
+        payload = _as_bytes(y.round().clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8))
+    else:
+        payload = _fp4_pack(_fp4_encode(y))
+    return torch.cat([_as_bytes(scales), payload])
+
+
+def dequantize(packed: torch.Tensor, fmt: str, numel: int, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """The fp32 tensor of ``numel`` values that ``quantize`` encoded in ``packed``."""
+    _check(fmt, block)
+    expected = packed_nbytes(numel, fmt, block)
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != expected:
+        raise ValueError(
+            f"packed {fmt} payload of {numel} values must be a 1-D uint8 tensor of {expected} bytes, "
+            f"got {packed.dtype} of shape {tuple(packed.shape)}"
+        )
+    if fmt == "none":
+        return _reinterpret(packed, torch.float32).clone()
+    if fmt == "bf16":
+        return _reinterpret(packed, torch.bfloat16).float()
+    nb = _n_blocks(numel, block)
+    scales = _reinterpret(packed[: 4 * nb], torch.float32)
+    payload = packed[4 * nb :]
+    if fmt == "fp8":
+        values = payload.view(_FP8).float()
+    elif fmt == "int8":
+        values = payload.view(torch.int8).float()
+    else:
+        values = _fp4_decode(payload, numel)
+    per_element = scales.repeat_interleave(block)[:numel]
+    return values * per_element
+
+
+def reduce_quantized(gathered: list[torch.Tensor], fmt: str, numel: int, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """The fp32 sum of the dequantized payloads, accumulated in list order.
+
+    Every group sums the same payloads in the same (rank) order, so every group gets the
+    same bits; divide by the number of contributors for the mean.
+    """
+    if not gathered:
+        raise ValueError("reduce_quantized needs at least one payload")
+    total = dequantize(gathered[0], fmt, numel, block)
+    for packed in gathered[1:]:
+        total += dequantize(packed, fmt, numel, block)
+    return total

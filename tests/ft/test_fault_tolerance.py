@@ -1,0 +1,240 @@
+"""Fault tolerance with real processes on loopback: kills, hangs, late joins, injected failures.
+
+Every test drives a real lighthouse and real worker processes through ``LocalCluster`` and
+checks DESIGN.md's invariants from the groups' commit logs: after every committed round all
+groups that committed it hold the same digest of θ_g and outer-optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from diloco.launcher import LocalCluster, log_tail
+from diloco.worker import RunPaths, preflight
+from tests.conftest import compose_job
+
+pytestmark = pytest.mark.slow
+
+FT = [
+    "logger=none",
+    "trainer.seq_len=64",
+    "trainer.batch_size=4",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=1",
+    "trainer.log_every=10",
+    "algo.sync_every=10",
+    "cluster.device=cpu",
+    "cluster.workers_per_group=1",
+    "cluster.groups=3",
+    "cluster.timeouts.heartbeat=2",
+    "cluster.timeouts.join=1",
+    "cluster.timeouts.quorum=30",
+    "cluster.timeouts.collective=8",
+    "cluster.timeouts.connect=20",
+]
+
+
+def commits(paths: RunPaths, group: int) -> list[dict]:
+    path = paths.commits(group)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def committed_rounds(paths: RunPaths, group: int) -> list[dict]:
+    return [r for r in commits(paths, group) if r["committed"]]
+
+
+def assert_digests_agree(paths: RunPaths, groups: int) -> int:
+    """Invariant 1: every round committed by several groups has one digest. Returns how many rounds were shared."""
+    by_round: dict[int, set[str]] = {}
+    for g in range(groups):
+        for record in committed_rounds(paths, g):
+            by_round.setdefault(record["round"], set()).add(record["digest"])
+    disagreeing = {r: d for r, d in by_round.items() if len(d) > 1}
+    assert not disagreeing, f"groups disagree on θ_g after rounds {sorted(disagreeing)}"
+    return len(by_round)
+
+
+class Job:
+    """A LocalCluster with polling helpers; always stopped at the end of the test."""
+
+    def __init__(self, tmp_path: Path, *overrides: str) -> None:
+        self.job = compose_job(FT + list(overrides))
+        self.paths = RunPaths(tmp_path / "run")
+        self.paths.root.mkdir(parents=True)
+        _, self.signature = preflight(self.job)
+        self.cluster = LocalCluster(self.job, self.paths, self.signature)
+
+    def start(self, groups: range | list[int]) -> None:
+        if self.cluster.lighthouse is None:
+            self.cluster.start_lighthouse()
+        for g in groups:
+            self.cluster.start_group(g)
+
+    def wait(self, condition: Callable[[], bool], timeout_s: float, what: str) -> float:
+        """Poll until ``condition`` holds; returns the seconds it took, fails with the logs otherwise."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if condition():
+                return time.monotonic() - start
+            failed = self.cluster.failed_worker()
+            assert failed is None, f"group {failed.group} died:\n{log_tail(failed.log_path, 40)}"
+            time.sleep(0.2)
+        logs = "\n".join(f"--- {p.name}\n{log_tail(p, 15)}" for p in sorted(self.paths.logs.glob("*.log")))
+        raise AssertionError(f"timed out after {timeout_s}s waiting for: {what}\n{logs}")
+
+    def rounds_of(self, group: int) -> int:
+        done = committed_rounds(self.paths, group)
+        return done[-1]["round"] if done else 0
+
+    def committed_with(self, group: int, participants: list[str], after_round: int = 0) -> bool:
+        return any(
+            r["participants"] == participants and r["round"] > after_round for r in committed_rounds(self.paths, group)
+        )
+
+    def recoveries_of(self, group: int) -> int:
+        return max((r["recoveries"] for r in commits(self.paths, group)), default=0)
+
+
+@pytest.fixture
+def job_factory(tmp_path):
+    jobs: list[Job] = []
+
+    def make(*overrides: str) -> Job:
+        jobs.append(Job(tmp_path / str(len(jobs)), *overrides))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.cluster.stop()
+
+
+ALL3 = ["group0", "group1", "group2"]
+
+
+def test_three_groups_hold_identical_state_after_every_commit(job_factory):
+    job = job_factory("cluster.workers_per_group=2", "trainer.max_steps=60")
+    job.start(range(3))
+    job.wait(job.cluster.finished, 180, "all groups to finish")
+    shared = assert_digests_agree(job.paths, 3)
+    assert shared >= 6
+    results = [json.loads(job.paths.result(g).read_text()) for g in range(3)]
+    assert len({r["digest"] for r in results}) == 1, "final global state differs between groups"
+    assert len({r["rounds"] for r in results}) == 1
+
+
+def test_killed_group_is_left_out_then_heals_when_restarted(job_factory):
+    job = job_factory("trainer.max_steps=100000")
+    job.start(range(3))
+    job.wait(lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three")
+    job.cluster.signal_group(2, signal.SIGKILL)
+    killed_at_round = job.rounds_of(0)
+    stall = job.wait(
+        lambda: job.committed_with(0, ["group0", "group1"], killed_at_round), 60, "survivors to commit without group2"
+    )
+    timeouts = job.job.cluster.timeouts
+    assert stall < timeouts.heartbeat + timeouts.join + timeouts.collective + 5
+    job.cluster.start_group(2)
+    before = job.rounds_of(0)
+    job.wait(lambda: job.committed_with(2, ALL3, before), 120, "the restarted group2 to heal and commit with all")
+    assert job.recoveries_of(2) >= 1
+    assert assert_digests_agree(job.paths, 3) > 3
+
+
+def test_late_group_heals_and_joins(job_factory):
+    job = job_factory("trainer.max_steps=100000")
+    job.start([0, 1])
+    job.wait(lambda: job.rounds_of(0) >= 3, 120, "two groups to commit three rounds")
+    job.start([2])
+    job.wait(lambda: job.committed_with(2, ALL3), 120, "the late group2 to join a committed round")
+    assert job.recoveries_of(2) == 1
+    first = committed_rounds(job.paths, 2)[0]
+    assert first["round"] > 3, "the late group must continue the job's rounds, not start its own"
+    assert_digests_agree(job.paths, 3)
+
+
+def test_injected_allreduce_failure_is_not_committed_and_heals(job_factory):
+    job = job_factory("trainer.max_steps=100000")
+    job.start(range(3))
+    job.wait(lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three")
+    job.cluster.signal_group(1, signal.SIGUSR1)
+    job.wait(lambda: any(not r["committed"] for r in commits(job.paths, 1)), 60, "group1's round to fail")
+    failed_round = next(r for r in commits(job.paths, 1) if not r["committed"])
+    assert job.committed_with(0, ALL3, failed_round["round"] - 1), "the others commit the round group1 failed"
+    job.wait(lambda: job.recoveries_of(1) >= 1, 60, "group1 to heal from a peer")
+    after = job.rounds_of(0)
+    job.wait(lambda: job.committed_with(1, ALL3, after), 60, "group1 to commit again with everyone")
+    assert_digests_agree(job.paths, 3)
+
+
+def test_stopped_group_is_left_out_and_heals_after_sigcont(job_factory):
+    job = job_factory("trainer.max_steps=100000")
+    job.start(range(3))
+    job.wait(lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three")
+    job.cluster.signal_group(2, signal.SIGSTOP)
+    stopped_at = job.rounds_of(0)
+    job.wait(lambda: job.committed_with(0, ["group0", "group1"], stopped_at), 60, "survivors to go on without group2")
+    job.cluster.signal_group(2, signal.SIGCONT)
+    after = job.rounds_of(0)
+    job.wait(lambda: job.committed_with(2, ALL3, after), 90, "group2 to heal and commit with all after SIGCONT")
+    assert job.recoveries_of(2) >= 1
+    assert_digests_agree(job.paths, 3)
+
+
+def test_training_goes_on_through_a_lighthouse_restart(job_factory):
+    job = job_factory("cluster.groups=2", "trainer.max_steps=100000")
+    job.start(range(2))
+    job.wait(lambda: job.rounds_of(0) >= 3, 120, "three committed rounds")
+    last_quorum = committed_rounds(job.paths, 0)[-1]["quorum_id"]
+    job.cluster.kill_lighthouse()
+    time.sleep(3)
+    assert job.cluster.failed_worker() is None, "groups must keep running without a lighthouse"
+    job.cluster.start_lighthouse()
+    before = job.rounds_of(0)
+    job.wait(lambda: job.rounds_of(0) >= before + 2, 90, "rounds to be committed after the restart")
+    newest = committed_rounds(job.paths, 0)[-1]
+    assert newest["quorum_id"] > last_quorum, "a restarted lighthouse must never reuse a quorum id"
+    assert_digests_agree(job.paths, 2)
+
+
+def test_groups_with_wrong_token_job_or_model_are_refused_and_change_nothing(job_factory, tmp_path):
+    job = job_factory("cluster.groups=2", "trainer.max_steps=100000")
+    job.start(range(2))
+    job.wait(lambda: job.rounds_of(0) >= 2, 120, "two committed rounds")
+    real = job.cluster.job  # the resolved job: the lighthouse's real port and token
+    three_groups = dataclasses.replace(real.cluster, groups=3)
+    intruders = {
+        "wrong token": dataclasses.replace(
+            real,
+            cluster=dataclasses.replace(
+                three_groups, lighthouse=dataclasses.replace(real.cluster.lighthouse, token="nope")
+            ),
+        ),
+        "job id": dataclasses.replace(real, name="another-job", cluster=three_groups),
+        "model signature": dataclasses.replace(
+            real, model=dataclasses.replace(real.model, dim=32), cluster=three_groups
+        ),
+    }
+    for reason, intruder in intruders.items():
+        paths = RunPaths(tmp_path / reason.replace(" ", "_"))
+        paths.root.mkdir()
+        cluster = LocalCluster(intruder, paths, signature="unused")
+        try:
+            cluster.start_group(2)
+            worker = cluster.groups[2][0]
+            assert worker.process.wait(timeout=90) != 0, f"a group with a {reason} must stop"
+            assert reason in worker.log_path.read_text(), log_tail(worker.log_path)
+        finally:
+            cluster.stop()
+    before = job.rounds_of(0)
+    job.wait(lambda: job.rounds_of(0) >= before + 1, 60, "the members to keep committing")
+    seen = {p for r in committed_rounds(job.paths, 0) for p in r["participants"]}
+    assert seen == {"group0", "group1"}, seen

@@ -1,0 +1,479 @@
+"""The lighthouse over real HTTP on 127.0.0.1: quorums, refusals, status, restarts, the store.
+
+Every wait is bounded: clients carry short timeouts and every helper thread is joined with
+a deadline, so a regression fails a test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from diloco.config_base import ConfigError
+from diloco.ft.lighthouse import (
+    Lighthouse,
+    LighthouseClient,
+    LighthouseConfig,
+    LighthouseRefused,
+    LighthouseUnavailable,
+    QuorumTimeout,
+)
+from diloco.ft.quorum import QuorumRules
+
+JOB, SIG, TOKEN = "job-1", "sig-abc", "s3cret"
+FAST = QuorumRules(min_groups=1, join_timeout_s=0.3, heartbeat_timeout_s=1.0)
+REPO = Path(__file__).resolve().parents[2]
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@pytest.fixture
+def start():
+    """``start(rules, **cfg)`` -> a running lighthouse on a free port, stopped after the test."""
+    started = []
+
+    def make(rules: QuorumRules = FAST, signature: str | None = SIG, **cfg) -> Lighthouse:
+        lh = Lighthouse(LighthouseConfig(**{"port": 0, "token": TOKEN, **cfg}), rules, JOB, signature)
+        lh.start()
+        started.append(lh)
+        return lh
+
+    yield make
+    for lh in started:
+        lh.stop()
+
+
+def client(lh: Lighthouse | None, group: str, url: str = "", **over) -> LighthouseClient:
+    kw = {"token": TOKEN, "job_id": JOB, "signature": SIG, "group": group, "connect_timeout_s": 1.0, **over}
+    return LighthouseClient(url or lh.url, **kw)
+
+
+def ask_all(lh: Lighthouse, steps: dict[str, int], timeout_s: float = 3.0, failed: tuple[str, ...] = ()) -> dict:
+    """Every group asks at once (in threads); group -> (Quorum, store) or the exception raised."""
+    results: dict = {}
+
+    def ask(group: str, step: int) -> None:
+        try:
+            results[group] = client(lh, group).quorum(step, group in failed, timeout_s)
+        except Exception as e:  # noqa: BLE001 (the test inspects it)
+            results[group] = e
+
+    threads = [threading.Thread(target=ask, args=item, daemon=True) for item in steps.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 2.0)
+        assert not t.is_alive(), "a quorum request outlived its timeout"
+    return results
+
+
+def quorums(results: dict) -> dict:
+    for group, r in results.items():
+        assert isinstance(r, tuple), f"group {group} got {r!r}"
+    return {g: r[0] for g, r in results.items()}
+
+
+def beat(lh: Lighthouse, groups, step: int = 0, quorum_id: int = 0) -> None:
+    for g in groups:
+        client(lh, g).heartbeat(step, quorum_id)
+
+
+def get(lh: Lighthouse, path: str) -> tuple[int, bytes]:
+    try:
+        with NO_PROXY.open(lh.url + path, timeout=2.0) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def post(lh: Lighthouse, path: str, body: bytes, token: str = TOKEN) -> tuple[int, dict]:
+    req = urllib.request.Request(lh.url + path, data=body, method="POST", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with NO_PROXY.open(req, timeout=2.0) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def status(lh: Lighthouse) -> dict:
+    code, body = get(lh, "/status")
+    assert code == 200
+    return json.loads(body)
+
+
+def membership(lh: Lighthouse) -> dict:
+    """The parts of /status a refused request must leave alone (not the clock-driven ages)."""
+    s = status(lh)
+    groups = [(g["id"], g["step"], g["healthy"], g["waiting_for_quorum"]) for g in s["groups"]]
+    current = s["quorum"] and {k: v for k, v in s["quorum"].items() if k != "age_s"}
+    return {"groups": groups, "quorum": current, "history": s["history"], "signature": s["model_signature"]}
+
+
+def wait_until(predicate, timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+# -- quorums -------------------------------------------------------------------------------
+def test_three_groups_get_one_quorum_with_healing(start):
+    lh = start(QuorumRules(min_groups=1, join_timeout_s=2.0, heartbeat_timeout_s=5.0))  # all ask: no waiting
+    beat(lh, "ABC")
+    got = quorums(ask_all(lh, {"A": 5, "B": 5, "C": 3}))
+    assert len({(q.quorum_id, q.participants) for q in got.values()}) == 1
+    q = got["A"]
+    assert q.participants == ("A", "B", "C") and q.max_step == 5 and q.heal_from == {"C": "A"}
+    assert got["A"] == got["B"] == got["C"]
+
+
+def test_same_members_asking_again_keep_the_id_without_waiting(start):
+    lh = start(QuorumRules(min_groups=1, join_timeout_s=1.0, heartbeat_timeout_s=5.0))
+    beat(lh, "ABC")
+    first = quorums(ask_all(lh, {"A": 0, "B": 0, "C": 0}))["A"]
+    beat(lh, "D")  # healthy but not asking: only the fast path answers before the join timeout
+    t0 = time.monotonic()
+    again = quorums(ask_all(lh, {"A": 1, "B": 1, "C": 1}))
+    elapsed = time.monotonic() - t0
+    assert elapsed < 0.5, f"fast path took {elapsed:.2f} s, join timeout is 1 s"
+    assert {q.quorum_id for q in again.values()} == {first.quorum_id}
+    assert again["A"].participants == ("A", "B", "C") and again["A"].max_step == 1
+
+
+def test_a_silent_member_is_left_out_after_the_join_timeout(start):
+    lh = start()
+    beat(lh, "ABC")
+    first = quorums(ask_all(lh, {"A": 0, "B": 0, "C": 0}))["A"]
+    t0 = time.monotonic()
+    got = quorums(ask_all(lh, {"A": 1, "B": 1}))  # C is still healthy but does not ask
+    elapsed = time.monotonic() - t0
+    assert elapsed >= FAST.join_timeout_s, f"formed after {elapsed:.2f} s, before the join timeout"
+    assert got["A"] == got["B"]
+    assert got["A"].participants == ("A", "B") and got["A"].quorum_id == first.quorum_id + 1
+
+
+def test_a_late_joiner_gets_a_new_id_and_heals(start):
+    lh = start(QuorumRules(min_groups=1, join_timeout_s=2.0, heartbeat_timeout_s=5.0))
+    beat(lh, "AB")
+    first = quorums(ask_all(lh, {"A": 4, "B": 4}))["A"]
+    beat(lh, "J")
+    late: dict = {}
+    joiner = threading.Thread(target=lambda: late.update(ask_all(lh, {"J": 0})), daemon=True)
+    joiner.start()
+    wait_until(lambda: any(g["id"] == "J" and g["waiting_for_quorum"] for g in status(lh)["groups"]))
+    got = quorums(ask_all(lh, {"A": 4, "B": 4}))
+    joiner.join(3.0)
+    got.update(quorums(late))
+    assert len({(q.quorum_id, q.participants, q.max_step) for q in got.values()}) == 1
+    q = got["J"]
+    assert q.quorum_id == first.quorum_id + 1 and q.participants == ("A", "B", "J")
+    assert q.max_step == 4 and q.heal_from == {"J": "A"}
+
+
+def test_a_failed_commit_forces_a_new_id(start):
+    lh = start()
+    beat(lh, "AB")
+    first = quorums(ask_all(lh, {"A": 0, "B": 0}))["A"]
+    got = quorums(ask_all(lh, {"A": 0, "B": 1}, failed=("A",)))
+    assert got["A"] == got["B"] and got["A"].quorum_id == first.quorum_id + 1
+    assert got["A"].heal_from == {"A": "B"}
+
+
+def test_too_few_groups_time_out_and_the_request_is_withdrawn(start):
+    lh = start(QuorumRules(min_groups=2, join_timeout_s=0.1, heartbeat_timeout_s=5.0))
+    t0 = time.monotonic()
+    with pytest.raises(QuorumTimeout, match=r"no quorum within 0.4 s: healthy groups \['A'\], asked \['A'\]"):
+        client(lh, "A").quorum(0, False, timeout_s=0.4)
+    assert 0.4 <= time.monotonic() - t0 < 1.5
+    assert [(g["id"], g["waiting_for_quorum"]) for g in status(lh)["groups"]] == [("A", False)]
+    # Withdrawn, not merely forgotten by the client: B alone is still short of min_groups=2.
+    assert isinstance(ask_all(lh, {"B": 0}, timeout_s=0.3)["B"], QuorumTimeout)
+
+
+def test_a_request_whose_group_stops_heartbeating_is_dropped(start):
+    lh = start(QuorumRules(min_groups=2, join_timeout_s=0.1, heartbeat_timeout_s=0.3))
+    t0 = time.monotonic()
+    with pytest.raises(QuorumTimeout, match="no heartbeat for cluster.timeouts.heartbeat=0.3 s"):
+        client(lh, "A").quorum(0, False, timeout_s=3.0)
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_a_second_request_from_the_same_group_supersedes_the_first(start):
+    lh = start(QuorumRules(min_groups=2, join_timeout_s=0.1, heartbeat_timeout_s=5.0))
+    beat(lh, "AB")
+    early: dict = {}
+    late: dict = {}
+    first = threading.Thread(target=lambda: early.update(ask_all(lh, {"A": 0})), daemon=True)
+    first.start()
+    wait_until(lambda: status(lh)["groups"][0]["waiting_for_quorum"])
+    second = threading.Thread(target=lambda: late.update(ask_all(lh, {"A": 1})), daemon=True)
+    second.start()
+    first.join(2.0)  # answered as soon as the second request arrives
+    assert isinstance(early["A"], LighthouseRefused) and early["A"].status == 409
+    assert "superseded" in str(early["A"])
+    got = quorums(ask_all(lh, {"B": 1}))
+    second.join(2.0)
+    got.update(quorums(late))
+    assert got["A"] == got["B"] and got["A"].participants == ("A", "B") and got["A"].max_step == 1
+
+
+def test_stop_answers_open_long_polls_at_once(start):
+    lh = start(QuorumRules(min_groups=2, join_timeout_s=0.1, heartbeat_timeout_s=5.0))
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(ask_all(lh, {"A": 0}, timeout_s=5.0)), daemon=True)
+    t.start()
+    wait_until(lambda: status(lh)["groups"])
+    t0 = time.monotonic()
+    lh.stop()
+    t.join(2.0)
+    assert time.monotonic() - t0 < 2.0
+    assert isinstance(result["A"], LighthouseUnavailable) and "stopping" in str(result["A"])
+
+
+# -- refusals ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("override", "code", "message"),
+    [
+        (
+            {"token": "guess"},
+            401,
+            "wrong token: the request's token does not match the lighthouse's cluster.lighthouse.token",
+        ),
+        ({"token": ""}, 401, "missing token"),
+        ({"job_id": "other"}, 409, "job id 'other' differs from this lighthouse's job 'job-1'"),
+        (
+            {"signature": "sig-xyz"},
+            409,
+            "model signature sig-xyz differs from the job's sig-abc: the group runs a different model config",
+        ),
+    ],
+)
+def test_refusals_name_the_problem_and_change_nothing(start, override, code, message):
+    lh = start()
+    beat(lh, "AB")
+    quorums(ask_all(lh, {"A": 3, "B": 3}))
+    before = membership(lh)
+    for intruder in ("A", "X"):  # a known member and a stranger
+        bad = client(lh, intruder, **override)
+        with pytest.raises(LighthouseRefused) as refused:
+            bad.heartbeat(99, 1000)
+        assert refused.value.status == code and str(refused.value).startswith(message)
+        with pytest.raises(LighthouseRefused, match=re.escape(message)):
+            bad.quorum(99, True, timeout_s=0.5)
+    assert membership(lh) == before
+
+
+def test_the_first_accepted_request_pins_the_model_signature(start):
+    lh = start(signature=None)
+    with pytest.raises(LighthouseRefused):
+        client(lh, "A", token="guess").heartbeat(0, 0)  # refused: pins nothing
+    assert status(lh)["model_signature"] is None
+    client(lh, "A").heartbeat(0, 0)
+    assert status(lh)["model_signature"] == SIG
+    with pytest.raises(LighthouseRefused, match="model signature other differs from the job's sig-abc"):
+        client(lh, "B", signature="other").heartbeat(0, 0)
+
+
+def test_an_empty_token_means_none_is_required(start):
+    lh = start(token="")
+    client(lh, "A", token="").heartbeat(0, 0)
+    client(lh, "B", token="anything").heartbeat(0, 0)
+    assert [g["id"] for g in status(lh)["groups"]] == ["A", "B"]
+
+
+def test_malformed_requests_get_400_and_unknown_paths_404(start):
+    lh = start()
+    good = {"job": JOB, "signature": SIG, "group": "A", "step": 1, "quorum_id": 0}
+    assert post(lh, "/heartbeat", json.dumps(good).encode()) == (200, {"ok": True})
+    cases = {
+        b"{not json": "malformed JSON",
+        b"[1, 2]": "must be a JSON object",
+        json.dumps({**good, "step": "1"}).encode(): "'step'='1' must be a non-negative integer",
+        json.dumps({**good, "step": True}).encode(): "must be a non-negative integer",
+        json.dumps({k: v for k, v in good.items() if k != "group"}).encode(): "missing field 'group'",
+        json.dumps({**good, "group": ""}).encode(): "'group' must be 1 to",
+        json.dumps({**good, "extra": 1}).encode(): "unknown field 'extra'",
+        json.dumps({**good, "pad": "x" * 70_000}).encode(): "exceeds the limit",
+    }
+    for body, message in cases.items():
+        code, answer = post(lh, "/heartbeat", body)
+        assert code == 400 and message in answer["error"], (body[:40], answer)
+    ask = {**good, "commit_failed": False, "timeout_s": -1}
+    del ask["quorum_id"]
+    code, answer = post(lh, "/quorum", json.dumps(ask).encode())
+    assert code == 400 and "'timeout_s'=-1 must be a positive number" in answer["error"]
+    assert post(lh, "/nope", b"{}")[0] == 404
+    assert get(lh, "/nope")[0] == 404
+    assert [g["id"] for g in status(lh)["groups"]] == ["A"]
+
+
+# -- status --------------------------------------------------------------------------------
+def test_status_json_and_html_page(start):
+    lh = start()
+    evil = "<script>alert(1)</script>"
+    beat(lh, ["A", evil], step=7)
+    quorums(ask_all(lh, {"A": 7, evil: 6}))
+    beat(lh, ["A"], step=8, quorum_id=1)
+    s = status(lh)
+    assert s["job"] == JOB and s["model_signature"] == SIG and "token" not in json.dumps(s)
+    assert s["rules"] == {"min_groups": 1, "join_timeout_s": 0.3, "heartbeat_timeout_s": 1.0}
+    groups = {g["id"]: g for g in s["groups"]}
+    assert set(groups) == {"A", evil}
+    assert groups["A"]["step"] == 8 and groups[evil]["step"] == 6
+    assert all(g["healthy"] and not g["waiting_for_quorum"] and 0 <= g["since_heartbeat_s"] < 1 for g in s["groups"])
+    assert s["quorum"]["participants"] == sorted(["A", evil]) and s["quorum"]["heal_from"] == {evil: "A"}
+    assert s["quorum"]["age_s"] >= 0 and len(s["history"]) == 1 and s["history"][0]["max_step"] == 7
+    assert abs(s["history"][0]["formed_at"] - time.time()) < 10
+    code, page = get(lh, "/")
+    html = page.decode()
+    assert code == 200 and '<meta http-equiv="refresh" content="2">' in html
+    assert "<td>A</td>" in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html and evil not in html
+    assert JOB in html and SIG in html and TOKEN not in html
+
+
+def test_history_keeps_the_last_quorums(start):
+    lh = start(history=2)
+    beat(lh, "A")
+    for step in range(3):
+        quorums(ask_all(lh, {"A": step}))
+    assert [h["max_step"] for h in status(lh)["history"]] == [1, 2]
+
+
+# -- restarts, the store, the client's limits ---------------------------------------------
+def test_a_restarted_lighthouse_is_repopulated_by_heartbeats(start):
+    lh = start()
+    beat(lh, "AB")
+    quorums(ask_all(lh, {"A": 1, "B": 1}))
+    last = quorums(ask_all(lh, {"A": 2, "B": 2}, failed=("B",)))["A"].quorum_id
+    port = lh.port
+    lh.stop()
+    with pytest.raises(LighthouseUnavailable):
+        client(None, "A", url=f"http://127.0.0.1:{port}").heartbeat(2, last)
+    again = start(port=port)
+    assert again.port == port and status(again)["groups"] == []
+    client(again, "A").heartbeat(2, last)
+    client(again, "B").heartbeat(2, last - 1)
+    assert [(g["id"], g["step"], g["healthy"]) for g in status(again)["groups"]] == [("A", 2, True), ("B", 2, True)]
+    got = quorums(ask_all(again, {"A": 2, "B": 2}))
+    assert got["A"] == got["B"] and got["A"].quorum_id > last
+
+
+def test_a_quorum_request_alone_carries_the_last_id_to_a_restarted_lighthouse(start):
+    lh = start()
+    a = client(lh, "A")
+    a.heartbeat(0, 41)
+    first, _ = a.quorum(0, False, timeout_s=2.0)
+    assert first.quorum_id == 42
+    port = lh.port
+    lh.stop()
+    start(port=port)
+    second, _ = a.quorum(0, False, timeout_s=2.0)  # no heartbeat to the new lighthouse first
+    assert second.quorum_id == 43
+
+
+def test_the_hosted_store_is_reachable(start):
+    lh = start()
+    beat(lh, "A")
+    _, (host, port) = client(lh, "A").quorum(0, False, timeout_s=2.0)
+    assert (host, port) == lh.store_address and port > 0
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
+    store.set("lane/0", b"hello")
+    assert store.get("lane/0") == b"hello"
+
+
+def test_a_closed_port_is_unavailable_at_once():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = LighthouseClient(
+        f"http://127.0.0.1:{port}", token=TOKEN, job_id=JOB, signature=SIG, group="A", connect_timeout_s=1.0
+    )
+    t0 = time.monotonic()
+    with pytest.raises(LighthouseUnavailable, match="unreachable"):
+        c.heartbeat(0, 0)
+    with pytest.raises(LighthouseUnavailable):
+        c.quorum(0, False, timeout_s=5.0)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_lighthouse_that_never_answers_times_out_within_the_limit():
+    with socket.socket() as silent:  # accepts connections (backlog) but never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        c = LighthouseClient(
+            f"http://127.0.0.1:{silent.getsockname()[1]}",
+            token=TOKEN,
+            job_id=JOB,
+            signature=SIG,
+            group="A",
+            connect_timeout_s=0.2,
+        )
+        t0 = time.monotonic()
+        with pytest.raises(LighthouseUnavailable):
+            c.heartbeat(0, 0)
+        with pytest.raises(LighthouseUnavailable):
+            c.quorum(0, False, timeout_s=0.2)
+        assert time.monotonic() - t0 < 1.5
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"cluster.lighthouse.port=70000"):
+        LighthouseConfig(port=70000).validate()
+    with pytest.raises(ConfigError, match=r"cluster.lighthouse.history=0"):
+        LighthouseConfig(history=0).validate()
+    with pytest.raises(ConfigError, match=r"cluster.lighthouse.store_port=29510: must differ"):
+        LighthouseConfig(port=29510, store_port=29510).validate()
+    with pytest.raises(ConfigError, match="cluster.min_groups"):
+        Lighthouse(LighthouseConfig(port=0), QuorumRules(min_groups=0), JOB)
+
+
+def test_no_pickle_anywhere_in_diloco_ft():
+    """DESIGN.md invariant 5: nothing received over the network is unpickled."""
+    offenders = []
+    for path in sorted((REPO / "diloco" / "ft").rglob("*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [
+                f"{path.name}: import {n}" for n in names if n.split(".")[0] in {"pickle", "dill", "cloudpickle"}
+            ]
+        offenders += [f"{path.name}: {word}" for word in ("torch.load", "pickle.loads") if word in text]
+    assert not offenders, offenders
+
+
+@pytest.mark.slow
+def test_serve_forever_prints_its_address_and_stops_on_sigterm():
+    code = (
+        "from diloco.ft.lighthouse import LighthouseConfig, serve_forever; "
+        "from diloco.ft.quorum import QuorumRules; "
+        "serve_forever(LighthouseConfig(port=0), QuorumRules(), 'solo', 'sig')"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"at (http://127.0.0.1:\d+);", line).group(1)
+        with NO_PROXY.open(url + "/status", timeout=5.0) as r:
+            assert json.loads(r.read())["job"] == "solo"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)

@@ -1,0 +1,216 @@
+"""Streaming DiLoCo fragments: block partitions, parameter ownership, the staggered schedule, validation."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from diloco.config_base import ConfigError
+from diloco.fragments import (
+    fragment_of_parameter,
+    fragment_offset,
+    fragment_parameter_names,
+    fragments_to_apply,
+    fragments_to_launch,
+    partition_blocks,
+    validate_schedule,
+)
+from diloco.model import ModelConfig, Transformer
+
+# --- partitions ------------------------------------------------------------------------------
+
+
+def test_strided_partition():
+    assert partition_blocks(8, 4, "strided") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert partition_blocks(5, 2, "strided") == [[0, 2, 4], [1, 3]]
+    assert partition_blocks(3, 3, "strided") == [[0], [1], [2]]
+    assert partition_blocks(4, 1, "strided") == [[0, 1, 2, 3]]
+
+
+def test_sequential_partition():
+    assert partition_blocks(8, 4, "sequential") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert partition_blocks(7, 3, "sequential") == [[0, 1, 2], [3, 4], [5, 6]]
+    assert partition_blocks(5, 4, "sequential") == [[0, 1], [2], [3], [4]]
+    assert partition_blocks(4, 1, "sequential") == [[0, 1, 2, 3]]
+
+
+def test_strided_is_the_default():
+    assert partition_blocks(6, 3) == partition_blocks(6, 3, "strided")
+
+
+@pytest.mark.parametrize("pattern", ["strided", "sequential"])
+@pytest.mark.parametrize("n_blocks", range(1, 13))
+def test_partition_covers_every_block_once_and_evenly(pattern, n_blocks):
+    for fragments in range(1, n_blocks + 1):
+        parts = partition_blocks(n_blocks, fragments, pattern)
+        assert len(parts) == fragments
+        assert sorted(b for part in parts for b in part) == list(range(n_blocks))
+        sizes = [len(part) for part in parts]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_partition_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="fragments=5, n_blocks=4"):
+        partition_blocks(4, 5, "strided")
+    with pytest.raises(ValueError, match="'zigzag'"):
+        partition_blocks(4, 2, "zigzag")  # type: ignore[arg-type]
+
+
+# --- parameter ownership -------------------------------------------------------------------
+
+
+def test_fragment_of_parameter_rules():
+    assert fragment_of_parameter("layers.5.attention.wq.weight", 8, 4, "strided") == 1
+    assert fragment_of_parameter("layers.5.attention.wq.weight", 8, 4, "sequential") == 2
+    assert fragment_of_parameter("tok_embeddings.weight", 8, 4, "strided") == 0
+    assert fragment_of_parameter("norm.weight", 8, 4, "strided") == 3
+    assert fragment_of_parameter("output.weight", 8, 4, "sequential") == 3
+    # Wrappers that rename parameters do not change the owner.
+    assert fragment_of_parameter("_orig_mod.layers.2._checkpoint_wrapped_module.ffn_norm.weight", 8, 4) == 2
+    with pytest.raises(ValueError, match="no fragment for parameter 'rope_cos'"):
+        fragment_of_parameter("rope_cos", 8, 4)
+    with pytest.raises(ValueError, match="block 8"):
+        fragment_of_parameter("layers.8.ffn_norm.weight", 8, 4)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("pattern", ["strided", "sequential"])
+@pytest.mark.parametrize("fragments", [1, 2, 4])
+def test_every_model_parameter_in_exactly_one_fragment(tie, pattern, fragments):
+    model = Transformer(ModelConfig(n_layers=4, tie_embeddings=tie))
+    names = [name for name, _ in model.named_parameters()]
+    assert ("output.weight" in names) is not tie
+    parts = fragment_parameter_names(names, 4, fragments, pattern)
+    assert len(parts) == fragments
+    flat = [n for part in parts for n in part]
+    assert sorted(flat) == sorted(names) and len(flat) == len(set(flat))
+    for p, part in enumerate(parts):
+        assert part == [n for n in names if n in part]  # input order kept
+        assert part, f"fragment {p} is empty"
+        for name in part:
+            assert fragment_of_parameter(name, 4, fragments, pattern) == p
+    blocks = partition_blocks(4, fragments, pattern)
+    for p, part in enumerate(parts):
+        layer_ids = sorted({int(n.split(".")[1]) for n in part if n.startswith("layers.")})
+        assert layer_ids == blocks[p]
+    assert "tok_embeddings.weight" in parts[0]
+    assert "norm.weight" in parts[-1]
+
+
+# --- schedule --------------------------------------------------------------------------------
+
+
+def schedule(H: int, P: int, tau: int, windows: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """fragment → the steps it is launched / applied at, over ``windows`` windows."""
+    launches: dict[int, list[int]] = {p: [] for p in range(P)}
+    applies: dict[int, list[int]] = {p: [] for p in range(P)}
+    for step in range(1, windows * H + 1):
+        for p in fragments_to_launch(step, H, P, tau):
+            launches[p].append(step)
+        for p in fragments_to_apply(step, H, P, tau):
+            applies[p].append(step)
+    return launches, applies
+
+
+@pytest.mark.parametrize("tau", [0, 1, 3])
+def test_streaming_schedule_h12_p3(tau):
+    H, P, windows = 12, 3, 4
+    launches, applies = schedule(H, P, tau, windows)
+    # Fragment p applies at (p+1)·H/P within each window: 4, 8, 12, then 16, 20, 24, ...
+    assert applies == {0: [4, 16, 28, 40], 1: [8, 20, 32, 44], 2: [12, 24, 36, 48]}
+    for p in range(P):
+        # Once per window, and τ steps after its launch.
+        for w in range(windows):
+            assert sum(w * H < s <= (w + 1) * H for s in applies[p]) == 1
+        assert launches[p] == [s - tau for s in applies[p]]
+    # Evenly staggered: consecutive applies of any fragment are H/P steps apart.
+    every = sorted(s for steps in applies.values() for s in steps)
+    assert every == list(range(H // P, windows * H + 1, H // P))
+    # At most one all-reduce in flight: the next launch comes after the previous apply.
+    in_flight = sorted((launches[p][i], applies[p][i]) for p in range(P) for i in range(windows))
+    for (_, applied), (launched, _) in itertools.pairwise(in_flight):
+        assert launched > applied
+
+
+def test_launch_coincides_with_apply_when_tau_is_zero():
+    for step in range(1, 49):
+        assert fragments_to_launch(step, 12, 3, 0) == fragments_to_apply(step, 12, 3, 0)
+    assert fragments_to_apply(12, 12, 12, 0) == [11]
+    assert fragments_to_apply(1, 12, 12, 0) == [0]
+    # With H = P one fragment is applied after every step.
+    assert all(len(fragments_to_apply(s, 12, 12, 0)) == 1 for s in range(1, 25))
+
+
+def test_plain_diloco_applies_every_h_steps():
+    H = 5
+    applies = [s for s in range(1, 31) if fragments_to_apply(s, H, 1, 0)]
+    launches = [s for s in range(1, 31) if fragments_to_launch(s, H, 1, 0)]
+    assert applies == launches == [5, 10, 15, 20, 25, 30]
+    assert all(fragments_to_apply(s, H, 1, 0) == [0] for s in applies)
+    # H = 1: every step, i.e. data-parallel averaging.
+    assert all(fragments_to_apply(s, 1, 1, 0) == [0] for s in range(1, 10))
+
+
+def test_delay_with_one_fragment_overlaps_the_end_of_the_window():
+    launches, applies = schedule(10, 1, 4, 2)
+    assert applies == {0: [10, 20]} and launches == {0: [6, 16]}
+
+
+def test_fragment_offsets():
+    assert [fragment_offset(p, 12, 3) for p in range(3)] == [4, 8, 0]
+    assert fragment_offset(0, 7, 1) == 0
+
+
+def test_schedule_functions_reject_invalid_arguments():
+    with pytest.raises(ValueError, match=">= 1"):
+        fragments_to_apply(0, 12, 3, 0)
+    with pytest.raises(ValueError, match="H=12, P=5"):
+        fragments_to_launch(1, 12, 5, 0)
+    with pytest.raises(ValueError, match="tau=4"):
+        fragments_to_apply(1, 12, 3, 4)
+
+
+# --- validation ------------------------------------------------------------------------------
+
+GOOD = {"sync_every": 12, "fragments": 3, "delay": 1, "alpha": 0.5, "n_blocks": 12}
+
+
+def bad(**changes):
+    with pytest.raises(ConfigError) as info:
+        validate_schedule(**{**GOOD, **changes})
+    return str(info.value)
+
+
+def test_valid_schedules_pass():
+    validate_schedule(**GOOD)
+    validate_schedule(sync_every=100, fragments=1, delay=0, alpha=0.0, n_blocks=2)
+    validate_schedule(sync_every=1, fragments=1, delay=0, alpha=1.0, n_blocks=1)
+
+
+def test_fragments_must_divide_sync_every_and_the_message_lists_divisors():
+    msg = bad(sync_every=30, fragments=4, delay=0, n_blocks=32)
+    assert msg.startswith("algo.sync_every=30 is not divisible by algo.fragments=4; pick fragments in ")
+    assert "{1, 2, 3, 5, 6, 10, 15, 30}" in msg
+
+
+def test_divisor_list_respects_the_number_of_blocks():
+    msg = bad(sync_every=30, fragments=4, delay=0, n_blocks=8)
+    assert "{1, 2, 3, 5, 6}" in msg and "model.n_layers=8" in msg
+
+
+def test_delay_must_be_below_the_fragment_spacing():
+    msg = bad(delay=4)
+    assert msg.startswith("algo.delay=4: must be < algo.sync_every / algo.fragments = 4")
+    assert "lower algo.delay" in msg
+    assert bad(delay=-1).startswith("algo.delay=-1: must be an integer >= 0")
+
+
+def test_other_keys():
+    assert bad(alpha=1.5).startswith("algo.alpha=1.5: must be in [0, 1]")
+    assert bad(alpha=-0.1).startswith("algo.alpha=-0.1")
+    assert bad(sync_every=0).startswith("algo.sync_every=0: must be an integer >= 1")
+    assert bad(fragments=0).startswith("algo.fragments=0: must be an integer >= 1")
+    msg = bad(sync_every=24, fragments=24, delay=0, n_blocks=12)
+    assert msg.startswith("algo.fragments=24: is larger than the model's 12 transformer blocks (model.n_layers)")
+    assert bad(sync_every=True).startswith("algo.sync_every=True")
