@@ -18,6 +18,7 @@ from diloco.config import job_config_from_dict
 from diloco.config_base import ConfigError
 from diloco.data import DataError
 from diloco.distributed import WorkerEnv
+from diloco.ft.lighthouse import serve_forever
 from diloco.launcher import JobFailed, launch
 from diloco.worker import RunPaths, run_worker
 
@@ -29,6 +30,9 @@ def main(cfg: DictConfig) -> float | None:
     try:
         job = job_config_from_dict(raw)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if job.role == "lighthouse":
+            serve_forever(job.cluster.lighthouse, job.cluster.quorum_rules(), job.name)
+            return None
         if job.role == "group":
             run_worker(job, WorkerEnv.from_environ(os.environ), RunPaths(run_dir))
             return None

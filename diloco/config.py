@@ -36,7 +36,7 @@ class JobConfig:
     outer_opt: OuterOptConfig = field(default_factory=OuterOptConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    role: Literal["local", "group"] = "local"
+    role: Literal["local", "lighthouse", "group"] = "local"
     group: GroupConfig = field(default_factory=GroupConfig)
     name: str = "diloco"
 
@@ -73,7 +73,7 @@ class JobConfig:
             f"exceeds model.max_seq_len={self.model.max_seq_len}; lower it or raise model.max_seq_len",
         )
         check(
-            self.trainer.max_steps % self.algo.sync_every == 0,
+            self.algo.name == "local" or self.trainer.max_steps % self.algo.sync_every == 0,
             "trainer.max_steps",
             self.trainer.max_steps,
             f"is not a multiple of algo.sync_every={self.algo.sync_every}; the inner steps after the last "

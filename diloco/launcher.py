@@ -207,7 +207,8 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
     start = time.monotonic()
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        cluster.start_lighthouse()
+        if job.algo.name != "local":
+            cluster.start_lighthouse()
         for group in range(job.cluster.groups):
             cluster.start_group(group)
         view = ProgressView([paths.metrics(g) for g in range(job.cluster.groups)], job.trainer.max_steps, out=out)
@@ -248,11 +249,12 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "wall_seconds": wall_seconds,
         "train_seconds": train_seconds,
         "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
-        "rounds": max(r["rounds"] for r in results),
-        "syncs_committed": sum(r["syncs_committed"] for r in results),
-        "syncs_attempted": sum(r["syncs_attempted"] for r in results),
-        "bytes_sent": sum(r["bytes_sent"] for r in results),
-        "recoveries": sum(r["recoveries"] for r in results),
+        "rounds": max(r.get("rounds", 0) for r in results),
+        "syncs_committed": sum(r.get("syncs_committed", 0) for r in results),
+        "syncs_attempted": sum(r.get("syncs_attempted", 0) for r in results),
+        "bytes_sent": sum(r.get("bytes_sent", 0) for r in results),
+        "bytes_per_token": sum(r.get("bytes_sent", 0) for r in results) / tokens if tokens else 0.0,
+        "recoveries": sum(r.get("recoveries", 0) for r in results),
         "per_group": results,
     }
 

@@ -1,9 +1,10 @@
-"""The inner optimizer: AdamW with linear warmup then cosine decay (the DiLoCo inner loop)."""
+"""The inner optimizer: AdamW (or plain SGD) with linear warmup then cosine decay (the DiLoCo inner loop)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -12,8 +13,9 @@ from diloco.config_base import check
 
 @dataclass(frozen=True)
 class InnerOptConfig:
-    """AdamW settings for the inner steps each replica group takes on its own data."""
+    """Inner-step settings; ``sgd`` (no momentum) exists for the exactness checks of DESIGN section 2."""
 
+    name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 3e-3
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -51,20 +53,17 @@ def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio:
 
 def build_inner_optimizer(
     params: list[torch.nn.Parameter], cfg: InnerOptConfig, max_steps: int
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW without weight decay on norms (1-D weights), as in Llama training."""
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=cfg.lr,
-        betas=cfg.betas,
-        eps=cfg.eps,
-    )
-    init_adamw_state(optimizer)
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """No weight decay on norms (1-D weights), as in Llama training."""
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    if cfg.name == "sgd":
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(groups, lr=cfg.lr)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        init_adamw_state(optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_multiplier(

@@ -15,11 +15,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from diloco.byte_view import as_bytes_tensor, byte_view
 from diloco.config_base import check
 from diloco.fragments import fragments_to_apply, fragments_to_launch
 from diloco.ft.lanes import LaneError
@@ -32,9 +33,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """H inner steps per window, P fragments, overlap τ, mixing α, payload format (DESIGN section 2)."""
+    """H inner steps per window, P fragments, overlap τ, mixing α, payload format (DESIGN section 2).
 
-    name: Literal["ddp", "diloco", "streaming"] = "diloco"
+    ``local`` trains every group alone with no outer sync at all: the no-communication
+    baseline that benchmarks measure the cost of syncing against.
+    """
+
+    name: Literal["diloco", "streaming", "local"] = "diloco"
     sync_every: int = 50
     fragments: int = 1
     pattern: Literal["strided", "sequential"] = "strided"
@@ -99,6 +104,7 @@ class OuterSync:
         self.attempted = 0
         self.committed_here = 0
         self.bytes_sent = 0
+        self.tokens = 0
         self.recoveries = 0
         self._quorum_ms = 0.0
         self._fail_next_round = False
@@ -117,6 +123,7 @@ class OuterSync:
 
     def on_step(self, step: int, tokens: int) -> OuterOutcome:
         """After inner step ``step``: launch the due fragments' all-reduces, then apply due results."""
+        self.tokens += tokens
         for f in self.fragments:
             f.tokens_since_sync += tokens
         due = self._schedule(fragments_to_launch, step)
@@ -279,18 +286,26 @@ class OuterSync:
             "outer/syncs_committed": float(self.committed_here),
             "outer/syncs_attempted": float(self.attempted),
             "outer/bytes": float(self.bytes_sent),
+            "outer/bytes_per_token": self.bytes_sent / self.tokens if self.tokens else 0.0,
             "outer/recoveries": float(self.recoveries),
+        }
+
+    def report(self) -> dict[str, Any]:
+        """The group's outer counters and final digest for summary.json (a collective)."""
+        return {
+            "rounds": self.manager.committed,
+            "syncs_committed": self.committed_here,
+            "syncs_attempted": self.attempted,
+            "bytes_sent": self.bytes_sent,
+            "recoveries": self.recoveries,
+            "digest": self.group_digest(),
         }
 
     def group_digest(self) -> str:
         """sha256 over every rank's θ_g and outer-optimizer state (a collective over the group)."""
         own = hashlib.sha256()
         for name, tensor in self.heal_state.global_tensors().items():
+            raw = as_bytes_tensor(tensor)
             own.update(name.encode())
-            own.update(tensor_bytes(tensor))
+            own.update(byte_view(raw))
         return self.manager.combine_digests(own.digest())
-
-
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The raw bytes of a CPU tensor (no numpy needed)."""
-    return bytes(tensor.detach().cpu().contiguous().clone().view(torch.uint8).untyped_storage())

@@ -119,17 +119,19 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths) -> TrainResult:
         n_params, signature = count_parameters(model), param_signature(job.model, model)
         sharded = shard_model(model, model.layers, mesh, device)
         optimizer, scheduler = build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
-        outer = build_outer_sync(
-            job,
-            env,
-            model=model,
-            inner_optimizer=optimizer,
-            signature=signature,
-            device=device,
-            commits_path=paths.commits(group),
-        )
-        signal.signal(signal.SIGUSR1, lambda *_: outer.fail_next_round())
-        outer.manager.start()
+        outer = None
+        if job.algo.name != "local":
+            outer = build_outer_sync(
+                job,
+                env,
+                model=model,
+                inner_optimizer=optimizer,
+                signature=signature,
+                device=device,
+                commits_path=paths.commits(group),
+            )
+            signal.signal(signal.SIGUSR1, lambda *_: outer.fail_next_round())
+            outer.manager.start()
         batches, evals = build_data(job, group, env.rank, env.world_size)
         logger = None
         if leader:
@@ -158,18 +160,12 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths) -> TrainResult:
         try:
             result = trainer.fit()
         finally:
-            outer.manager.stop()
+            if outer is not None:
+                outer.manager.stop()
         weights = _full_state_dict(model, sharded)
-        digest = outer.group_digest()
+        outer_report = outer.report() if outer is not None else {}
         if leader:
-            report = _result_record(group, result, n_params) | {
-                "rounds": outer.manager.committed,
-                "syncs_committed": outer.committed_here,
-                "syncs_attempted": outer.attempted,
-                "bytes_sent": outer.bytes_sent,
-                "recoveries": outer.recoveries,
-                "digest": digest,
-            }
+            report = _result_record(group, result, n_params) | outer_report
             if group == 0:
                 torch.save(weights, paths.weights)
             paths.result(group).parent.mkdir(parents=True, exist_ok=True)

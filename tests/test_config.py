@@ -66,7 +66,7 @@ def test_yaml_defaults_match_dataclass_defaults():
         (["algo.fragments=2"], r"algo\.fragments=2: must be 1 for algo=diloco"),
         (["outer_opt.name=adagrad"], r"outer_opt\.name='adagrad': must be one of"),
         (["cluster.min_groups=3"], r"cluster\.min_groups=3"),
-        (["role=boss"], r"role='boss': must be one of local, group"),
+        (["role=boss"], r"role='boss': must be one of local, lighthouse, group"),
     ],
 )
 def test_invalid_values_name_the_key(overrides, message):

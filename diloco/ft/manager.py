@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,6 +27,8 @@ from diloco.ft.quorum import Quorum
 log = logging.getLogger(__name__)
 
 MAX_BROADCAST_BYTES = 1 << 20
+MIN_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ class Manager:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.committed = 0
         self.last_commit_failed = False
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
         self.refused: str | None = None
         self._stop = threading.Event()
         self._heartbeats: threading.Thread | None = None
@@ -150,12 +155,22 @@ class Manager:
         assert self.client is not None
         if self.refused:
             return {"refused": self.refused}
+        if time.monotonic() < self._retry_at:
+            return {"error": f"lighthouse unreachable; next try in {self._retry_at - time.monotonic():.1f}s"}
         try:
             quorum, store = self.client.quorum(self.committed, self.last_commit_failed, self.quorum_timeout_s)
         except LighthouseRefused as error:
+            if "superseded" in str(error):  # our own earlier, abandoned request: just ask again next time
+                return {"error": str(error)}
             return {"refused": str(error)}
-        except (QuorumTimeout, LighthouseUnavailable) as error:
+        except QuorumTimeout as error:
             return {"error": str(error)}
+        except LighthouseUnavailable as error:
+            # Exponential backoff, so a dead lighthouse costs the groups nothing but skipped syncs.
+            self._backoff_s = min(MAX_BACKOFF_S, max(MIN_BACKOFF_S, 2 * self._backoff_s))
+            self._retry_at = time.monotonic() + self._backoff_s
+            return {"error": str(error)}
+        self._backoff_s = 0.0
         return {"quorum": quorum.to_json(), "store": list(store)}
 
     def _broadcast(self, answer: dict[str, Any] | None) -> dict[str, Any]:

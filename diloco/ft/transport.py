@@ -20,7 +20,6 @@ lost peer the lane may still hold posted operations: rebuild it (lanes are per q
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import time
 import zlib
@@ -32,6 +31,8 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+
+from diloco.byte_view import byte_view
 
 FORMAT = "diloco-state"
 FORMAT_VERSION = 1
@@ -72,18 +73,9 @@ def _table(tensors: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], int]
     return table, end
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a contiguous CPU uint8 tensor (torch has no buffer protocol of its own)."""
-    if t.dtype != torch.uint8 or t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
-        raise ValueError(f"expected a contiguous 1-D CPU uint8 tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B")
-
-
 def _crc32(payload: torch.Tensor) -> int:
     """CRC32 in bounded slices, so no multi-GB temporary and the GIL is released per slice."""
-    view, crc = _bytes_of(payload), 0
+    view, crc = byte_view(payload), 0
     for start in range(0, len(view), _CRC_CHUNK_BYTES):
         crc = zlib.crc32(view[start : start + _CRC_CHUNK_BYTES], crc)
     return crc
@@ -250,7 +242,7 @@ def send_packed(pg: Lane, dst: int, header: bytes, payload: torch.Tensor, timeou
     Raises TransferError if the receiver refuses the header (its template differs) or the
     payload (checksum), if the peer is gone, or once ``timeout_s`` has passed in all.
     """
-    _bytes_of(payload)  # a flat contiguous CPU uint8 tensor, or ValueError here rather than on the wire
+    byte_view(payload)  # a flat contiguous CPU uint8 tensor, or ValueError here rather than on the wire
     deadline = _Deadline(timeout_s, f"sending state to lane rank {dst}")
     chunk = CHUNK_BYTES  # read at call time, so tests can shrink it
     sizes = torch.tensor([len(header), payload.numel(), chunk], dtype=torch.int64)
@@ -289,7 +281,7 @@ def recv_state(
     header_t = torch.empty(header_n, dtype=torch.uint8)
     deadline.run(lambda: pg.recv([header_t], src, _TAG), "header")
     try:
-        doc = parse_header(bytes(_bytes_of(header_t)), template)  # names the tensor that differs, if any
+        doc = parse_header(bytes(byte_view(header_t)), template)  # names the tensor that differs, if any
         if payload_n != total or chunk <= 0:
             raise TransferError(f"sender announced {payload_n} payload bytes in {chunk}-byte chunks, template {total}")
     except TransferError as error:

@@ -1,0 +1,254 @@
+"""The outer loop's math, exactly: real lighthouse, real Gloo lanes, groups as threads of one process.
+
+DESIGN section 2's special cases must hold to float tolerance, and a closed-form reference
+of the Streaming DiLoCo update must match over several syncs for several (P, τ, α).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.config import GroupConfig, JobConfig
+from diloco.data import ShardedBatches, eval_batches, load_corpus
+from diloco.distributed import WorkerEnv
+from diloco.fragments import fragment_parameter_names, fragments_to_apply, fragments_to_launch
+from diloco.ft.lighthouse import Lighthouse, LighthouseConfig
+from diloco.model import Transformer, param_signature
+from diloco.optim import build_inner_optimizer
+from diloco.outer import OuterSync
+from diloco.outer_setup import build_outer_sync
+from diloco.trainer import Trainer
+from tests.conftest import compose_job
+
+BASE = ["logger=none", "cluster.device=cpu", "cluster.workers_per_group=1", "trainer.eval_every=0"]
+
+
+@contextmanager
+def lighthouse_for(job: JobConfig):
+    """A real lighthouse in this process; the job is pointed at its port."""
+    rules = dataclasses.replace(job.cluster.quorum_rules(), join_timeout_s=0.2, min_groups=job.cluster.groups)
+    lighthouse = Lighthouse(LighthouseConfig(port=0), rules, job.name)
+    lighthouse.start()
+    cfg = dataclasses.replace(job.cluster.lighthouse, port=lighthouse.port)
+    try:
+        yield dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, lighthouse=cfg))
+    finally:
+        lighthouse.stop()
+
+
+def outer_for(job: JobConfig, group: int, model, inner_optimizer, tmp_path: Path) -> OuterSync:
+    job = dataclasses.replace(job, group=GroupConfig(id=group))
+    return build_outer_sync(
+        job,
+        WorkerEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0),
+        model=model,
+        inner_optimizer=inner_optimizer,
+        signature=param_signature(job.model, model),
+        device=torch.device("cpu"),
+        commits_path=tmp_path / f"commits{group}.jsonl",
+    )
+
+
+def run_threads(*targets) -> None:
+    errors: list[BaseException] = []
+
+    def guard(target):
+        try:
+            target()
+        except BaseException as error:  # surfaced below, in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=guard, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a group thread hung"
+
+
+def mock_inner_step(model: torch.nn.Module, step: int, scale: float) -> None:
+    """A deterministic stand-in for an inner optimizer: θ_l ← θ_l − scale·(step + i)·0.01."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.sub_(scale * 0.01 * (step + i) * torch.ones_like(p))
+
+
+def reference_streaming(theta0, names_by_fragment, steps, H, P, tau, alpha, lr, momentum, scale):
+    """Closed-form Streaming DiLoCo for one group, written from the paper's update rule."""
+    local = {n: t.clone() for n, t in theta0.items()}
+    global_ = {n: t.clone() for n, t in theta0.items()}
+    buffers = {n: None for n in theta0}
+    in_flight: dict[int, dict[str, torch.Tensor]] = {}
+    order = list(theta0)
+    for step in range(1, steps + 1):
+        for i, n in enumerate(order):
+            local[n] -= scale * 0.01 * (step + i) * torch.ones_like(local[n])
+        for p in fragments_to_launch(step, H, P, tau):
+            in_flight[p] = {n: global_[n] - local[n] for n in names_by_fragment[p]}  # Δ = θ_g − θ_l
+        for p in fragments_to_apply(step, H, P, tau):
+            for n, delta in in_flight.pop(p).items():
+                buf = delta.clone() if buffers[n] is None else momentum * buffers[n] + delta
+                buffers[n] = buf
+                global_[n] = global_[n] - lr * (delta + momentum * buf)  # Nesterov SGD
+                local[n] = alpha * local[n] + (1 - alpha) * global_[n]
+    return local, global_
+
+
+@pytest.mark.parametrize(("P", "tau", "alpha"), [(1, 0, 0.0), (2, 0, 0.0), (2, 1, 0.5), (2, 2, 0.25)])
+def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P, tau, alpha):
+    H, steps = 8, 24
+    job = compose_job(
+        BASE
+        + ["cluster.groups=1", "algo=streaming", f"algo.sync_every={H}", f"algo.fragments={P}"]
+        + [f"algo.delay={tau}", f"algo.alpha={alpha}", "algo.quantize=none", f"trainer.max_steps={steps}"]
+    )
+    torch.manual_seed(0)
+    model = Transformer(job.model)
+    theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    names = fragment_parameter_names(list(theta0), job.model.n_layers, P, "strided")
+    optimizer, _ = build_inner_optimizer(list(model.parameters()), job.inner_opt, steps)
+    with lighthouse_for(job) as job:
+        outer = outer_for(job, 0, model, optimizer, tmp_path)
+        outer.join()
+        for step in range(1, steps + 1):
+            mock_inner_step(model, step, scale=1.0)
+            outer.on_step(step, tokens=1)
+        outer.manager.stop()
+    local, global_ = reference_streaming(theta0, names, steps, H, P, tau, alpha, 0.7, 0.9, scale=1.0)
+    got_global = {n: t for f in outer.fragments for n, t in zip(names[f.index], f.global_)}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), local[n], rtol=0, atol=1e-5, msg=f"θ_l {n}")
+        torch.testing.assert_close(got_global[n].detach(), global_[n], rtol=0, atol=1e-5, msg=f"θ_g {n}")
+    assert outer.manager.committed == 1 + steps // H * P  # the join round plus every fragment sync
+
+
+def test_pseudo_gradient_points_from_local_to_global(tmp_path):
+    """Δ = θ_g − θ_l: an outer SGD step of lr 0.5 moves θ_g halfway towards θ_l, not away."""
+    job = compose_job(BASE + ["cluster.groups=1", "algo.sync_every=4", "trainer.max_steps=4", "outer_opt=sgd"])
+    job = dataclasses.replace(job, outer_opt=dataclasses.replace(job.outer_opt, lr=0.5, momentum=0.0))
+    torch.manual_seed(0)
+    model = Transformer(job.model)
+    theta0 = [p.detach().clone() for p in model.parameters()]
+    with lighthouse_for(job) as job:
+        outer = outer_for(job, 0, model, build_inner_optimizer(list(model.parameters()), job.inner_opt, 4)[0], tmp_path)
+        outer.join()
+        for step in range(1, 5):
+            mock_inner_step(model, step, scale=1.0)
+            before = [p.detach().clone() for p in model.parameters()]
+            outer.on_step(step, tokens=1)
+        outer.manager.stop()
+    for start, end, new_local in zip(theta0, before, model.parameters()):
+        torch.testing.assert_close(new_local.detach(), (start + end) / 2, rtol=0, atol=1e-6)
+
+
+def _two_groups_mock(job, tmp_path, scales, steps):
+    """Two groups (threads) with different deterministic inner updates; returns models and outers."""
+    torch.manual_seed(0)
+    models = [Transformer(job.model) for _ in scales]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    pre_sync: list[list[torch.Tensor]] = [[], []]
+    with lighthouse_for(job) as job:
+        outers = [
+            outer_for(job, g, m, build_inner_optimizer(list(m.parameters()), job.inner_opt, steps)[0], tmp_path)
+            for g, m in enumerate(models)
+        ]
+
+        def group(g):
+            outers[g].join()
+            for step in range(1, steps + 1):
+                mock_inner_step(models[g], step, scales[g])
+                pre_sync[g] = [p.detach().clone() for p in models[g].parameters()]
+                outers[g].on_step(step, tokens=1)
+            outers[g].manager.stop()
+
+        run_threads(lambda: group(0), lambda: group(1))
+    return models, outers, pre_sync
+
+
+def test_avg_outer_optimizer_is_parameter_averaging(tmp_path):
+    job = compose_job(BASE + ["cluster.groups=2", "algo.sync_every=5", "trainer.max_steps=5", "outer_opt=avg"])
+    models, outers, pre_sync = _two_groups_mock(job, tmp_path, scales=(1.0, 3.0), steps=5)
+    for a, b, la, lb in zip(models[0].parameters(), models[1].parameters(), *pre_sync):
+        torch.testing.assert_close(a.detach(), (la + lb) / 2, rtol=0, atol=1e-6)
+        assert torch.equal(a, b)
+    assert outers[0].group_digest() == outers[1].group_digest()
+
+
+def _sgd_trainer(job, group: int, num_groups: int, model=None) -> Trainer:
+    splits = load_corpus(job.data)
+    t = job.trainer
+    if model is None:
+        torch.manual_seed(t.seed)
+        model = Transformer(job.model)
+    optimizer, scheduler = build_inner_optimizer(list(model.parameters()), job.inner_opt, t.max_steps)
+    batches = ShardedBatches(
+        splits.train,
+        seq_len=t.seq_len,
+        micro_batch_size=t.batch_size,
+        grad_accum=t.grad_accum,
+        group=group,
+        num_groups=num_groups,
+        worker=0,
+        num_workers=1,
+        seed=t.seed,
+    )
+    evals = eval_batches(splits.val, seq_len=t.seq_len, batch_size=t.batch_size, max_batches=1, worker=0, num_workers=1)
+    return Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        batches=batches,
+        eval_set=evals,
+        cfg=t,
+        grad_clip=0.0,
+        device=torch.device("cpu"),
+        sharded=False,
+    )
+
+
+SGD_EXACT = ["inner_opt=sgd", "outer_opt=avg", "algo.sync_every=1", "trainer.max_steps=3", "trainer.seq_len=32"]
+
+
+def test_one_group_sync_every_step_with_sgd_and_averaging_is_plain_sgd(tmp_path):
+    job = compose_job(BASE + SGD_EXACT + ["cluster.groups=1", "trainer.batch_size=4"])
+    plain = _sgd_trainer(job, 0, 1)
+    plain.fit()
+    diloco = _sgd_trainer(job, 0, 1)
+    with lighthouse_for(job) as job:
+        diloco.outer = outer_for(job, 0, diloco.model, diloco.optimizer, tmp_path)
+        diloco.fit()
+        diloco.outer.manager.stop()
+    for a, b in zip(plain.model.parameters(), diloco.model.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=1e-6)
+
+
+def test_two_groups_sync_every_step_with_sgd_and_averaging_is_data_parallel_sgd(tmp_path):
+    """M=2, H=1, inner SGD, outer SGD lr 1 equals SGD on both groups' batches together."""
+    job = compose_job(BASE + SGD_EXACT + ["cluster.groups=2", "trainer.batch_size=4"])
+    trainers = [_sgd_trainer(job, g, 2) for g in range(2)]
+    # The reference: one model, each step's gradient on the union of the two groups' batches.
+    reference = _sgd_trainer(job, 0, 2)
+    reference_batches = [_sgd_trainer(job, g, 2).batches for g in range(2)]
+    union = []
+    for _ in range(job.trainer.max_steps):
+        steps = [b.next_step()[0] for b in reference_batches]
+        union.append((torch.cat([s[0] for s in steps]), torch.cat([s[1] for s in steps])))
+    reference.batches.next_step = lambda it=iter(union): [next(it)]
+    reference.fit()
+    with lighthouse_for(job) as job:
+        for g, trainer in enumerate(trainers):
+            trainer.outer = outer_for(job, g, trainer.model, trainer.optimizer, tmp_path)
+        run_threads(*(t.fit for t in trainers))
+        for t in trainers:
+            t.outer.manager.stop()
+    for ref, a, b in zip(reference.model.parameters(), trainers[0].model.parameters(), trainers[1].model.parameters()):
+        torch.testing.assert_close(a.detach(), ref.detach(), rtol=0, atol=2e-6)
+        assert torch.equal(a, b)
