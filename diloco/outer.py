@@ -10,23 +10,22 @@ rank succeeded, and θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p (apply). A failed
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-from diloco.byte_view import as_bytes_tensor, byte_view
 from diloco.config_base import check
 from diloco.fragments import fragments_to_apply, fragments_to_launch
 from diloco.ft.lanes import LaneError
 from diloco.ft.manager import Manager, Round, wait_work
 from diloco.ft.state import HealState
 from diloco.outer_reduce import PendingReduce, launch_reduce
+from diloco.sync import OuterOutcome, Synchronizer
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +34,12 @@ log = logging.getLogger(__name__)
 class AlgoConfig:
     """H inner steps per window, P fragments, overlap τ, mixing α, payload format (DESIGN section 2).
 
-    ``local`` trains every group alone with no outer sync at all: the no-communication
-    baseline that benchmarks measure the cost of syncing against.
+    ``ddp`` all-reduces gradients across every worker of every group each step (the
+    data-parallel baseline); ``local`` trains every group alone with no outer sync at all:
+    the no-communication baseline that benchmarks measure the cost of syncing against.
     """
 
-    name: Literal["diloco", "streaming", "local"] = "diloco"
+    name: Literal["diloco", "streaming", "ddp", "local"] = "diloco"
     sync_every: int = 50
     fragments: int = 1
     pattern: Literal["strided", "sequential"] = "strided"
@@ -74,15 +74,7 @@ class Fragment:
         return sum(t.numel() for t in self.global_)
 
 
-@dataclass
-class OuterOutcome:
-    """What the trainer learns from one inner step's outer work."""
-
-    metrics: dict[str, float] = field(default_factory=dict)
-    healed_to_step: int | None = None  # set when this group took a peer's state: jump to its step
-
-
-class OuterSync:
+class OuterSync(Synchronizer):
     """Launches and applies fragment rounds at the steps the schedule names."""
 
     def __init__(
@@ -95,33 +87,18 @@ class OuterSync:
         collective_timeout_s: float,
         commit_log: Callable[[dict], None],
     ) -> None:
+        super().__init__(
+            manager=manager, heal_state=heal_state, collective_timeout_s=collective_timeout_s, commit_log=commit_log
+        )
         self.algo = algo
         self.fragments = fragments
-        self.manager = manager
-        self.heal_state = heal_state
-        self.collective_timeout_s = collective_timeout_s
-        self.commit_log = commit_log
-        self.attempted = 0
-        self.committed_here = 0
-        self.bytes_sent = 0
-        self.tokens = 0
-        self.recoveries = 0
         self._quorum_ms = 0.0
-        self._fail_next_round = False
-
-    def fail_next_round(self) -> None:
-        """Fault injection: treat this worker's next all-reduce as failed after it completes.
-
-        The peers commit, this group does not, and it heals at the next quorum; safe to call
-        from a signal handler (it only sets a flag).
-        """
-        self._fail_next_round = True
 
     def join(self) -> OuterOutcome:
         """A starting group's first round: take the live state from a peer if the job is ahead."""
         return self._advance(0, [], OuterOutcome())
 
-    def on_step(self, step: int, tokens: int) -> OuterOutcome:
+    def after_inner_step(self, step: int, tokens: int) -> OuterOutcome:
         """After inner step ``step``: launch the due fragments' all-reduces, then apply due results."""
         self.tokens += tokens
         for f in self.fragments:
@@ -143,6 +120,11 @@ class OuterSync:
         """θ_l ← θ_g everywhere: the model to evaluate and save at the end is the global one."""
         for f in self.fragments:
             self._reset_local(f)
+
+    def _after_heal(self) -> None:
+        self.load_global_into_local()
+        for f in self.fragments:
+            f.tokens_since_sync = 0
 
     def _schedule(self, rule: Callable[[int, int, int, int], list[int]], step: int) -> list[int]:
         return rule(step, self.algo.sync_every, self.algo.fragments, self.algo.delay)
@@ -201,9 +183,8 @@ class OuterSync:
                 average = pending.result(lambda work: wait_work(work, self.collective_timeout_s))
             except LaneError as error:
                 log.warning("group %s: fragment %d round failed: %s", self.manager.group, fragment.index, error)
-        if self._fail_next_round and average is not None:
-            log.warning("group %s: injected failure of fragment %d's round", self.manager.group, fragment.index)
-            self._fail_next_round, average = False, None
+        if average is not None and self._take_injected_failure():
+            average = None
         committed = self.manager.commit(round_, average is not None)
         if committed:
             self._outer_step(fragment, average)
@@ -233,79 +214,3 @@ class OuterSync:
     def _reset_local(self, fragment: Fragment) -> None:
         for g, local in zip(fragment.global_, fragment.local):
             local.copy_(g.to(local.device).to(local.dtype))
-
-    def _heal_and_serve(self, round_: Round, step: int) -> tuple[bool, int | None]:
-        """Serve groups healing from us; receive a peer's state if we are behind.
-
-        Returns (ok, the inner step we jumped to if we healed). The received state is
-        staged and applied only if every rank of the group got its part, so a failed
-        transfer leaves the live state untouched; the group heals again next quorum. A
-        failed transfer may leave messages queued on the lane, so the lane is dropped and
-        this round is given up (the next quorum gets a new id and fresh lanes).
-        """
-        sent = all(
-            self.heal_state.send(round_.lane, t, self.manager.committed, step, self.collective_timeout_s)
-            for t in round_.heal_targets
-        )
-        source = round_.heal_source
-        staged = None
-        if source is not None:
-            staged = self.heal_state.receive(round_.lane, source, self.collective_timeout_s)
-        transfers_ok = self.manager.all_ranks(sent and (source is None or staged is not None))
-        if not transfers_ok:
-            self.manager.lanes.drop()
-            return False, None
-        if staged is None:
-            return True, None
-        self.manager.committed, healed_step = self.heal_state.apply(staged)
-        self.load_global_into_local()
-        for f in self.fragments:
-            f.tokens_since_sync = 0
-        self.recoveries += 1
-        log.info("group %s healed: round %d, inner step %d", self.manager.group, self.manager.committed, healed_step)
-        return True, healed_step
-
-    def _record(self, round_: Round, committed: bool, step: int) -> dict[str, float]:
-        """Log the round (with the group's digest when committed) and return its metrics."""
-        self.committed_here += int(committed)
-        self.commit_log(
-            {
-                "round": self.manager.committed,
-                "committed": committed,
-                "quorum_id": round_.quorum.quorum_id,
-                "participants": list(round_.quorum.participants),
-                "inner_step": step,
-                "recoveries": self.recoveries,
-                "digest": self.group_digest() if committed else None,
-            }
-        )
-        return {
-            "outer/committed": float(committed),
-            "outer/participants": float(round_.size),
-            "outer/round": float(self.manager.committed),
-            "outer/syncs_committed": float(self.committed_here),
-            "outer/syncs_attempted": float(self.attempted),
-            "outer/bytes": float(self.bytes_sent),
-            "outer/bytes_per_token": self.bytes_sent / self.tokens if self.tokens else 0.0,
-            "outer/recoveries": float(self.recoveries),
-        }
-
-    def report(self) -> dict[str, Any]:
-        """The group's outer counters and final digest for summary.json (a collective)."""
-        return {
-            "rounds": self.manager.committed,
-            "syncs_committed": self.committed_here,
-            "syncs_attempted": self.attempted,
-            "bytes_sent": self.bytes_sent,
-            "recoveries": self.recoveries,
-            "digest": self.group_digest(),
-        }
-
-    def group_digest(self) -> str:
-        """sha256 over every rank's θ_g and outer-optimizer state (a collective over the group)."""
-        own = hashlib.sha256()
-        for name, tensor in self.heal_state.global_tensors().items():
-            raw = as_bytes_tensor(tensor)
-            own.update(name.encode())
-            own.update(byte_view(raw))
-        return self.manager.combine_digests(own.digest())

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from diloco.config import JobConfig
+from diloco.ddp import GradientSync
 from diloco.distributed import WorkerEnv
 from diloco.fragments import fragment_parameter_names
 from diloco.ft.lanes import Lanes
@@ -18,6 +19,7 @@ from diloco.ft.lighthouse import LighthouseClient
 from diloco.ft.manager import Manager
 from diloco.ft.state import HealState, local_tensor
 from diloco.outer import Fragment, OuterSync
+from diloco.sync import Synchronizer
 from outer_opt import build_outer_optimizer
 
 HEARTBEATS_PER_TIMEOUT = 4
@@ -57,7 +59,7 @@ def build_outer_sync(
     signature: str,
     device: torch.device,
     commits_path: Path,
-) -> OuterSync:
+) -> Synchronizer:
     """Everything the trainer needs to take part in outer rounds; the leader also talks to the lighthouse."""
     group = group_name(job.group.id)
     timeouts = job.cluster.timeouts
@@ -79,20 +81,27 @@ def build_outer_sync(
         quorum_timeout_s=timeouts.quorum,
         heartbeat_interval_s=timeouts.heartbeat / HEARTBEATS_PER_TIMEOUT,
     )
+    common = dict(
+        manager=manager,
+        collective_timeout_s=timeouts.collective,
+        commit_log=_commit_logger(commits_path) if env.rank == 0 else _ignore,
+    )
+    if job.algo.name == "ddp":
+        params = list(model.parameters())
+        # θ is the live model itself: a healing group receives it directly, with no outer optimizer.
+        heal_state = HealState(
+            global_params=[[local_tensor(p).detach() for p in params]],
+            outer_optimizers=[],
+            inner_optimizer=inner_optimizer,
+        )
+        return GradientSync(params=params, heal_state=heal_state, **common)
     fragments = build_fragments(job, model, device)
     heal_state = HealState(
         global_params=[f.global_ for f in fragments],
         outer_optimizers=[f.optimizer for f in fragments],
         inner_optimizer=inner_optimizer,
     )
-    return OuterSync(
-        algo=job.algo,
-        fragments=fragments,
-        manager=manager,
-        heal_state=heal_state,
-        collective_timeout_s=timeouts.collective,
-        commit_log=_commit_logger(commits_path) if env.rank == 0 else _ignore,
-    )
+    return OuterSync(algo=job.algo, fragments=fragments, heal_state=heal_state, **common)
 
 
 def _commit_logger(path: Path) -> Callable[[dict], None]:

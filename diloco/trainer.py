@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from diloco.config_base import check
 from diloco.data import ShardedBatches
-from diloco.outer import OuterOutcome, OuterSync
+from diloco.sync import OuterOutcome, Synchronizer
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Trainer:
         device: torch.device,
         sharded: bool,
         on_metrics: MetricsCallback | None = None,
-        outer: OuterSync | None = None,
+        outer: Synchronizer | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -94,6 +94,7 @@ class Trainer:
         self.on_metrics = on_metrics
         self.outer = outer
         self.step = 0
+        self.sync_metrics: dict[str, float] = {}
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this worker's micro-batches; returns (mean loss, grad norm)."""
@@ -106,11 +107,17 @@ class Trainer:
             loss = self._loss(batch)
             (loss / len(micro_batches)).backward()
             total += loss.detach()
+        skip = False
+        if self.outer is not None:
+            outcome = self.outer.before_optimizer_step(self.step + 1)
+            self.sync_metrics.update(self._follow(outcome))
+            skip = outcome.skip_step
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
+        if not skip:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -139,9 +146,9 @@ class Trainer:
         while self.step < cfg.max_steps:
             loss, grad_norm = self.train_step()
             window_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
-            metrics: dict[str, float] = {}
+            metrics, self.sync_metrics = self.sync_metrics, {}
             if self.outer is not None:
-                metrics.update(self._follow(self.outer.on_step(self.step, tokens_per_step)))
+                metrics.update(self._follow(self.outer.after_inner_step(self.step, tokens_per_step)))
             last = self.step >= cfg.max_steps
             if self.step % cfg.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start

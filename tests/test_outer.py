@@ -119,7 +119,7 @@ def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P
         outer.join()
         for step in range(1, steps + 1):
             mock_inner_step(model, step, scale=1.0)
-            outer.on_step(step, tokens=1)
+            outer.after_inner_step(step, tokens=1)
         outer.manager.stop()
     local, global_ = reference_streaming(theta0, names, steps, H, P, tau, alpha, 0.7, 0.9, scale=1.0)
     got_global = {n: t for f in outer.fragments for n, t in zip(names[f.index], f.global_)}
@@ -142,7 +142,7 @@ def test_pseudo_gradient_points_from_local_to_global(tmp_path):
         for step in range(1, 5):
             mock_inner_step(model, step, scale=1.0)
             before = [p.detach().clone() for p in model.parameters()]
-            outer.on_step(step, tokens=1)
+            outer.after_inner_step(step, tokens=1)
         outer.manager.stop()
     for start, end, new_local in zip(theta0, before, model.parameters()):
         torch.testing.assert_close(new_local.detach(), (start + end) / 2, rtol=0, atol=1e-6)
@@ -166,7 +166,7 @@ def _two_groups_mock(job, tmp_path, scales, steps):
             for step in range(1, steps + 1):
                 mock_inner_step(models[g], step, scales[g])
                 pre_sync[g] = [p.detach().clone() for p in models[g].parameters()]
-                outers[g].on_step(step, tokens=1)
+                outers[g].after_inner_step(step, tokens=1)
             outers[g].manager.stop()
 
         run_threads(lambda: group(0), lambda: group(1))

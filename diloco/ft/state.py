@@ -41,8 +41,9 @@ class HealState:
     def global_tensors(self) -> dict[str, torch.Tensor]:
         """θ_g and outer-optimizer state: what invariant 1 says must match across groups."""
         named: dict[str, torch.Tensor] = {}
-        for p, (params, opt) in enumerate(zip(self.global_params, self.outer_optimizers)):
+        for p, params in enumerate(self.global_params):
             named.update({f"global.{p}.{i}": t.detach() for i, t in enumerate(params)})
+        for p, opt in enumerate(self.outer_optimizers):
             named.update({f"outer.{p}.{k}": v for k, v in optimizer_state_tensors(opt).items()})
         return named
 

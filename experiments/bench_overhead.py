@@ -1,0 +1,194 @@
+"""What outer syncs cost in wall time and in bytes: DiLoCo and Streaming DiLoCo against no sync and DDP.
+
+Two groups of one CPU process each train the same 0.8M-parameter, 4-block model for the same
+steps (``conf/experiment/bench_overhead.yaml``) three ways, run one after another and
+repeated with the order rotated (the machine has two cores; medians over the repeats):
+
+- ``algo=local``: no outer sync at all, the baseline;
+- DiLoCo, H=50: the whole model's pseudo-gradient, fp32, all-reduced every 50 steps;
+- Streaming DiLoCo, H=100, P=4 fragments, overlap tau=1, 4-bit (fp4) payloads.
+
+The time of a run is its inner loop: per group the sum of the per-step ``train/step_ms``
+(every step, outer work included), the slowest group's sum. That leaves out process
+start-up, the first quorum's wait for the other group to start, and the final evaluation,
+which are not the cost of syncing; the groups' ``train_seconds`` (which include them) are
+shown beside it. Bytes per token (summary.json) are compared with ``algo=ddp``, which
+all-reduces gradients every step; a short DDP run suffices as its bytes per token are the
+same every step.
+
+    python experiments/bench_overhead.py           # 3 repeats, 200 steps: a few minutes on two cores
+    python experiments/bench_overhead.py --quick   # 1 repeat, 100 steps, a smaller model
+
+Prints two markdown tables and the target checks, and writes them to
+experiments/results/bench_overhead.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.common import (  # noqa: E402
+    compose_job,
+    markdown_table,
+    median,
+    read_jsonl,
+    run_job,
+    runs_root,
+    verdict,
+    write_result,
+)
+
+LOCAL = "local (no sync)"
+DILOCO = "diloco H=50"
+STREAMING = "streaming H=100 P=4 tau=1 fp4"
+CONFIGS = {
+    LOCAL: ["algo=local"],
+    DILOCO: ["algo=diloco", "algo.sync_every=50"],
+    STREAMING: ["algo=streaming", "algo.sync_every=100", "algo.fragments=4", "algo.delay=1", "algo.quantize=fp4"],
+}
+DDP = ["algo=ddp"]
+TIME_HEADERS = ["config", "syncs committed", "with syncs s", "algo=local s", "overhead % (per repeat)", "train_seconds sync / local"]
+BYTES_HEADERS = ["config", "bytes sent", "bytes / token", "ddp bytes/token / config bytes/token"]
+MAX_OVERHEAD_PCT = 3.0
+MIN_BYTES_RATIO = 400.0
+
+
+@dataclass
+class Run:
+    loop_s: float
+    train_s: float
+    syncs: int
+    bytes_sent: int
+    bytes_per_token: float
+    parameters: int
+
+
+def run_config(overrides: list[str], run_dir: Path) -> Run:
+    job = compose_job(overrides, "bench_overhead")
+    summary = run_job(job, run_dir)
+    loops = []
+    for g in range(job.cluster.groups):
+        records = read_jsonl(run_dir / "metrics" / f"group{g}.jsonl")
+        loops.append(sum(r["train/step_ms"] for r in records if r.get("train/step_ms") is not None) / 1e3)
+    return Run(
+        loop_s=max(loops),
+        train_s=summary["train_seconds"],
+        syncs=summary["syncs_committed"],
+        bytes_sent=summary["bytes_sent"],
+        bytes_per_token=summary["bytes_per_token"],
+        parameters=summary["parameters"],
+    )
+
+
+def ddp_run(overrides: list[str], run_dir: Path) -> tuple[Run | None, str]:
+    """The DDP baseline's run, or None and why it could not be had (it may not exist yet)."""
+    try:
+        job_overrides = DDP + overrides
+        compose_job(job_overrides, "bench_overhead")
+    except Exception as error:  # noqa: BLE001 - any composition error means: no ddp here
+        return None, f"algo=ddp does not compose: {str(error).splitlines()[0]}"
+    try:
+        run = run_config(job_overrides, run_dir)
+    except Exception as error:  # noqa: BLE001 - report and carry on with the other rows
+        return None, f"algo=ddp run failed: {str(error).splitlines()[0]}"
+    if not run.bytes_sent:
+        return None, "algo=ddp reported no bytes sent"
+    return run, ""
+
+
+def time_table(runs: dict[str, list[Run]]) -> tuple[str, dict[str, float]]:
+    """Overhead per repeat against the local run of the same repeat (neighbours in time), then the median."""
+    local = runs[LOCAL]
+    rows, overheads = [], {}
+    for name in (DILOCO, STREAMING):
+        per_repeat = [100.0 * (run.loop_s / base.loop_s - 1.0) for run, base in zip(runs[name], local)]
+        overheads[name] = median(per_repeat)
+        rows.append(
+            [
+                name,
+                str(runs[name][0].syncs),
+                f"{median([r.loop_s for r in runs[name]]):.2f}",
+                f"{median([r.loop_s for r in local]):.2f}",
+                f"{overheads[name]:+.1f} ({', '.join(f'{p:+.1f}' for p in per_repeat)})",
+                f"{median([r.train_s for r in runs[name]]):.2f} / {median([r.train_s for r in local]):.2f}",
+            ]
+        )
+    return markdown_table(TIME_HEADERS, rows), overheads
+
+
+def bytes_table(runs: dict[str, list[Run]], ddp: Run | None, why: str) -> tuple[str, dict[str, float]]:
+    rows = [["ddp (every step)", f"{ddp.bytes_sent:,}", f"{ddp.bytes_per_token:,.1f}", "1"]] if ddp else []
+    ratios = {}
+    for name in (DILOCO, STREAMING):
+        run = runs[name][0]  # bytes are deterministic: any repeat will do
+        ratio = "ddp unavailable"
+        if ddp is not None and run.bytes_per_token > 0:
+            ratios[name] = ddp.bytes_per_token / run.bytes_per_token
+            ratio = f"{ratios[name]:,.0f}x"
+        rows.append([name, f"{run.bytes_sent:,}", f"{run.bytes_per_token:,.2f}", ratio])
+    text = markdown_table(BYTES_HEADERS, rows)
+    return (text + f"\n\nddp unavailable: {why}" if ddp is None else text), ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 repeat of 100 steps with a smaller model")
+    parser.add_argument("--repeats", type=int, help="timing repeats (default 3; --quick: 1)")
+    parser.add_argument("--steps", type=int, help="inner steps, a multiple of 100 (default 200; --quick: 100)")
+    parser.add_argument("--ddp-steps", type=int, help="steps of the DDP run (default 20; --quick: 10)")
+    parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR (default: a temp dir)")
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    steps = args.steps or (100 if args.quick else 200)
+    ddp_steps = args.ddp_steps or (10 if args.quick else 20)
+    shared = ["model.dim=64"] if args.quick else []
+
+    runs: dict[str, list[Run]] = {name: [] for name in CONFIGS}
+    names = list(CONFIGS)
+    with runs_root(args.keep_runs, "bench_overhead") as root:
+        for rep in range(repeats):
+            for i in range(len(names)):  # rotate the order so no config always runs first
+                name = names[(rep + i) % len(names)]
+                started = time.monotonic()
+                run_dir = root / f"{name.split()[0]}-{rep}"
+                runs[name].append(run_config(CONFIGS[name] + shared + [f"trainer.max_steps={steps}"], run_dir))
+                print(f"repeat {rep}: {name} in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+        ddp, why = ddp_run(shared + [f"trainer.max_steps={ddp_steps}"], root / "ddp")
+
+    model = compose_job(shared, "bench_overhead").model
+    times, overheads = time_table(runs)
+    sizes, ratios = bytes_table(runs, ddp, why)
+    lines = [
+        f"2 groups x 1 CPU process, {runs[LOCAL][0].parameters / 1e6:.2f}M parameters "
+        f"(dim {model.dim}, {model.n_layers} blocks), "
+        f"{steps} steps (ddp: {ddp_steps}), medians of {repeats} interleaved repeat(s); "
+        "time = slowest group's summed per-step time",
+        "",
+        times,
+        "",
+        sizes,
+        "",
+        f"streaming with overlap adds at most {MAX_OVERHEAD_PCT:.0f}% wall time: "
+        f"{verdict(overheads[STREAMING] <= MAX_OVERHEAD_PCT)} (overhead {overheads[STREAMING]:+.1f}%)",
+    ]
+    if STREAMING in ratios:
+        ratio = ratios[STREAMING]
+        lines.append(
+            f"streaming fp4 at H=100 sends >= {MIN_BYTES_RATIO:.0f}x fewer bytes per token than ddp: "
+            f"{verdict(ratio >= MIN_BYTES_RATIO)} (ratio {ratio:.1f})"
+        )
+    else:
+        lines.append(f"streaming fp4 at H=100 sends >= {MIN_BYTES_RATIO:.0f}x fewer bytes per token than ddp: ddp unavailable")
+    text = "\n".join(lines)
+    print(text)
+    print(f"tables written to {write_result('bench_overhead.md', text)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

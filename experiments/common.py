@@ -1,0 +1,160 @@
+"""Helpers shared by the benchmark scripts: compose the real conf/ tree, run jobs, read their records.
+
+The scripts use the library one way (STYLE rule 7): a job is composed from ``conf/`` with
+hydra exactly as ``python run.py`` would compose it, turned into a ``JobConfig`` once, and
+run through ``diloco.launcher`` (``launch`` for a whole job, ``LocalCluster`` to kill and
+restart groups). Nothing here forks the training code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # python experiments/<script>.py from a checkout, installed or not
+
+from diloco.config import JobConfig, job_config_from_dict  # noqa: E402
+from diloco.launcher import LocalCluster, launch, log_tail  # noqa: E402
+from diloco.worker import RunPaths, preflight  # noqa: E402
+
+CONF_DIR = REPO / "conf"
+RESULTS = REPO / "experiments" / "results"
+
+# Every benchmark: CPU, one process per group, no wandb, no evaluation on the way.
+BASE = [
+    "logger=none",
+    "cluster.device=cpu",
+    "cluster.workers_per_group=1",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=1",
+]
+
+
+def compose_raw(overrides: list[str]) -> dict[str, Any]:
+    """The plain config dict ``python run.py *overrides`` would see (hydra's own node removed)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    raw.pop("hydra", None)
+    return raw
+
+
+def compose_job(overrides: list[str], experiment: str | None = None) -> JobConfig:
+    """Compose BASE, then ``conf/experiment/<experiment>.yaml`` if named, then ``overrides``."""
+    extra = []
+    if experiment is not None:
+        # ``+`` appends the group; if config.yaml one day lists ``experiment`` in its defaults,
+        # the plain form is the one hydra accepts.
+        extra = [f"{'' if _experiment_in_defaults() else '+'}experiment={experiment}"]
+    return job_config_from_dict(compose_raw(extra + BASE + list(overrides)))
+
+
+def _experiment_in_defaults() -> bool:
+    defaults = yaml.safe_load((CONF_DIR / "config.yaml").read_text()).get("defaults") or []
+    keys = [entry if isinstance(entry, str) else " ".join(entry) for entry in defaults]
+    return any(key.split()[-1].split("/")[-1].startswith("experiment") for key in keys)
+
+
+def run_job(job: JobConfig, run_dir: Path) -> dict[str, Any]:
+    """Run a whole job quietly (its progress view goes to a buffer); returns summary.json's dict."""
+    return launch(job, run_dir, out=io.StringIO())
+
+
+@contextlib.contextmanager
+def runs_root(keep: str | None, name: str) -> Iterator[Path]:
+    """Where run directories go: ``keep`` if given (left in place), else a temporary directory."""
+    if keep:
+        root = Path(keep) / name
+        root.mkdir(parents=True, exist_ok=True)
+        yield Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=root))
+        return
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
+        yield Path(tmp)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete lines of a JSON-lines file a live process may still be appending to."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a half-written last line
+            records.append(json.loads(line))
+    return records
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    align = ["---"] + ["---:"] * (len(headers) - 1)
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def write_result(name: str, text: str) -> Path:
+    """Write a results table to experiments/results/<name> (git-ignored) and return its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(text if text.endswith("\n") else text + "\n")
+    return path
+
+
+class ClusterRun:
+    """A job's processes under a ``LocalCluster``, with polling helpers; stop() leaves nothing behind."""
+
+    def __init__(self, job: JobConfig, run_dir: Path) -> None:
+        self.job = job
+        self.paths = RunPaths(run_dir)
+        self.paths.root.mkdir(parents=True, exist_ok=True)
+        self.n_params, signature = preflight(job)
+        self.cluster = LocalCluster(job, self.paths, signature)
+
+    def __enter__(self) -> ClusterRun:
+        self.cluster.start_lighthouse()
+        for group in range(self.job.cluster.groups):
+            self.cluster.start_group(group)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cluster.stop()
+
+    def commits(self, group: int) -> list[dict[str, Any]]:
+        return read_jsonl(self.paths.commits(group))
+
+    def metrics(self, group: int) -> list[dict[str, Any]]:
+        return read_jsonl(self.paths.metrics(group))
+
+    def wait(self, condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.05) -> float:
+        """Poll until ``condition`` holds; returns the seconds it took. Raises with the logs' tails otherwise."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if condition():
+                return time.monotonic() - start
+            failed = self.cluster.failed_worker()
+            if failed is not None:
+                raise RuntimeError(f"group {failed.group} died:\n{log_tail(failed.log_path, 30)}")
+            time.sleep(poll_s)
+        logs = "\n".join(f"--- {p.name}\n{log_tail(p, 10)}" for p in sorted(self.paths.logs.glob("*.log")))
+        raise RuntimeError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{logs}")
