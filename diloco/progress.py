@@ -16,7 +16,7 @@ def format_duration(seconds: float) -> str:
 
 
 def render_progress(step: int, max_steps: int, elapsed_s: float, last: dict[str, Any], width: int = 24) -> str:
-    """``step 120/300 [#########...] loss 2.31 eval 2.40 tok/s 9.1k 0:31<0:46``."""
+    """``step 120/300 [#########...] loss 2.31 eval 2.40 round 3 tok/s 9.1k 0:31<0:46``."""
     frac = min(1.0, step / max_steps) if max_steps else 0.0
     filled = int(round(frac * width))
     eta = elapsed_s * (1 - frac) / frac if frac > 0 else 0.0
@@ -25,6 +25,8 @@ def render_progress(step: int, max_steps: int, elapsed_s: float, last: dict[str,
         parts.append(f"loss {last['train/loss']:.3f}")
     if last.get("eval/loss") is not None:
         parts.append(f"eval {last['eval/loss']:.3f}")
+    if last.get("outer/round") is not None:
+        parts.append(f"round {int(last['outer/round'])}")
     if last.get("train/tokens_per_s") is not None:
         parts.append(f"tok/s {last['train/tokens_per_s'] / 1000:.1f}k")
     parts.append(f"{format_duration(elapsed_s)}<{format_duration(eta)}")

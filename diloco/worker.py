@@ -89,6 +89,28 @@ def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tup
     return batches, evals
 
 
+def build_trainer(
+    job: JobConfig, model: torch.nn.Module, *, group: int, worker: int, num_workers: int, device: torch.device
+) -> Trainer:
+    """The inner loop of one worker: optimizer, schedule and data for its place in the job.
+
+    Sharding, the outer synchronizer and the metrics sink are attached by the caller.
+    """
+    optimizer, scheduler = build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
+    batches, evals = build_data(job, group, worker, num_workers)
+    return Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        batches=batches,
+        eval_set=evals,
+        cfg=job.trainer,
+        grad_clip=job.inner_opt.grad_clip,
+        device=device,
+        sharded=False,
+    )
+
+
 def preflight(job: JobConfig) -> tuple[int, str]:
     """Check, in the launching process, what would otherwise fail inside every worker.
 
@@ -118,21 +140,21 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths) -> TrainResult:
         model = Transformer(job.model).to(device)
         n_params, signature = count_parameters(model), param_signature(job.model, model)
         sharded = shard_model(model, model.layers, mesh, device)
-        optimizer, scheduler = build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
-        outer = None
+        trainer = build_trainer(job, model, group=group, worker=env.rank, num_workers=env.world_size, device=device)
+        trainer.sharded = sharded
         if job.algo.name != "local":
             outer = build_outer_sync(
                 job,
                 env,
                 model=model,
-                inner_optimizer=optimizer,
+                inner_optimizer=trainer.optimizer,
                 signature=signature,
                 device=device,
                 commits_path=paths.commits(group),
             )
             signal.signal(signal.SIGUSR1, lambda *_: outer.fail_next_round())
             outer.manager.start()
-        batches, evals = build_data(job, group, env.rank, env.world_size)
+            trainer.outer = outer
         logger = None
         if leader:
             print(f"group {group}: model has {n_params:,} parameters", flush=True)
@@ -144,26 +166,14 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths) -> TrainResult:
                 config=to_dict(job),
             )
             logger = MetricsLogger(paths.metrics(group), wandb_run)
-        trainer = Trainer(
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            batches=batches,
-            eval_set=evals,
-            cfg=job.trainer,
-            grad_clip=job.inner_opt.grad_clip,
-            device=device,
-            sharded=sharded,
-            on_metrics=logger.log if logger else None,
-            outer=outer,
-        )
+            trainer.on_metrics = logger.log
         try:
             result = trainer.fit()
         finally:
-            if outer is not None:
-                outer.manager.stop()
+            if trainer.outer is not None:
+                trainer.outer.manager.stop()
         weights = _full_state_dict(model, sharded)
-        outer_report = outer.report() if outer is not None else {}
+        outer_report = trainer.outer.report() if trainer.outer is not None else {}
         if leader:
             report = _result_record(group, result, n_params) | outer_report
             if group == 0:

@@ -162,6 +162,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", help="group counts (default 2 3 4; --quick: 2)")
     parser.add_argument("--steps", type=int, help="timed inner steps per group (default 100; --quick: 40)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any one wait may take")
+    parser.add_argument("--results", metavar="DIR", help="folder of the results table (default experiments/results)")
     parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR (default: a temp dir)")
     args = parser.parse_args()
     groups = args.groups or ([2] if args.quick else [2, 3, 4])
@@ -176,7 +177,7 @@ def main() -> None:
             print(f"{m} groups measured in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
     text = report(rows, h, steps)
     print(text)
-    print(f"table written to {write_result('bench_sync.md', text)}", file=sys.stderr)
+    print(f"table written to {write_result('bench_sync.md', text, args.results)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

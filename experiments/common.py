@@ -113,10 +113,11 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
-def write_result(name: str, text: str) -> Path:
-    """Write a results table to experiments/results/<name> (git-ignored) and return its path."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
+def write_result(name: str, text: str, folder: str | None = None) -> Path:
+    """Write a results table to ``folder`` (default experiments/results, git-ignored); returns its path."""
+    root = Path(folder) if folder else RESULTS
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / name
     path.write_text(text if text.endswith("\n") else text + "\n")
     return path
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from diloco.config import GroupConfig, JobConfig
-from diloco.data import ShardedBatches, eval_batches, load_corpus
 from diloco.distributed import WorkerEnv
 from diloco.fragments import fragment_parameter_names, fragments_to_apply, fragments_to_launch
 from diloco.ft.lighthouse import Lighthouse, LighthouseConfig
@@ -24,6 +23,7 @@ from diloco.optim import build_inner_optimizer
 from diloco.outer import OuterSync
 from diloco.outer_setup import build_outer_sync
 from diloco.trainer import Trainer
+from diloco.worker import build_trainer
 from tests.conftest import compose_job
 
 BASE = ["logger=none", "cluster.device=cpu", "cluster.workers_per_group=1", "trainer.eval_every=0"]
@@ -182,36 +182,11 @@ def test_avg_outer_optimizer_is_parameter_averaging(tmp_path):
     assert outers[0].group_digest() == outers[1].group_digest()
 
 
-def _sgd_trainer(job, group: int, num_groups: int, model=None) -> Trainer:
-    splits = load_corpus(job.data)
-    t = job.trainer
-    if model is None:
-        torch.manual_seed(t.seed)
-        model = Transformer(job.model)
-    optimizer, scheduler = build_inner_optimizer(list(model.parameters()), job.inner_opt, t.max_steps)
-    batches = ShardedBatches(
-        splits.train,
-        seq_len=t.seq_len,
-        micro_batch_size=t.batch_size,
-        grad_accum=t.grad_accum,
-        group=group,
-        num_groups=num_groups,
-        worker=0,
-        num_workers=1,
-        seed=t.seed,
-    )
-    evals = eval_batches(splits.val, seq_len=t.seq_len, batch_size=t.batch_size, max_batches=1, worker=0, num_workers=1)
-    return Trainer(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        batches=batches,
-        eval_set=evals,
-        cfg=t,
-        grad_clip=0.0,
-        device=torch.device("cpu"),
-        sharded=False,
-    )
+def _sgd_trainer(job, group: int, num_groups: int) -> Trainer:
+    assert job.cluster.groups == num_groups, (job.cluster.groups, num_groups)
+    torch.manual_seed(job.trainer.seed)
+    model = Transformer(job.model)
+    return build_trainer(job, model, group=group, worker=0, num_workers=1, device=torch.device("cpu"))
 
 
 SGD_EXACT = ["inner_opt=sgd", "outer_opt=avg", "algo.sync_every=1", "trainer.max_steps=3", "trainer.seq_len=32"]
@@ -252,3 +227,30 @@ def test_two_groups_sync_every_step_with_sgd_and_averaging_is_data_parallel_sgd(
     for ref, a, b in zip(reference.model.parameters(), trainers[0].model.parameters(), trainers[1].model.parameters()):
         torch.testing.assert_close(a.detach(), ref.detach(), rtol=0, atol=2e-6)
         assert torch.equal(a, b)
+
+
+def _two_group_trainers(job, tmp_path) -> list[Trainer]:
+    trainers = [_sgd_trainer(job, g, 2) for g in range(2)]
+    with lighthouse_for(job) as job:
+        for g, trainer in enumerate(trainers):
+            trainer.outer = outer_for(job, g, trainer.model, trainer.optimizer, tmp_path / f"{job.algo.name}{g}")
+        run_threads(*(t.fit for t in trainers))
+        for t in trainers:
+            t.outer.manager.stop()
+    return trainers
+
+
+def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco_bit_for_bit(tmp_path):
+    common = BASE + ["cluster.groups=2", "algo.sync_every=4", "trainer.max_steps=8", "trainer.seq_len=32"]
+    diloco = _two_group_trainers(compose_job(common + ["algo=diloco"]), tmp_path)
+    streaming = _two_group_trainers(
+        compose_job(
+            common
+            + ["algo=streaming", "algo.sync_every=4", "algo.fragments=1", "algo.delay=0"]
+            + ["algo.alpha=0.0", "algo.quantize=none"]
+        ),
+        tmp_path,
+    )
+    for a, b in zip(diloco[0].model.parameters(), streaming[0].model.parameters()):
+        assert torch.equal(a, b)
+    assert diloco[0].outer.group_digest() == streaming[0].outer.group_digest()

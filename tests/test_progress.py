@@ -10,8 +10,9 @@ from diloco.progress import ProgressView, render_progress
 
 
 def test_render_progress_shows_step_bar_loss_throughput_and_eta():
-    line = render_progress(50, 200, 30.0, {"train/loss": 2.3456, "train/tokens_per_s": 12345.0}, width=8)
-    assert line == "step 50/200 [##......] loss 2.346 tok/s 12.3k 0:30<1:30"
+    last = {"train/loss": 2.3456, "train/tokens_per_s": 12345.0, "outer/round": 3.0}
+    line = render_progress(50, 200, 30.0, last, width=8)
+    assert line == "step 50/200 [##......] loss 2.346 round 3 tok/s 12.3k 0:30<1:30"
 
 
 def test_metrics_file_is_read_incrementally_and_nan_becomes_null(tmp_path):

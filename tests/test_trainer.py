@@ -4,42 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from diloco.data import ShardedBatches, eval_batches, load_corpus
 from diloco.model import Transformer
-from diloco.optim import build_inner_optimizer
 from diloco.trainer import Trainer
+from diloco.worker import build_trainer
 from tests.conftest import compose_job
 
 
-def _trainer(job, splits, metrics=None) -> Trainer:
+def _trainer(job, metrics=None) -> Trainer:
     torch.manual_seed(job.trainer.seed)
-    model = Transformer(job.model)
-    optimizer, scheduler = build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
-    t = job.trainer
-    batches = ShardedBatches(
-        splits.train,
-        seq_len=t.seq_len,
-        micro_batch_size=t.batch_size,
-        grad_accum=t.grad_accum,
-        group=0,
-        num_groups=1,
-        worker=0,
-        num_workers=1,
-        seed=t.seed,
-    )
-    evals = eval_batches(splits.val, seq_len=t.seq_len, batch_size=t.batch_size, max_batches=2, worker=0, num_workers=1)
-    return Trainer(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        batches=batches,
-        eval_set=evals,
-        cfg=job.trainer,
-        grad_clip=job.inner_opt.grad_clip,
-        device=torch.device("cpu"),
-        sharded=False,
-        on_metrics=(lambda m, s: metrics.append((s, m))) if metrics is not None else None,
-    )
+    trainer = build_trainer(job, Transformer(job.model), group=0, worker=0, num_workers=1, device=torch.device("cpu"))
+    if metrics is not None:
+        trainer.on_metrics = lambda m, s: metrics.append((s, m))
+    return trainer
 
 
 def test_fit_logs_the_named_metrics_and_the_loss_falls():
@@ -53,7 +29,7 @@ def test_fit_logs_the_named_metrics_and_the_loss_falls():
         ]
     )
     metrics: list = []
-    result = _trainer(job, load_corpus(job.data), metrics).fit()
+    result = _trainer(job, metrics).fit()
     steps = [s for s, _ in metrics]
     assert steps == [10, 15, 20, 30]
     first, last = metrics[0][1], metrics[-1][1]
@@ -66,12 +42,11 @@ def test_fit_logs_the_named_metrics_and_the_loss_falls():
 
 def test_progress_state_resumes_data_and_lr_without_replay():
     job = compose_job(["algo.sync_every=10", "trainer.max_steps=10", "trainer.seq_len=32", "trainer.batch_size=2"])
-    splits = load_corpus(job.data)
-    original = _trainer(job, splits)
+    original = _trainer(job)
     for _ in range(4):
         original.train_step()
     state = original.progress_state()
-    restarted = _trainer(job, splits)
+    restarted = _trainer(job)
     restarted.load_progress_state(state)
     assert restarted.step == 4
     assert restarted.optimizer.param_groups[0]["lr"] == original.optimizer.param_groups[0]["lr"]

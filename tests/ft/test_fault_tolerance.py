@@ -131,8 +131,16 @@ def test_three_groups_hold_identical_state_after_every_commit(job_factory):
     assert len({r["rounds"] for r in results}) == 1
 
 
-def test_killed_group_is_left_out_then_heals_when_restarted(job_factory):
-    job = job_factory("trainer.max_steps=100000")
+ALGOS = {
+    "diloco": [],
+    "streaming": ["algo=streaming", "algo.fragments=2", "algo.delay=1", "algo.alpha=0.5", "algo.quantize=fp4"],
+    "ddp": ["algo=ddp", "algo.sync_every=1"],
+}
+
+
+@pytest.mark.parametrize("algo", sorted(ALGOS))
+def test_killed_group_is_left_out_then_heals_when_restarted(job_factory, algo):
+    job = job_factory("trainer.max_steps=100000", *ALGOS[algo])
     job.start(range(3))
     job.wait(lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three")
     job.cluster.signal_group(2, signal.SIGKILL)
