@@ -19,8 +19,9 @@ from diloco.config_base import ConfigError
 from diloco.data import DataError
 from diloco.distributed import WorkerEnv
 from diloco.ft.lighthouse import serve_forever
-from diloco.launcher import JobFailed, launch
-from diloco.worker import RunPaths, run_worker
+from diloco.launcher import JobFailed
+from diloco.run_local import launch
+from diloco.worker import RunPaths, exit_without_teardown, run_worker
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
@@ -35,7 +36,7 @@ def main(cfg: DictConfig) -> float | None:
             return None
         if job.role == "group":
             run_worker(job, WorkerEnv.from_environ(os.environ), RunPaths(run_dir))
-            return None
+            exit_without_teardown()
         summary = launch(job, run_dir)
     except (ConfigError, DataError) as error:
         sys.exit(f"error: {error}")

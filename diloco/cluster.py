@@ -20,10 +20,10 @@ class TimeoutsConfig:
     """
 
     connect: float = 60.0
-    collective: float = 120.0
+    collective: float = 30.0
     quorum: float = 60.0
-    heartbeat: float = 5.0
-    join: float = 2.0
+    heartbeat: float = 3.0
+    join: float = 0.5
 
     def validate(self) -> None:
         for key in ("connect", "collective", "quorum", "heartbeat", "join"):
@@ -40,6 +40,8 @@ class ClusterConfig:
     min_groups: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     master_addr: str = "127.0.0.1"
+    max_restarts: int = 5  # crashes of one group the supervisor restarts before failing the job
+    restart_backoff: float = 1.0  # seconds before restarting a dead group, doubling per crash
     lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
 
@@ -57,6 +59,8 @@ class ClusterConfig:
             self.min_groups,
             f"must be in [1, cluster.groups={self.groups}]",
         )
+        check(self.max_restarts >= 0, "cluster.max_restarts", self.max_restarts, "must be >= 0")
+        check(self.restart_backoff >= 0, "cluster.restart_backoff", self.restart_backoff, "must be >= 0 seconds")
         self.lighthouse.validate()
         self.timeouts.validate()
         self.quorum_rules().validate()

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from diloco.cluster import ClusterConfig
 from diloco.config_base import check, from_dict
 from diloco.data import DataConfig
+from diloco.faults import FaultsConfig
 from diloco.fragments import validate_schedule
 from diloco.metrics import LoggerConfig
 from diloco.model import ModelConfig
@@ -36,6 +37,7 @@ class JobConfig:
     outer_opt: OuterOptConfig = field(default_factory=OuterOptConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
     role: Literal["local", "lighthouse", "group"] = "local"
     group: GroupConfig = field(default_factory=GroupConfig)
     name: str = "diloco"
@@ -50,6 +52,7 @@ class JobConfig:
             self.outer_opt,
             self.cluster,
             self.logger,
+            self.faults,
         ):
             part.validate()
         validate_schedule(

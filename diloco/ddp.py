@@ -28,6 +28,7 @@ class GradientSync(Synchronizer):
     def __init__(self, *, params: list[torch.nn.Parameter], **kwargs) -> None:
         super().__init__(**kwargs)
         self.params = params
+        self._contributed = False
 
     def before_optimizer_step(self, step: int) -> OuterOutcome:
         """Average the gradients over the lane; a healing group contributes nothing and steps with the rest.
@@ -36,7 +37,9 @@ class GradientSync(Synchronizer):
         the round its peers are in.
         """
         started = time.perf_counter()
+        self._contributed = False
         outcome = OuterOutcome(skip_step=True)
+        self._poll_fault_requests()
         round_ = self.manager.start_round()
         if round_ is None:
             return outcome  # no quorum: no step, so no group drifts from the others
@@ -45,35 +48,45 @@ class GradientSync(Synchronizer):
         average = None
         if ok:
             average = self._reduce(round_, contribute=healed is None)
-        if average is not None and self._take_injected_failure():
+        if average is not None and self._take_injected("fail_round"):
             average = None
         self.attempted += 1
         committed = self.manager.commit(round_, average is not None)
         if committed:
             self._write_gradients(average)
         outcome.skip_step = not committed
-        outcome.metrics.update(self._record(round_, committed, step))
-        outcome.metrics["outer/sync_ms"] = 1000 * (time.perf_counter() - started)
+        self._contributed = committed and healed is None
+        outcome.metrics.update(self._record(round_, committed, step, 1000 * (time.perf_counter() - started)))
         return outcome
 
     def after_inner_step(self, step: int, tokens: int) -> OuterOutcome:
         self.tokens += tokens
+        if self._contributed:
+            self.tokens_committed += tokens
         return OuterOutcome()
 
     def _reduce(self, round_, *, contribute: bool) -> torch.Tensor | None:
         with torch.no_grad():
-            grads = [
-                _grad_of(p).float().cpu().flatten() if contribute else torch.zeros(local_tensor(p).numel())
-                for p in self.params
-            ]
+            grads = torch.cat(
+                [
+                    _grad_of(p).float().cpu().flatten() if contribute else torch.zeros(local_tensor(p).numel())
+                    for p in self.params
+                ]
+            )
+        finite = not contribute or self._all_finite(grads)
+        if not finite:
+            grads.zero_()
+            contribute = False
         try:
-            pending = launch_reduce(round_.lane, torch.cat(grads), 1.0 if contribute else 0.0, "none", round_.size)
+            pending = launch_reduce(round_.lane, grads, 1.0 if contribute else 0.0, "none", round_.size)
+            if self._take_injected("break_lane"):
+                self.manager.lanes.drop()  # mid all-reduce: this round fails everywhere
             average = pending.result(lambda work: wait_work(work, self.collective_timeout_s))
         except (LaneError, RuntimeError) as error:
             log.warning("group %s: gradient all-reduce failed: %s", self.manager.group, error)
             return None
         self.bytes_sent += pending.bytes_sent
-        return average
+        return average if finite else None
 
     @torch.no_grad()
     def _write_gradients(self, average: torch.Tensor) -> None:

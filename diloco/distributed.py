@@ -24,6 +24,7 @@ class WorkerEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    agent_hosts_store: bool = False  # torchrun's agent already serves the store at MASTER_PORT
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> WorkerEnv:
@@ -39,6 +40,7 @@ class WorkerEnv:
             local_rank=int(environ["LOCAL_RANK"]),
             master_addr=environ["MASTER_ADDR"],
             master_port=int(environ["MASTER_PORT"]),
+            agent_hosts_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -75,7 +77,7 @@ def init_group(
         env.master_addr,
         env.master_port,
         env.world_size,
-        is_master=env.rank == 0,
+        is_master=env.rank == 0 and not env.agent_hosts_store,
         timeout=timedelta(seconds=connect_timeout_s),
     )
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import secrets
 import signal
@@ -20,13 +19,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
 
 from diloco.config import JobConfig
 from diloco.config_base import to_dict
 from diloco.distributed import WorkerEnv
-from diloco.progress import ProgressView
-from diloco.worker import RunPaths, preflight
+from diloco.faults import request_fault
+from diloco.worker import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +173,10 @@ class LocalCluster:
             for w in self.groups.pop(group):
                 w.process.wait()
 
+    def request_fault(self, group: int, fault: str) -> None:
+        """Make ``group`` inject ``fault`` into its next round (see Synchronizer.inject)."""
+        request_fault(self.paths.fault_requests(group), fault)
+
     def failed_worker(self) -> WorkerProcess | None:
         """A worker that exited with an error, if any."""
         for workers in self.groups.values():
@@ -190,79 +192,3 @@ class LocalCluster:
         """Stop every process of the job; nothing is left behind."""
         processes = [w.process for workers in self.groups.values() for w in workers]
         stop_processes(processes + ([self.lighthouse] if self.lighthouse else []))
-
-
-def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str, Any]:
-    """Run the whole job on this machine; returns (and writes) the summary."""
-    paths = RunPaths(run_dir)
-    paths.root.mkdir(parents=True, exist_ok=True)
-    n_params, signature = preflight(job)
-    cluster = LocalCluster(job, paths, signature)
-    print(
-        f"model: {n_params:,} parameters; {job.cluster.groups} group(s) x {job.cluster.workers_per_group} "
-        f"worker(s); lighthouse status page {cluster.lighthouse_url}/",
-        file=out,
-        flush=True,
-    )
-    start = time.monotonic()
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    try:
-        if job.algo.name != "local":
-            cluster.start_lighthouse()
-        for group in range(job.cluster.groups):
-            cluster.start_group(group)
-        view = ProgressView([paths.metrics(g) for g in range(job.cluster.groups)], job.trainer.max_steps, out=out)
-        while not cluster.finished():
-            view.update(time.monotonic() - start)
-            failed = cluster.failed_worker()
-            if failed is not None:
-                raise JobFailed(
-                    f"group {failed.group} rank {failed.rank} exited with code {failed.process.returncode}; "
-                    f"last lines of {failed.log_path}:\n" + log_tail(failed.log_path)
-                )
-            time.sleep(POLL_INTERVAL_S)
-        view.update(time.monotonic() - start, final=True)
-    finally:
-        cluster.stop()
-        signal.signal(signal.SIGTERM, previous_sigterm)
-    summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
-    paths.summary.write_text(json.dumps(summary, indent=2))
-    return summary
-
-
-def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: float) -> dict[str, Any]:
-    """Job-level numbers from each group's result file (means over groups, sums of tokens)."""
-    results = [json.loads(paths.result(g).read_text()) for g in range(job.cluster.groups)]
-    tokens = sum(r["tokens_seen"] for r in results)
-    train_seconds = max(r["train_seconds"] for r in results)
-    eval_loss = _mean(r["final_eval_loss"] for r in results)
-    return {
-        "name": job.name,
-        "parameters": n_params,
-        "groups": job.cluster.groups,
-        "workers_per_group": job.cluster.workers_per_group,
-        "steps": min(r["steps"] for r in results),
-        "final_train_loss": _mean(r["final_train_loss"] for r in results),
-        "final_eval_loss": eval_loss,
-        "final_eval_ppl": math.exp(min(eval_loss, 50.0)),
-        "tokens_seen": tokens,
-        "wall_seconds": wall_seconds,
-        "train_seconds": train_seconds,
-        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
-        "rounds": max(r.get("rounds", 0) for r in results),
-        "syncs_committed": sum(r.get("syncs_committed", 0) for r in results),
-        "syncs_attempted": sum(r.get("syncs_attempted", 0) for r in results),
-        "bytes_sent": sum(r.get("bytes_sent", 0) for r in results),
-        "bytes_per_token": sum(r.get("bytes_sent", 0) for r in results) / tokens if tokens else 0.0,
-        "recoveries": sum(r.get("recoveries", 0) for r in results),
-        "per_group": results,
-    }
-
-
-def _mean(values: Any) -> float:
-    values = list(values)
-    return sum(values) / len(values)
-
-
-def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")

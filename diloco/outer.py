@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -22,8 +22,7 @@ from torch import nn
 from diloco.config_base import check
 from diloco.fragments import fragments_to_apply, fragments_to_launch
 from diloco.ft.lanes import LaneError
-from diloco.ft.manager import Manager, Round, wait_work
-from diloco.ft.state import HealState
+from diloco.ft.manager import Round, wait_work
 from diloco.outer_reduce import PendingReduce, launch_reduce
 from diloco.sync import OuterOutcome, Synchronizer
 
@@ -67,6 +66,7 @@ class Fragment:
     pending: PendingReduce | None = None
     round: Round | None = None
     local_ok: bool = True
+    contributed: bool = False
     tokens_since_sync: int = 0
 
     @property
@@ -77,19 +77,8 @@ class Fragment:
 class OuterSync(Synchronizer):
     """Launches and applies fragment rounds at the steps the schedule names."""
 
-    def __init__(
-        self,
-        *,
-        algo: AlgoConfig,
-        fragments: list[Fragment],
-        manager: Manager,
-        heal_state: HealState,
-        collective_timeout_s: float,
-        commit_log: Callable[[dict], None],
-    ) -> None:
-        super().__init__(
-            manager=manager, heal_state=heal_state, collective_timeout_s=collective_timeout_s, commit_log=commit_log
-        )
+    def __init__(self, *, algo: AlgoConfig, fragments: list[Fragment], **common: Any) -> None:
+        super().__init__(**common)
         self.algo = algo
         self.fragments = fragments
         self._quorum_ms = 0.0
@@ -136,6 +125,7 @@ class OuterSync(Synchronizer):
         peer's step) with a zero, weightless contribution (DESIGN invariant 3).
         """
         started = time.perf_counter()
+        self._poll_fault_requests()
         round_ = self.manager.start_round()
         self._quorum_ms = 1000 * (time.perf_counter() - started)
         if round_ is None:
@@ -151,23 +141,32 @@ class OuterSync(Synchronizer):
                 self.fragments[p].round, self.fragments[p].pending, self.fragments[p].local_ok = round_, None, False
         if not due:  # a join round moves no tensors: commit it now
             self.attempted += 1
-            outcome.metrics.update(self._record(round_, self.manager.commit(round_, ok), healed or step))
+            committed = self.manager.commit(round_, ok)
+            outcome.metrics.update(self._record(round_, committed, healed or step, self._quorum_ms))
         return healed
 
     def _launch_reduce(self, fragment: Fragment, round_: Round, *, contribute: bool) -> None:
         """Start the lane all-reduce of Δ_p (zeros and weight 0 for a group that does not contribute)."""
         self.attempted += 1
+        with torch.no_grad():
+            delta = torch.cat(
+                [
+                    (g - local.float().cpu()).flatten() if contribute else torch.zeros(g.numel())
+                    for g, local in zip(fragment.global_, fragment.local)
+                ]
+            )
+        fragment.round, fragment.local_ok, fragment.pending = round_, True, None
+        if contribute and not self._all_finite(delta):
+            delta.zero_()
+            contribute, fragment.local_ok = False, False
         weight = 0.0
         if contribute:
             weight = float(fragment.tokens_since_sync) if self.algo.weighting == "tokens" else 1.0
-        with torch.no_grad():
-            deltas = [
-                (g - local.float().cpu()).flatten() if contribute else torch.zeros(g.numel())
-                for g, local in zip(fragment.global_, fragment.local)
-            ]
-        fragment.round, fragment.local_ok, fragment.pending = round_, True, None
+        fragment.contributed = contribute
         try:
-            fragment.pending = launch_reduce(round_.lane, torch.cat(deltas), weight, self.algo.quantize, round_.size)
+            fragment.pending = launch_reduce(round_.lane, delta, weight, self.algo.quantize, round_.size)
+            if self._take_injected("break_lane"):
+                self.manager.lanes.drop()  # mid all-reduce: this round fails everywhere
         except Exception as error:  # a broken lane fails the round; it does not stop training
             log.warning("group %s: all-reduce launch failed: %s", self.manager.group, error)
             fragment.local_ok = False
@@ -183,18 +182,18 @@ class OuterSync(Synchronizer):
                 average = pending.result(lambda work: wait_work(work, self.collective_timeout_s))
             except LaneError as error:
                 log.warning("group %s: fragment %d round failed: %s", self.manager.group, fragment.index, error)
-        if average is not None and self._take_injected_failure():
+        if average is not None and self._take_injected("fail_round"):
             average = None
         committed = self.manager.commit(round_, average is not None)
         if committed:
             self._outer_step(fragment, average)
             self.bytes_sent += pending.bytes_sent
+            if fragment.contributed:  # each fragment carries 1/P of the window's inner work
+                self.tokens_committed += fragment.tokens_since_sync / self.algo.fragments
         else:
             self._reset_local(fragment)
         fragment.round, fragment.pending, fragment.tokens_since_sync = None, None, 0
-        metrics = self._record(round_, committed, step)
-        metrics["outer/sync_ms"] = self._quorum_ms + 1000 * (time.perf_counter() - started)
-        return metrics
+        return self._record(round_, committed, step, self._quorum_ms + 1000 * (time.perf_counter() - started))
 
     @torch.no_grad()
     def _outer_step(self, fragment: Fragment, average: torch.Tensor) -> None:

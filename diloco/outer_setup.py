@@ -13,6 +13,7 @@ from torch import nn
 from diloco.config import JobConfig
 from diloco.ddp import GradientSync
 from diloco.distributed import WorkerEnv
+from diloco.faults import FaultRequests
 from diloco.fragments import fragment_parameter_names
 from diloco.ft.lanes import Lanes
 from diloco.ft.lighthouse import LighthouseClient
@@ -59,6 +60,7 @@ def build_outer_sync(
     signature: str,
     device: torch.device,
     commits_path: Path,
+    fault_requests: FaultRequests | None = None,
 ) -> Synchronizer:
     """Everything the trainer needs to take part in outer rounds; the leader also talks to the lighthouse."""
     group = group_name(job.group.id)
@@ -85,6 +87,7 @@ def build_outer_sync(
         manager=manager,
         collective_timeout_s=timeouts.collective,
         commit_log=_commit_logger(commits_path) if env.rank == 0 else _ignore,
+        fault_requests=fault_requests,
     )
     if job.algo.name == "ddp":
         params = list(model.parameters())

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from diloco.byte_view import as_bytes_tensor, byte_view
+from diloco.faults import FaultRequests
 from diloco.ft.manager import Manager, Round
 from diloco.ft.state import HealState
 
 log = logging.getLogger(__name__)
+
+INJECTABLE_FAULTS = ("fail_round", "break_lane", "nan")
 
 
 @dataclass
@@ -39,8 +45,10 @@ class Synchronizer:
         heal_state: HealState,
         collective_timeout_s: float,
         commit_log: Callable[[dict], None],
+        fault_requests: FaultRequests | None = None,
     ) -> None:
         self.manager = manager
+        self.fault_requests = fault_requests
         self.heal_state = heal_state
         self.collective_timeout_s = collective_timeout_s
         self.commit_log = commit_log
@@ -48,16 +56,21 @@ class Synchronizer:
         self.committed_here = 0
         self.bytes_sent = 0
         self.tokens = 0
+        self.tokens_committed = 0.0  # tokens whose inner steps reached a committed global model
         self.recoveries = 0
-        self._fail_next_round = False
+        self._injected: set[str] = set()
 
-    def fail_next_round(self) -> None:
-        """Fault injection: treat this worker's next all-reduce as failed after it completes.
+    def inject(self, fault: str) -> None:
+        """Fault injection for the next round.
 
-        The peers commit, this group does not, and it heals at the next quorum; safe to call
-        from a signal handler (it only sets a flag).
+        ``fail_round``: this worker's all-reduce is treated as failed after it completes (the
+        peers commit, this group does not and heals next round). ``break_lane``: the lane is
+        aborted while the all-reduce is in flight (nobody commits that round). ``nan``: this
+        group's update becomes non-finite (the guard leaves it out; it heals).
         """
-        self._fail_next_round = True
+        if fault not in INJECTABLE_FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; one of {', '.join(INJECTABLE_FAULTS)}")
+        self._injected.add(fault)
 
     def join(self) -> OuterOutcome:
         """A starting group's first round: take the live state from a peer if the job is ahead."""
@@ -77,11 +90,31 @@ class Synchronizer:
     def _after_heal(self) -> None:
         """Called once a peer's state has been applied."""
 
-    def _take_injected_failure(self) -> bool:
-        taken, self._fail_next_round = self._fail_next_round, False
-        if taken:
-            log.warning("group %s: injected failure of this round", self.manager.group)
-        return taken
+    def _poll_fault_requests(self) -> None:
+        """Pick up faults the launcher queued for this group since the last round."""
+        if self.fault_requests is not None:
+            for fault in self.fault_requests.take():
+                self.inject(fault)
+
+    def _take_injected(self, fault: str) -> bool:
+        if fault not in self._injected:
+            return False
+        self._injected.discard(fault)
+        log.warning("group %s: injected fault %s", self.manager.group, fault)
+        return True
+
+    def _all_finite(self, update: torch.Tensor) -> bool:
+        """Non-finite guard: true only if this update is finite on every rank of the group.
+
+        A group whose update holds NaN or Inf contributes nothing (the others' average is
+        untouched), does not commit, and heals from a peer at the next round.
+        """
+        if self._take_injected("nan"):
+            update[: min(1, update.numel())] = float("nan")
+        finite = self.manager.all_ranks(bool(torch.isfinite(update).all()))
+        if not finite:
+            log.warning("group %s: non-finite update left out of this round", self.manager.group)
+        return finite
 
     def _heal_and_serve(self, round_: Round, step: int) -> tuple[bool, int | None]:
         """Serve groups healing from us; receive a peer's state if we are behind.
@@ -112,7 +145,7 @@ class Synchronizer:
         log.info("group %s healed: round %d, inner step %d", self.manager.group, self.manager.committed, healed_step)
         return True, healed_step
 
-    def _record(self, round_: Round, committed: bool, step: int) -> dict[str, float]:
+    def _record(self, round_: Round, committed: bool, step: int, sync_ms: float) -> dict[str, float]:
         """Log the round (with the group's digest when committed) and return its metrics."""
         self.committed_here += int(committed)
         self.commit_log(
@@ -122,12 +155,15 @@ class Synchronizer:
                 "quorum_id": round_.quorum.quorum_id,
                 "participants": list(round_.quorum.participants),
                 "inner_step": step,
+                "time": time.time(),
+                "sync_ms": sync_ms,
                 "recoveries": self.recoveries,
                 "digest": self.group_digest() if committed else None,
             }
         )
         return {
             "outer/committed": float(committed),
+            "outer/sync_ms": sync_ms,
             "outer/participants": float(round_.size),
             "outer/round": float(self.manager.committed),
             "outer/syncs_committed": float(self.committed_here),
@@ -144,6 +180,7 @@ class Synchronizer:
             "syncs_committed": self.committed_here,
             "syncs_attempted": self.attempted,
             "bytes_sent": self.bytes_sent,
+            "tokens_committed": self.tokens_committed,
             "recoveries": self.recoveries,
             "digest": self.group_digest(),
         }

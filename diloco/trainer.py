@@ -166,14 +166,18 @@ class Trainer:
                 )
                 window_loss.zero_()
                 window_start = time.perf_counter()
-            if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
-                if last and self.outer is not None:
-                    self.outer.load_global_into_local()  # the result of DiLoCo is θ_g
+            if (cfg.eval_every and self.step % cfg.eval_every == 0) and not last:
                 eval_loss = self.evaluate()
                 metrics.update({"eval/loss": eval_loss, "eval/ppl": _perplexity(eval_loss)})
                 window_start = time.perf_counter()  # evaluation time is not training throughput
             if metrics and self.on_metrics is not None:
                 self.on_metrics(metrics, self.step)
+        # The final evaluation, also for a group that healed straight to the last step.
+        if self.outer is not None:
+            self.outer.load_global_into_local()  # the result of DiLoCo is θ_g
+        eval_loss = self.evaluate()
+        if self.on_metrics is not None:
+            self.on_metrics({"eval/loss": eval_loss, "eval/ppl": _perplexity(eval_loss)}, self.step)
         return TrainResult(
             steps=self.step,
             tokens_seen=tokens_per_step * self.step,

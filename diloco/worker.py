@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,7 @@ from diloco.config import JobConfig, job_config_from_dict
 from diloco.config_base import to_dict
 from diloco.data import ShardedBatches, eval_batches, load_corpus
 from diloco.distributed import WorkerEnv, init_group, select_device, shard_model
+from diloco.faults import FaultRequests
 from diloco.metrics import MetricsLogger, start_wandb
 from diloco.model import Transformer, count_parameters, param_signature
 from diloco.optim import build_inner_optimizer
@@ -61,6 +62,9 @@ class RunPaths:
 
     def commits(self, group: int) -> Path:
         return self.root / "commits" / f"group{group}.jsonl"
+
+    def fault_requests(self, group: int) -> Path:
+        return self.root / "faults" / f"group{group}.requests"
 
 
 def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tuple[ShardedBatches, list]:
@@ -151,8 +155,8 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths) -> TrainResult:
                 signature=signature,
                 device=device,
                 commits_path=paths.commits(group),
+                fault_requests=FaultRequests(paths.fault_requests(group)),
             )
-            signal.signal(signal.SIGUSR1, lambda *_: outer.fail_next_round())
             outer.manager.start()
             trainer.outer = outer
         logger = None
@@ -218,6 +222,19 @@ def main(argv: list[str] | None = None) -> None:
     raw["group"] = {"id": args.group}
     job = job_config_from_dict(raw)
     run_worker(job, WorkerEnv.from_environ(os.environ), paths)
+    exit_without_teardown()
+
+
+def exit_without_teardown() -> None:
+    """Leave without running C++ destructors: everything is written and every group torn down.
+
+    Destroying aborted Gloo lanes and store clients at interpreter exit intermittently ends
+    in std::terminate, which would turn a finished worker into a crashed one.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ For M = 2, 3, 4 replica groups (one CPU process each) training a ~2M-parameter m
 DiLoCo at H=10 (``conf/experiment/bench_sync.yaml``), one job per M:
 
 1. train until every group logged ``--steps`` inner steps after a first window left out
-   for start-up (at least 8 syncs); from the per-step metrics take the median ``outer/sync_ms`` (quorum + all-reduce of Δ + outer
-   step, measured by the library on the step a sync is applied) and the median
-   ``train/step_ms`` of the steps without a sync;
+   for start-up (at least 8 syncs); from the per-step metrics take the median
+   ``outer/sync_ms`` (quorum + all-reduce of Δ + outer step, measured by the library on
+   the step a sync is applied) and the median ``train/step_ms`` of the steps without a sync;
 2. SIGKILL the last group, wait until the survivors commit a round without it, restart it
    (``LocalCluster.start_group``) and time from that call to the first committed record in
    its commit log whose participants are all M groups (start-up, rendezvous, quorum,
@@ -138,11 +138,11 @@ def measure(groups: int, steps: int, run_dir: Path, timeout_s: float) -> Row:
 
 def report(rows: list[Row], h: int, steps: int) -> str:
     n_params = rows[0].n_params
+    syncs = ", ".join(f"{r.groups} groups {r.syncs}" for r in rows)
     lines = [
-        f"DiLoCo outer sync vs inner step: {n_params / 1e6:.2f}M fp32 parameters, H={h}, {steps} steps per group, "
-        "one CPU process per group (medians over all groups' steps; syncs per row: "
-        + ", ".join(f"{r.groups} groups {r.syncs}" for r in rows)
-        + ")",
+        f"DiLoCo outer sync vs inner step: {n_params / 1e6:.2f}M fp32 parameters, H={h}, one CPU process per "
+        f"group, {steps} timed steps per group after {SKIP_STEPS} start-up steps; medians over all groups' "
+        f"steps (syncs timed: {syncs})",
         "",
         markdown_table(HEADERS, [r.cells() for r in rows]),
         "",

@@ -26,7 +26,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # python experiments/<script>.py from a checkout, installed or not
 
 from diloco.config import JobConfig, job_config_from_dict  # noqa: E402
-from diloco.launcher import LocalCluster, launch, log_tail  # noqa: E402
+from diloco.launcher import LocalCluster, log_tail  # noqa: E402
+from diloco.run_local import launch  # noqa: E402
 from diloco.worker import RunPaths, preflight  # noqa: E402
 
 CONF_DIR = REPO / "conf"

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from diloco.launcher import launch
 from diloco.metrics import read_jsonl_tail
 from diloco.model import Transformer
+from diloco.run_local import launch
 from diloco.worker import RunPaths
 from tests.conftest import REPO
 

@@ -240,7 +240,7 @@ class Lighthouse:
 
     def _heartbeat(self, req: dict[str, Any]) -> tuple[int, dict]:
         with self._cond:
-            self._book.heartbeat(req["group"], self._clock(), quorum_id_seen=req["quorum_id"])
+            self._book.heartbeat(req["group"], self._clock(), quorum_id_seen=req["quorum_id"], step=req["step"])
             self._steps[req["group"]] = req["step"]
         return 200, {"ok": True}
 

@@ -79,6 +79,7 @@ class Manager:
         self.last_commit_failed = False
         self._backoff_s = 0.0
         self._retry_at = 0.0
+        self._without_quorum = False
         self.refused: str | None = None
         self._stop = threading.Event()
         self._heartbeats: threading.Thread | None = None
@@ -107,8 +108,15 @@ class Manager:
         if "refused" in answer:
             raise RuntimeError(f"the lighthouse refused group {self.group}: {answer['refused']}")
         if "quorum" not in answer:
-            log.warning("group %s: no quorum (%s); training on", self.group, answer.get("error"))
+            # Once per outage, not once per sync: a dead lighthouse must not flood the log.
+            (log.debug if self._without_quorum else log.warning)(
+                "group %s: no quorum (%s); training on", self.group, answer.get("error")
+            )
+            self._without_quorum = True
             return None
+        if self._without_quorum:
+            log.warning("group %s: quorum again after an outage", self.group)
+            self._without_quorum = False
         quorum = Quorum.from_json(answer["quorum"])
         lane_rank = quorum.rank_of(self.group)
         try:
@@ -196,6 +204,7 @@ class Manager:
         while not self._stop.wait(self.heartbeat_interval_s):
             try:
                 self.client.heartbeat(self.committed, self.lanes.quorum_id or 0)
+                self._retry_at = 0.0  # the lighthouse answers again: stop backing off
             except LighthouseRefused as error:
                 self.refused = str(error)
                 log.error("group %s: heartbeat refused: %s", self.group, error)

@@ -133,6 +133,9 @@ class QuorumBook:
 
     ``quorum_id_floor`` lets a restarted lighthouse continue above ids the groups have
     already seen (they report theirs in heartbeats), so an id is never reused.
+    ``high_water`` is the highest committed step any group has reported: a quorum whose
+    members are all below it would fork the job from stale state (nobody could heal them),
+    so it is not formed; the askers wait for a live peer that holds the job's state.
     """
 
     rules: QuorumRules
@@ -141,14 +144,16 @@ class QuorumBook:
     asked_at: dict[str, float] = field(default_factory=dict)
     previous: Quorum | None = None
     quorum_id_floor: int = 0
+    high_water: int = 0
 
-    def heartbeat(self, group: str, now: float, quorum_id_seen: int = 0) -> None:
+    def heartbeat(self, group: str, now: float, quorum_id_seen: int = 0, step: int = 0) -> None:
         self.last_heartbeat[group] = now
         self.quorum_id_floor = max(self.quorum_id_floor, quorum_id_seen)
+        self.high_water = max(self.high_water, step)
 
     def ask(self, request: QuorumRequest, now: float) -> None:
         """Register (or refresh) a request; asking is also a heartbeat."""
-        self.heartbeat(request.group, now)
+        self.heartbeat(request.group, now, step=request.step)
         self.pending[request.group] = request
         self.asked_at.setdefault(request.group, now)
 
@@ -181,6 +186,8 @@ class QuorumBook:
             return None
         participants = tuple(sorted(askers))
         steps = {g: self.pending[g].step for g in participants}
+        if max(steps.values()) < self.high_water:
+            return None
         quorum_id = next_quorum_id(self.previous, participants, any(r.commit_failed for r in self.pending.values()))
         if self.previous is None or quorum_id != self.previous.quorum_id:
             quorum_id = max(quorum_id, self.quorum_id_floor + 1)

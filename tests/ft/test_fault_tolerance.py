@@ -173,7 +173,7 @@ def test_injected_allreduce_failure_is_not_committed_and_heals(job_factory):
     job = job_factory("trainer.max_steps=100000")
     job.start(range(3))
     job.wait(lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three")
-    job.cluster.signal_group(1, signal.SIGUSR1)
+    job.cluster.request_fault(1, "fail_round")
     job.wait(lambda: any(not r["committed"] for r in commits(job.paths, 1)), 60, "group1's round to fail")
     failed_round = next(r for r in commits(job.paths, 1) if not r["committed"])
     assert job.committed_with(0, ALL3, failed_round["round"] - 1), "the others commit the round group1 failed"

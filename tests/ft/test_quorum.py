@@ -140,6 +140,16 @@ class TestBook:
         book.ask(QuorumRequest("g1", step=3), now=0.0)
         assert book.decide(now=0.0).quorum_id == 8
 
+    def test_no_quorum_that_would_fork_the_job_from_stale_state(self):
+        """Groups that all lag the job's committed step wait for a peer that holds it."""
+        book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=1.0, heartbeat_timeout_s=2.0))
+        book.heartbeat("old", now=0.0, step=12)  # held the job's state, then died
+        book.ask(QuorumRequest("new", step=0), now=5.0)
+        assert book.decide(now=5.0) is None and book.decide(now=50.0) is None
+        book.ask(QuorumRequest("new", step=0), now=51.0)  # still waiting, still heartbeating
+        book.ask(QuorumRequest("old", step=12), now=51.0)
+        assert book.decide(now=51.0).heal_from == {"new": "old"}
+
     def test_failed_commit_forces_a_new_id(self):
         book = self._book()
         for g in ("g0", "g1", "g2"):

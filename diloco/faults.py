@@ -1,0 +1,128 @@
+"""Deterministic fault injection: which fault hits which group when, as a pure plan.
+
+The launcher fires the plan against real processes (SIGKILL, SIGSTOP/SIGCONT, a killed
+lighthouse, and requests the workers pick up at their next round: a broken lane, a NaN
+update, a failed round); the same seed gives the same plan, so a failing chaos run can be
+replayed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from diloco.config_base import check
+
+FAULT_KINDS = ("kill", "hang", "break_lane", "nan", "restart_lighthouse")
+KIND_STAGGER_S = 1.0
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    """Seconds between faults of each kind (0: never), counted from ``start_after``."""
+
+    seed: int = 0
+    start_after: float = 20.0
+    stop_after: float = 0.0  # no new faults after this many seconds (0: until the job ends)
+    kill_every: float = 0.0
+    kill_same_group_twice: bool = False  # False: a kill never hits the group killed just before
+    hang_every: float = 0.0
+    hang_seconds: float = 5.0
+    break_lane_every: float = 0.0
+    nan_every: float = 0.0
+    restart_lighthouse_every: float = 0.0
+    lighthouse_down_seconds: float = 2.0
+
+    def validate(self) -> None:
+        for key in ("start_after", "stop_after", "kill_every", "hang_every", "break_lane_every", "nan_every"):
+            value = getattr(self, key)
+            check(value >= 0, f"faults.{key}", value, "must be >= 0 seconds (0 turns it off)")
+        check(
+            self.restart_lighthouse_every >= 0,
+            "faults.restart_lighthouse_every",
+            self.restart_lighthouse_every,
+            "must be >= 0",
+        )
+        check(self.hang_seconds > 0, "faults.hang_seconds", self.hang_seconds, "must be > 0 seconds")
+        check(
+            self.lighthouse_down_seconds >= 0,
+            "faults.lighthouse_down_seconds",
+            self.lighthouse_down_seconds,
+            "must be >= 0",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return any(self.period(kind) > 0 for kind in FAULT_KINDS)
+
+    def period(self, kind: str) -> float:
+        return getattr(self, f"{kind}_every")
+
+
+@dataclass(frozen=True)
+class FaultEvent:
+    """Fault ``kind`` at ``at`` seconds after launch, against ``group`` (None: the lighthouse)."""
+
+    at: float
+    kind: str
+    group: int | None
+
+
+def plan_faults(cfg: FaultsConfig, groups: int, horizon_s: float) -> list[FaultEvent]:
+    """Every fault up to the horizon, in time order; each kind draws groups from its own seeded stream.
+
+    Kinds are staggered by ``KIND_STAGGER_S`` each (kills first) so that two faults never
+    land at the same instant.
+    """
+    if cfg.stop_after > 0:
+        horizon_s = min(horizon_s, cfg.stop_after)
+    events: list[FaultEvent] = []
+    for index, kind in enumerate(FAULT_KINDS):
+        period = cfg.period(kind)
+        if period <= 0:
+            continue
+        rng = random.Random(cfg.seed * len(FAULT_KINDS) + index)
+        previous: int | None = None
+        at = cfg.start_after + index * KIND_STAGGER_S
+        while at <= horizon_s:
+            group = None
+            if kind != "restart_lighthouse":
+                choices = list(range(groups))
+                if kind == "kill" and not cfg.kill_same_group_twice and previous is not None and groups > 1:
+                    choices.remove(previous)
+                group = previous = rng.choice(choices)
+            events.append(FaultEvent(at=at, kind=kind, group=group))
+            at += period
+    return sorted(events, key=lambda e: (e.at, FAULT_KINDS.index(e.kind)))
+
+
+def request_fault(path: Path, fault: str) -> None:
+    """Queue a fault for a group: one line, one write; its workers pick it up at their next round."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(fault + "\n")
+
+
+class FaultRequests:
+    """The faults queued for one group; every worker of the group reads the same file.
+
+    Polled at the start of each round rather than signalled, so a request can never reach a
+    process before it is ready for it. Requests already there when the worker starts are not
+    ours: they targeted an earlier process of the group, before a restart.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen = len(self._lines())
+
+    def take(self) -> list[str]:
+        lines = self._lines()
+        new, self.seen = lines[self.seen :], len(lines)
+        return new
+
+    def _lines(self) -> list[str]:
+        try:
+            return self.path.read_text().split()
+        except FileNotFoundError:
+            return []

@@ -1,0 +1,77 @@
+"""``python run.py`` on one machine: the lighthouse, every group, the supervisor, planned faults, progress."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from diloco.config import JobConfig
+from diloco.faults import plan_faults
+from diloco.launcher import POLL_INTERVAL_S, LocalCluster
+from diloco.progress import ProgressView
+from diloco.summary import build_summary
+from diloco.supervisor import EventLog, FaultInjector, Supervisor
+from diloco.worker import RunPaths, preflight
+
+FAULT_HORIZON_S = 7 * 24 * 3600.0  # the plan outlasts any local run; firing stops when the job ends
+
+
+def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str, Any]:
+    """Run the whole job on this machine; returns (and writes) the summary.
+
+    Ctrl-C or SIGTERM stops every process of the job before returning (KeyboardInterrupt).
+    """
+    paths = RunPaths(run_dir)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    n_params, signature = preflight(job)
+    cluster = LocalCluster(job, paths, signature)
+    print(
+        f"model: {n_params:,} parameters; {job.cluster.groups} group(s) x {job.cluster.workers_per_group} "
+        f"worker(s); lighthouse status page {cluster.lighthouse_url}/",
+        file=out,
+        flush=True,
+    )
+    start = time.monotonic()
+    events = EventLog(paths.root / "events.jsonl", time.time())
+    supervisor = Supervisor(
+        cluster,
+        events,
+        max_restarts=job.cluster.max_restarts,
+        backoff_s=job.cluster.restart_backoff,
+        end_grace_s=job.cluster.timeouts.quorum,
+    )
+    injector = FaultInjector(
+        cluster,
+        plan_faults(job.faults, job.cluster.groups, FAULT_HORIZON_S),
+        events,
+        hang_s=job.faults.hang_seconds,
+        down_s=job.faults.lighthouse_down_seconds,
+    )
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        if job.algo.name != "local":
+            cluster.start_lighthouse()
+        for group in range(job.cluster.groups):
+            cluster.start_group(group)
+        view = ProgressView([paths.metrics(g) for g in range(job.cluster.groups)], job.trainer.max_steps, out=out)
+        while not supervisor.done():
+            elapsed = time.monotonic() - start
+            injector.fire_due(elapsed, new_faults=not supervisor.finished_groups)
+            supervisor.check(elapsed)
+            view.update(elapsed)
+            time.sleep(POLL_INTERVAL_S)
+        view.update(time.monotonic() - start, final=True)
+    finally:
+        cluster.stop()
+        signal.signal(signal.SIGTERM, previous_sigterm)
+    summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
+    paths.summary.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -1,0 +1,108 @@
+"""summary.json: the job's numbers, read back from what the groups and the supervisor wrote.
+
+Fault-tolerance figures come from the commit records (one per round, with its time) and the
+event log: time to heal after each restart, survivors' stall per failure, and goodput.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from diloco.config import JobConfig
+from diloco.worker import RunPaths
+
+FAILURES = ("kill", "hang", "crash")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def times_to_heal(events: list[dict], commits: dict[int, list[dict]]) -> list[float]:
+    """Seconds from each restart to the restarted group's first committed round."""
+    healed = []
+    for event in (e for e in events if e["kind"] == "restart"):
+        after = [c["time"] for c in commits.get(event["group"], []) if c["committed"] and c["time"] > event["time"]]
+        if after:
+            healed.append(min(after) - event["time"])
+    return healed
+
+
+def survivor_stalls(events: list[dict], commits: dict[int, list[dict]], rounds_after: int = 2) -> list[float]:
+    """Per failure: the survivors' mean extra time blocked in sync over their next rounds.
+
+    Extra means beyond the group's median round time (quorum, all-reduce, outer step);
+    work lost because a round failed is not stall (it shows in committed syncs instead).
+    """
+    stalls = []
+    for event in (e for e in events if e["kind"] in FAILURES):
+        extra = []
+        for group, records in commits.items():
+            if group == event["group"] or len(records) < 2:
+                continue
+            usual = statistics.median(r["sync_ms"] for r in records)
+            after = [r for r in records if r["time"] > event["time"]][:rounds_after]
+            if after:
+                extra.append(sum(max(0.0, r["sync_ms"] - usual) for r in after) / 1000)
+        if extra:
+            stalls.append(sum(extra) / len(extra))
+    return stalls
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"count": 0}
+    return {
+        "count": len(values),
+        "median": statistics.median(values),
+        "max": max(values),
+        "mean": statistics.fmean(values),
+    }
+
+
+def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: float) -> dict[str, Any]:
+    """Job-level numbers; the final loss is that of the groups holding the job's latest global model."""
+    results = [json.loads(p.read_text()) for g in range(job.cluster.groups) if (p := paths.result(g)).exists()]
+    if not results:
+        raise RuntimeError(f"no group wrote a result in {paths.root / 'results'}")
+    latest = max(r.get("rounds", 0) for r in results)
+    current = [r for r in results if r.get("rounds", 0) == latest]
+    tokens = sum(r["tokens_seen"] for r in results)
+    train_seconds = max(r["train_seconds"] for r in results)
+    eval_loss = statistics.fmean(r["final_eval_loss"] for r in current)
+    events = read_jsonl(paths.root / "events.jsonl")
+    commits = {g: read_jsonl(paths.commits(g)) for g in range(job.cluster.groups)}
+    committed_tokens = sum(r.get("tokens_committed", 0.0) for r in results)
+    return {
+        "name": job.name,
+        "parameters": n_params,
+        "groups": job.cluster.groups,
+        "workers_per_group": job.cluster.workers_per_group,
+        "algo": job.algo.name,
+        "steps": min(r["steps"] for r in results),
+        "final_train_loss": statistics.fmean(r["final_train_loss"] for r in current),
+        "final_eval_loss": eval_loss,
+        "final_eval_ppl": math.exp(min(eval_loss, 50.0)),
+        "tokens_seen": tokens,
+        "wall_seconds": wall_seconds,
+        "train_seconds": train_seconds,
+        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
+        "rounds": latest,
+        "syncs_committed": sum(r.get("syncs_committed", 0) for r in results),
+        "syncs_attempted": sum(r.get("syncs_attempted", 0) for r in results),
+        "bytes_sent": sum(r.get("bytes_sent", 0) for r in results),
+        "bytes_per_token": sum(r.get("bytes_sent", 0) for r in results) / tokens if tokens else 0.0,
+        "recoveries": sum(r.get("recoveries", 0) for r in results),
+        "goodput_tokens_per_s": committed_tokens / wall_seconds if wall_seconds > 0 else 0.0,
+        "faults": {kind: sum(e["kind"] == kind for e in events) for kind in sorted({e["kind"] for e in events})},
+        "time_to_heal_s": _stats(times_to_heal(events, commits)),
+        "survivor_stall_s": _stats(survivor_stalls(events, commits)),
+        "groups_missing_results": sorted(set(range(job.cluster.groups)) - {r["group"] for r in results}),
+        "per_group": results,
+    }

@@ -1,0 +1,483 @@
+"""The fault-tolerant Llama experiment at CPU scale: one DiLoCo job, without faults and with a group SIGKILLed every 15 s.
+
+Four replica groups of one CPU process each train the tiny model with DiLoCo, H=20
+(``conf/experiment/fault_tolerance.yaml``). The same job runs twice, one after the other:
+
+- ``faults=none``: nothing is injected;
+- ``faults=kill_every``: a random group is SIGKILLed every 15 s (never the same group twice
+  in a row). The supervisor restarts it after its backoff; there are no checkpoints in this
+  system, so every return is a live recovery: the new process takes θ_g, the outer optimizer
+  state and the step from a live peer at its first quorum.
+
+Both runs train the same ``trainer.max_steps``, chosen from a short fault-free calibration so
+that each lasts at least ``--minutes``. Everything reported comes from the run directories:
+``summary.json`` (goodput, time to heal, survivors' stall, final eval loss, per-group digests),
+``events.jsonl`` (kills and restarts) and the groups' commit logs, which hold the records of
+every process a group had (summary.json sees only each group's last process).
+
+    python experiments/fault_tolerance.py            # 2 x >= 5 minutes, after a ~30 s calibration
+    python experiments/fault_tolerance.py --quick    # 2 x ~70 s with a kill every 10 s: a smoke test
+
+Prints a markdown table and the target checks and writes them to
+experiments/results/fault_tolerance.md (the numbers also to fault_tolerance.json); plots train
+loss against wall time for both runs, kills and recoveries marked, to
+experiments/results/fault_tolerance.png when matplotlib is installed (``pip install -e .[experiments]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.common import (  # noqa: E402
+    RESULTS,
+    ClusterRun,
+    compose_job,
+    markdown_table,
+    read_jsonl,
+    run_job,
+    runs_root,
+    verdict,
+    write_result,
+)
+
+EXPERIMENT = "fault_tolerance"
+FAULT_FREE = "fault-free"
+FAULTY = "faulty"
+FAILURES = ("kill", "hang", "crash")  # what diloco.summary counts as a failure
+LOSS_TOLERANCE = 0.03  # final eval loss of the faulty run within 3% of the fault-free one
+MAX_STALL_S = 1.0  # survivors' median stall per failure
+MARGIN = 1.15  # calibration on a noisy machine: aim past the minimum wall time
+ENDLESS = 100_000  # max_steps of the calibration job, which is stopped once measured
+WARMUP_STEPS = 40  # calibration: leave out start-up (the other groups' processes compete for the cores)
+EVAL_POINTS = 10  # evaluations on the way, for the plot
+HEAL_FALLBACK_S = 10.0  # a restart's time to heal when the run measured none
+
+
+@dataclass
+class Settings:
+    minutes: float
+    kill_every: float
+    start_after: float
+    calibration_s: float
+    bin_s: float  # the plot's time bins for the mean over groups
+    extra: list[str]  # overrides of both runs
+
+
+@dataclass
+class Recovery:
+    """A failure of a group, its restart (if any) and whether that new process healed from a peer."""
+
+    group: int
+    failed_at: float
+    restarted_at: float | None
+    healed_at: float | None  # the restarted process's first committed round after taking a peer's state
+
+
+@dataclass
+class Run:
+    name: str
+    h: int
+    summary: dict[str, Any]
+    start: float  # time.time() just before launch: the plot's zero
+    events: list[dict[str, Any]]
+    commits: dict[int, list[dict[str, Any]]]
+    metrics: dict[int, list[dict[str, Any]]]
+
+    def count(self, kind: str) -> int:
+        return self.summary["faults"].get(kind, 0)
+
+    def restarts_of(self, group: int) -> list[float]:
+        return sorted(e["time"] for e in self.events if e["kind"] == "restart" and e["group"] == group)
+
+    def recoveries(self) -> list[Recovery]:
+        """Per failure: the restart that followed it and whether the new process healed.
+
+        A group's commit log holds the records of all its processes in turn; each process
+        counts its own heals (``recoveries``), so a committed record of the restarted process
+        with recoveries >= 1 means it took its state from a live peer and is back.
+        """
+        found = []
+        for event in (e for e in self.events if e["kind"] in FAILURES):
+            group = event["group"]
+            restarts = self.restarts_of(group)
+            i = bisect.bisect_left(restarts, event["time"])
+            restarted = restarts[i] if i < len(restarts) else None
+            healed = None
+            if restarted is not None:
+                until = restarts[i + 1] if i + 1 < len(restarts) else math.inf
+                own = [c for c in self.commits.get(group, []) if restarted < c["time"] < until]
+                healed = next((c["time"] for c in own if c["committed"] and c.get("recoveries", 0) >= 1), None)
+            found.append(Recovery(group, event["time"], restarted, healed))
+        return found
+
+    def healed(self) -> int:
+        return sum(r.healed_at is not None for r in self.recoveries())
+
+    def committed_rounds(self) -> tuple[int, int]:
+        """(committed, attempted) rounds in the commit logs of every process of every group."""
+        records = [r for group in self.commits.values() for r in group]
+        return sum(r["committed"] for r in records), len(records)
+
+    def goodput_all_processes(self, up_to_last_step: bool = False) -> float:
+        """Committed tokens/s counted from the commit logs, so killed processes' committed work counts too.
+
+        Per second of the job's wall time (summary.json's), or ``up_to_last_step``: per second
+        from launch to the last training step logged, leaving out the end of the job.
+
+        A committed record is H inner steps of this group that reached θ_g, unless it is a join
+        round (inner step 0) or the round the process healed in (its recoveries count went up):
+        those contribute a zero pseudo-gradient (DESIGN invariant 3).
+        """
+        group0 = self.summary["per_group"][0]
+        tokens_per_step = group0["tokens_seen"] / group0["steps"]
+        rounds = 0
+        for group, records in self.commits.items():
+            restarts, process, heals = self.restarts_of(group), 0, 0
+            for r in records:
+                if (p := bisect.bisect_left(restarts, r["time"])) != process:
+                    process, heals = p, 0  # a new process counts its heals from zero
+                rounds += r["committed"] and r["inner_step"] > 0 and r.get("recoveries", 0) == heals
+                heals = r.get("recoveries", 0)
+        seconds = self.training_times()[1] if up_to_last_step else self.summary["wall_seconds"]
+        return rounds * self.h * tokens_per_step / seconds
+
+    def training_times(self) -> tuple[float, float]:
+        """Seconds from launch to the first group's last step and to the last logged step of any group."""
+        final = self.summary["steps"]
+        records = [r for group in self.metrics.values() for r in group if r.get("train/loss") is not None]
+        first_done = min((r["time"] for r in records if r["step"] >= final), default=math.nan)
+        return first_done - self.start, max((r["time"] for r in records), default=math.nan) - self.start
+
+    def late_failures(self) -> list[Recovery]:
+        """Unrecovered failures the job gave no time to recover from.
+
+        The first group finished less than a restart's usual way back (backoff + the run's
+        longest measured time to heal) after the failure: no peer was left to heal from.
+        """
+        heal = self.summary["time_to_heal_s"].get("max", HEAL_FALLBACK_S) + 1.0
+        first_done = self.training_times()[0] + self.start
+        return [r for r in self.recoveries() if r.healed_at is None and first_done - r.failed_at < heal]
+
+
+def last_record(run: ClusterRun, group: int) -> dict[str, Any] | None:
+    records = [r for r in run.metrics(group) if "train/loss" in r]
+    return records[-1] if records else None
+
+
+def calibrate(root: Path, window_s: float) -> float:
+    """Inner steps per second of the job, fault-free, all groups running (median over groups)."""
+    job = compose_job(["faults=none", f"trainer.max_steps={ENDLESS}"], EXPERIMENT)
+    groups = range(job.cluster.groups)
+    with ClusterRun(job, root / "calibration") as run:
+        run.wait(
+            lambda: all((r := last_record(run, g)) is not None and r["step"] >= WARMUP_STEPS for g in groups),
+            timeout_s=300.0,
+            what=f"every group to reach step {WARMUP_STEPS}",
+            poll_s=0.5,
+        )
+        first = [last_record(run, g) for g in groups]
+        time.sleep(window_s)
+        last = [last_record(run, g) for g in groups]
+    return statistics.median((b["step"] - a["step"]) / (b["time"] - a["time"]) for a, b in zip(first, last))
+
+
+def plan_steps(rate: float, minutes: float, h: int) -> int:
+    """Steps for at least ``minutes`` at ``rate`` steps/s, a multiple of H (the last round reaches θ_g)."""
+    return max(2 * h, math.ceil(rate * minutes * 60 * MARGIN / h) * h)
+
+
+def run_one(name: str, overrides: list[str], run_dir: Path) -> Run:
+    job = compose_job(overrides, EXPERIMENT)
+    start = time.time()
+    summary = run_job(job, run_dir)
+    groups = range(job.cluster.groups)
+    return Run(
+        name=name,
+        h=job.algo.sync_every,
+        summary=summary,
+        start=start,
+        events=read_jsonl(run_dir / "events.jsonl"),
+        commits={g: read_jsonl(run_dir / "commits" / f"group{g}.jsonl") for g in groups},
+        metrics={g: read_jsonl(run_dir / "metrics" / f"group{g}.jsonl") for g in groups},
+    )
+
+
+def _pair(stats: dict[str, float]) -> str:
+    if not stats.get("count"):
+        return "n/a"
+    return f"{stats['median']:.2f} / {stats['max']:.2f} (n={stats['count']})"
+
+
+def digests_equal(summary: dict[str, Any]) -> tuple[bool, str]:
+    """Invariant 1 from outside: every group that reported ended holding the same θ_g and outer state."""
+    results = summary["per_group"]
+    digests = {r.get("digest") for r in results}
+    ok = len(digests) == 1 and None not in digests
+    rounds = "/".join(str(r) for r in sorted({r.get("rounds") for r in results}))
+    detail = f"{len(results)}/{summary['groups']} groups reported, round {rounds}"
+    if missing := summary.get("groups_missing_results"):
+        detail += f"; no result from group {', '.join(map(str, missing))}"
+    return ok, f"{'yes' if ok else 'no'} ({detail})"
+
+
+def numbers(run: Run, base: Run) -> dict[str, Any]:
+    """Every figure of the table for one run (also written as JSON)."""
+    s = run.summary
+    committed, attempted = run.committed_rounds()
+    return {
+        "wall_seconds": s["wall_seconds"],
+        "training_ended_s": run.training_times()[1],
+        "steps": s["steps"],
+        "kills": run.count("kill"),
+        "restarts": run.count("restart"),
+        "recoveries": run.healed(),
+        "late_failures": len(run.late_failures()),
+        "summary_recoveries": s["recoveries"],
+        "syncs_committed": s["syncs_committed"],
+        "syncs_attempted": s["syncs_attempted"],
+        "rounds_committed_all_processes": committed,
+        "rounds_attempted_all_processes": attempted,
+        "goodput_tokens_per_s": s["goodput_tokens_per_s"],
+        "goodput_ratio": s["goodput_tokens_per_s"] / base.summary["goodput_tokens_per_s"],
+        "goodput_all_processes": run.goodput_all_processes(),
+        "goodput_all_processes_ratio": run.goodput_all_processes() / base.goodput_all_processes(),
+        "goodput_to_last_step": run.goodput_all_processes(up_to_last_step=True),
+        "goodput_to_last_step_ratio": run.goodput_all_processes(True) / base.goodput_all_processes(True),
+        "time_to_heal_s": s["time_to_heal_s"],
+        "survivor_stall_s": s["survivor_stall_s"],
+        "final_eval_loss": s["final_eval_loss"],
+        "digests_equal": digests_equal(s)[0],
+        "faults": s["faults"],
+    }
+
+
+ROWS = [
+    ("wall time s (summary.json)", lambda n, s: f"{n['wall_seconds']:.0f}"),
+    ("last training step logged at s", lambda n, s: f"{n['training_ended_s']:.0f}"),
+    ("inner steps per group", lambda n, s: str(n["steps"])),
+    ("kills injected", lambda n, s: str(n["kills"])),
+    ("restarts", lambda n, s: str(n["restarts"])),
+    ("recoveries (restarted groups healed)", lambda n, s: str(n["recoveries"])),
+    ("committed / attempted syncs (summary.json)", lambda n, s: f"{n['syncs_committed']} / {n['syncs_attempted']}"),
+    (
+        "committed / attempted rounds (commit logs, all processes)",
+        lambda n, s: f"{n['rounds_committed_all_processes']} / {n['rounds_attempted_all_processes']}",
+    ),
+    ("goodput, committed tokens/s (summary.json)", lambda n, s: f"{n['goodput_tokens_per_s']:,.0f}"),
+    ("goodput ratio faulty / fault-free (summary.json)", lambda n, s: f"{n['goodput_ratio']:.3f}"),
+    (
+        "goodput, committed tokens/s (commit logs, all processes): per wall s / per s to last step",
+        lambda n, s: f"{n['goodput_all_processes']:,.0f} / {n['goodput_to_last_step']:,.0f}",
+    ),
+    (
+        "goodput ratio faulty / fault-free (commit logs): per wall s / per s to last step",
+        lambda n, s: f"{n['goodput_all_processes_ratio']:.3f} / {n['goodput_to_last_step_ratio']:.3f}",
+    ),
+    ("time to heal s (median / max)", lambda n, s: _pair(n["time_to_heal_s"])),
+    ("survivors' stall per failure s (median / max)", lambda n, s: _pair(n["survivor_stall_s"])),
+    ("final eval loss", lambda n, s: f"{n['final_eval_loss']:.4f}"),
+    ("digests of all groups equal", lambda n, s: digests_equal(s)[1]),
+]
+
+
+def table(runs: dict[str, Run], figures: dict[str, dict[str, Any]]) -> str:
+    cells = [[label, *(cell(figures[name], run.summary) for name, run in runs.items())] for label, cell in ROWS]
+    return markdown_table(["", *runs], cells)
+
+
+def targets(figures: dict[str, dict[str, Any]]) -> list[str]:
+    clean, faulty = figures[FAULT_FREE], figures[FAULTY]
+    loss, base = faulty["final_eval_loss"], clean["final_eval_loss"]
+    gap = (loss - base) / base
+    stall = faulty["survivor_stall_s"]
+    stall_median = stall["median"] if stall.get("count") else math.nan
+    heals = faulty["time_to_heal_s"].get("count", 0)
+    kills, healed, restarts = faulty["kills"], faulty["recoveries"], faulty["restarts"]
+    recovered = kills > 0 and healed >= kills and heals == restarts
+    loss_line = (
+        f"final eval loss within {LOSS_TOLERANCE:.0%} of fault-free: {verdict(abs(gap) <= LOSS_TOLERANCE)} "
+        f"({loss:.4f} vs {base:.4f}, {gap:+.2%})"
+    )
+    stall_line = (
+        f"survivors stall under {MAX_STALL_S:.0f} s per failure (median): {verdict(stall_median < MAX_STALL_S)} "
+        f"(median {stall_median:.2f} s over {stall.get('count', 0)} failures)"
+    )
+    recovery_line = (
+        f"every killed group recovers: {verdict(recovered)} ({healed} healed restarts for {kills} kills; "
+        f"time to heal measured for {heals} of {restarts} restarts; "
+        f"{faulty['late_failures']} kill(s) too close to the end of the job to recover)"
+    )
+    return [loss_line, stall_line, recovery_line]
+
+
+def notes(runs: dict[str, Run]) -> list[str]:
+    """What the table does not show but a reader should know: every failure that did not heal, and why."""
+    lines = []
+    for run in runs.values():
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(run.summary["faults"].items())) or "none"
+        lines.append(
+            f"- {run.name}: events: {counts}; summary.json recoveries (last process of each group): "
+            f"{run.summary['recoveries']}"
+        )
+        first_done = run.training_times()[0]
+        late = run.late_failures()
+        for r in run.recoveries():
+            if r.healed_at is not None:
+                continue
+            what = "never restarted" if r.restarted_at is None else f"restarted at {r.restarted_at - run.start:.1f}s"
+            why = " (too late: no peer left to heal from)" if r in late else ""
+            lines.append(
+                f"  - group {r.group} failed at {r.failed_at - run.start:.1f}s, {what}, never healed; the first "
+                f"group finished at {first_done:.1f}s{why}"
+            )
+        if ends := [e["group"] for e in run.events if e["kind"] == "stopped_at_end"]:
+            stopped = ", ".join(f"{e['elapsed']:.0f}s" for e in run.events if e["kind"] == "stopped_at_end")
+            lines.append(f"  - stopped by the supervisor at the end (behind for good): group {ends} at {stopped}")
+    return lines
+
+
+def curves(run: Run, key: str) -> dict[int, tuple[list[float], list[float]]]:
+    """Per group: (seconds since launch, value) of every record holding ``key``."""
+    out = {}
+    for group, records in run.metrics.items():
+        points = [(r["time"] - run.start, r[key]) for r in records if r.get(key) is not None]
+        out[group] = ([t for t, _ in points], [v for _, v in points])
+    return out
+
+
+def mean_curve(per_group: dict[int, tuple[list[float], list[float]]], bin_s: float) -> tuple[list[float], list[float]]:
+    """The mean over groups in time bins (groups log at different moments, and a killed group not at all)."""
+    bins: dict[int, list[float]] = defaultdict(list)
+    for times, values in per_group.values():
+        for t, v in zip(times, values):
+            bins[int(t // bin_s)].append(v)
+    keys = sorted(bins)
+    return [(k + 0.5) * bin_s for k in keys], [statistics.fmean(bins[k]) for k in keys]
+
+
+def plot(runs: dict[str, Run], path: Path, bin_s: float) -> str:
+    """Train loss against wall time, one panel per run; returns what was written or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "PNG skipped: matplotlib is not installed (pip install -e .[experiments])"
+    fig, axes = plt.subplots(len(runs), 1, figsize=(13, 4.3 * len(runs)), sharex=True, sharey=True)
+    reference = mean_curve(curves(runs[FAULT_FREE], "train/loss"), bin_s)
+    losses = sorted(v for run in runs.values() for _, values in curves(run, "train/loss").values() for v in values)
+    # The first steps' loss (ln 256 = 5.5) would flatten everything after: clip the top 2%.
+    top = losses[int(0.98 * (len(losses) - 1))] if losses else 1.0
+    for ax, run in zip(axes, runs.values()):
+        ax.set_ylim(0.97 * losses[0] if losses else 0.0, top)
+        for group, (times, values) in curves(run, "train/loss").items():
+            ax.plot(times, values, lw=0.7, alpha=0.4, label=f"group {group} train loss")
+        ax.plot(
+            *mean_curve(curves(run, "train/loss"), bin_s), color="black", lw=1.6, label="train loss, mean over groups"
+        )
+        if run.name != FAULT_FREE:
+            ax.plot(*reference, color="grey", lw=1.2, ls="--", label="fault-free mean (above)")
+        evals = [(t, v) for times, values in curves(run, "eval/loss").values() for t, v in zip(times, values)]
+        if evals:
+            ax.scatter(*zip(*evals), s=14, color="purple", zorder=3, label="eval loss (each group)")
+        _mark_faults(ax, run, top)
+        ax.set_title(f"{run.name}: {run.count('kill')} kills, {run.healed()} recoveries", loc="left")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    axes[-1].set_xlabel("seconds since launch")
+    fig.suptitle("DiLoCo, 4 groups, H=20: train loss vs wall time (red: SIGKILL of group gN, green: it healed)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"plot written to {path}"
+
+
+def _mark_faults(ax: Any, run: Run, top: float) -> None:
+    for i, r in enumerate(run.recoveries()):
+        ax.axvline(r.failed_at - run.start, color="red", lw=1.0, alpha=0.8, label="kill" if i == 0 else None)
+        ax.text(r.failed_at - run.start, top, f" g{r.group}", color="red", fontsize=7, va="top")
+    end = run.summary["wall_seconds"]
+    ax.axvline(end, color="black", lw=1.0, ls="--", label=f"job ended ({end:.0f} s, summary.json wall time)")
+    healed = [r.healed_at - run.start for r in run.recoveries() if r.healed_at is not None]
+    for i, t in enumerate(healed):
+        label = "healed (restarted group's first commit)" if i == 0 else None
+        ax.axvline(t, color="green", lw=1.1, ls=":", label=label)
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    if args.quick:
+        # A smoke test: a kill that lands in the last seconds leaves a restarted group that
+        # cannot heal, and the supervisor waits cluster.timeouts.quorum (60 s) before stopping
+        # it; 20 s keeps the test short. The default run keeps the config's timeouts.
+        return Settings(args.minutes or 1.0, args.kill_every or 10.0, 10.0, 8.0, 2.0, ["cluster.timeouts.quorum=20"])
+    return Settings(args.minutes or 5.0, args.kill_every or 15.0, 20.0, 20.0, 5.0, [])
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="~70 s per run, a kill every 10 s: a smoke test")
+    parser.add_argument("--minutes", type=float, help="least wall time of each run (default 5; --quick: 1)")
+    parser.add_argument("--kill-every", type=float, help="seconds between kills (default 15; --quick: 10)")
+    parser.add_argument("--steps", type=int, help="inner steps per run, a multiple of H (default: from a calibration)")
+    parser.add_argument("--results", metavar="DIR", help="folder of the table and plot (default experiments/results)")
+    parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR (default: a temp dir)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    cfg = settings(args)
+    began = time.monotonic()
+    h = compose_job([], EXPERIMENT).algo.sync_every
+    with runs_root(args.keep_runs, EXPERIMENT) as root:
+        steps, how = args.steps, "--steps"
+        if steps is None:
+            rate = calibrate(root, cfg.calibration_s)
+            steps, how = plan_steps(rate, cfg.minutes, h), f"calibrated at {rate:.1f} steps/s"
+            print(f"calibration: {rate:.1f} steps/s -> trainer.max_steps={steps}", file=sys.stderr, flush=True)
+        eval_every = max(h, round(steps / EVAL_POINTS / h) * h)
+        shared = [
+            f"trainer.max_steps={steps}",
+            f"trainer.eval_every={eval_every}",
+            "trainer.eval_batches=8",
+            *cfg.extra,
+        ]
+        faults = ["faults=kill_every", f"faults.kill_every={cfg.kill_every}", f"faults.start_after={cfg.start_after}"]
+        runs = {}
+        for name, overrides in ((FAULT_FREE, ["faults=none"]), (FAULTY, faults)):
+            started = time.monotonic()
+            runs[name] = run_one(name, overrides + shared, root / name)
+            print(f"{name} run done in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+        figures = {name: numbers(run, runs[FAULT_FREE]) for name, run in runs.items()}
+        setup = (
+            f"DiLoCo H={h}, 4 groups x 1 CPU process, {runs[FAULT_FREE].summary['parameters'] / 1e6:.2f}M parameters, "
+            f"{steps} inner steps per run ({how}); faulty run: SIGKILL of a random group every {cfg.kill_every:g} s "
+            f"from {cfg.start_after:g} s, never the same group twice in a row, every return a live recovery from a "
+            "peer. Stall and heal times: median / max over failures (n)."
+        )
+        folder = Path(args.results) if args.results else RESULTS
+        drawn = plot(runs, folder / "fault_tolerance.png", cfg.bin_s)
+        text = "\n".join([setup, "", table(runs, figures), "", *targets(figures), "", "Notes:", *notes(runs), drawn])
+        print(text)
+        print(f"table written to {write_result('fault_tolerance.md', text, args.results)}", file=sys.stderr)
+        write_result("fault_tolerance.json", json.dumps(figures, indent=2), args.results)
+    print(f"total wall time {time.monotonic() - began:.0f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
