@@ -15,8 +15,8 @@ from diloco.ddp import GradientSync
 from diloco.distributed import WorkerEnv
 from diloco.faults import FaultRequests
 from diloco.fragments import fragment_parameter_names
+from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import Lanes
-from diloco.ft.lighthouse import LighthouseClient
 from diloco.ft.manager import Manager
 from diloco.ft.state import HealState, local_tensor
 from diloco.outer import Fragment, OuterSync

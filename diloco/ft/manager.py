@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import LaneError, Lanes
-from diloco.ft.lighthouse import LighthouseClient, LighthouseRefused, LighthouseUnavailable, QuorumTimeout
+from diloco.ft.lighthouse import LighthouseRefused, LighthouseUnavailable, QuorumTimeout
 from diloco.ft.quorum import Quorum
 
 log = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ import pytest
 import torch.distributed as dist
 
 from diloco.config_base import ConfigError
+from diloco.ft.client import LighthouseClient
 from diloco.ft.lighthouse import (
     Lighthouse,
-    LighthouseClient,
     LighthouseConfig,
     LighthouseRefused,
     LighthouseUnavailable,
