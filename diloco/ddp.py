@@ -25,10 +25,10 @@ log = logging.getLogger(__name__)
 class GradientSync(Synchronizer):
     """All-reduces this worker's gradient shard across groups before every optimizer step."""
 
-    def __init__(self, *, params: list[torch.nn.Parameter], **kwargs) -> None:
+    def __init__(self, *, params: list[torch.nn.Parameter], tokens_per_step: int, **kwargs) -> None:
         super().__init__(**kwargs)
         self.params = params
-        self._contributed = False
+        self.tokens_per_step = tokens_per_step
 
     def before_optimizer_step(self, step: int) -> OuterOutcome:
         """Average the gradients over the lane; a healing group contributes nothing and steps with the rest.
@@ -37,7 +37,6 @@ class GradientSync(Synchronizer):
         the round its peers are in.
         """
         started = time.perf_counter()
-        self._contributed = False
         outcome = OuterOutcome(skip_step=True)
         self._poll_fault_requests()
         round_ = self.manager.start_round()
@@ -55,14 +54,13 @@ class GradientSync(Synchronizer):
         if committed:
             self._write_gradients(average)
         outcome.skip_step = not committed
-        self._contributed = committed and healed is None
-        outcome.metrics.update(self._record(round_, committed, step, 1000 * (time.perf_counter() - started)))
+        tokens = self.tokens_per_step if committed and healed is None else 0
+        sync_ms = 1000 * (time.perf_counter() - started)
+        outcome.metrics.update(self._record(round_, committed, step, sync_ms, tokens))
         return outcome
 
     def after_inner_step(self, step: int, tokens: int) -> OuterOutcome:
         self.tokens += tokens
-        if self._contributed:
-            self.tokens_committed += tokens
         return OuterOutcome()
 
     def _reduce(self, round_, *, contribute: bool) -> torch.Tensor | None:

@@ -185,15 +185,17 @@ class OuterSync(Synchronizer):
         if average is not None and self._take_injected("fail_round"):
             average = None
         committed = self.manager.commit(round_, average is not None)
+        tokens = 0.0
         if committed:
             self._outer_step(fragment, average)
             self.bytes_sent += pending.bytes_sent
             if fragment.contributed:  # each fragment carries 1/P of the window's inner work
-                self.tokens_committed += fragment.tokens_since_sync / self.algo.fragments
+                tokens = fragment.tokens_since_sync / self.algo.fragments
         else:
             self._reset_local(fragment)
         fragment.round, fragment.pending, fragment.tokens_since_sync = None, None, 0
-        return self._record(round_, committed, step, self._quorum_ms + 1000 * (time.perf_counter() - started))
+        sync_ms = self._quorum_ms + 1000 * (time.perf_counter() - started)
+        return self._record(round_, committed, step, sync_ms, tokens)
 
     @torch.no_grad()
     def _outer_step(self, fragment: Fragment, average: torch.Tensor) -> None:

@@ -97,7 +97,9 @@ def build_outer_sync(
             outer_optimizers=[],
             inner_optimizer=inner_optimizer,
         )
-        return GradientSync(params=params, heal_state=heal_state, **common)
+        t = job.trainer
+        tokens_per_step = t.batch_size * env.world_size * t.grad_accum * t.seq_len
+        return GradientSync(params=params, tokens_per_step=tokens_per_step, heal_state=heal_state, **common)
     fragments = build_fragments(job, model, device)
     heal_state = HealState(
         global_params=[f.global_ for f in fragments],

@@ -78,7 +78,9 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
     eval_loss = statistics.fmean(r["final_eval_loss"] for r in current)
     events = read_jsonl(paths.root / "events.jsonl")
     commits = {g: read_jsonl(paths.commits(g)) for g in range(job.cluster.groups)}
-    committed_tokens = sum(r.get("tokens_committed", 0.0) for r in results)
+    # Counted from the commit logs, which every process of a group appends to (restarts included).
+    rounds = [r for records in commits.values() for r in records]
+    committed_tokens = sum(r.get("tokens", 0.0) for r in rounds if r["committed"])
     return {
         "name": job.name,
         "parameters": n_params,
@@ -94,8 +96,8 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "train_seconds": train_seconds,
         "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
         "rounds": latest,
-        "syncs_committed": sum(r.get("syncs_committed", 0) for r in results),
-        "syncs_attempted": sum(r.get("syncs_attempted", 0) for r in results),
+        "syncs_committed": sum(r["committed"] for r in rounds),
+        "syncs_attempted": len(rounds),
         "bytes_sent": sum(r.get("bytes_sent", 0) for r in results),
         "bytes_per_token": sum(r.get("bytes_sent", 0) for r in results) / tokens if tokens else 0.0,
         "recoveries": sum(r.get("recoveries", 0) for r in results),

@@ -145,9 +145,15 @@ class Synchronizer:
         log.info("group %s healed: round %d, inner step %d", self.manager.group, self.manager.committed, healed_step)
         return True, healed_step
 
-    def _record(self, round_: Round, committed: bool, step: int, sync_ms: float) -> dict[str, float]:
-        """Log the round (with the group's digest when committed) and return its metrics."""
+    def _record(
+        self, round_: Round, committed: bool, step: int, sync_ms: float, tokens: float = 0.0
+    ) -> dict[str, float]:
+        """Log the round (with the group's digest when committed) and return its metrics.
+
+        ``tokens``: the inner-step tokens this round brought into the global model.
+        """
         self.committed_here += int(committed)
+        self.tokens_committed += tokens
         self.commit_log(
             {
                 "round": self.manager.committed,
@@ -157,6 +163,7 @@ class Synchronizer:
                 "inner_step": step,
                 "time": time.time(),
                 "sync_ms": sync_ms,
+                "tokens": tokens,
                 "recoveries": self.recoveries,
                 "digest": self.group_digest() if committed else None,
             }

@@ -141,10 +141,12 @@ class Trainer:
         start = window_start = time.perf_counter()
         window_loss = torch.zeros(2, dtype=torch.float64)
         train_loss = eval_loss = math.nan
+        trained = 0  # steps this process took itself (a group that heals jumps over others)
         if self.outer is not None:
             self._follow(self.outer.join())
         while self.step < cfg.max_steps:
             loss, grad_norm = self.train_step()
+            trained += 1
             window_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
             metrics, self.sync_metrics = self.sync_metrics, {}
             if self.outer is not None:
@@ -180,7 +182,7 @@ class Trainer:
             self.on_metrics({"eval/loss": eval_loss, "eval/ppl": _perplexity(eval_loss)}, self.step)
         return TrainResult(
             steps=self.step,
-            tokens_seen=tokens_per_step * self.step,
+            tokens_seen=tokens_per_step * trained,
             final_train_loss=train_loss,
             final_eval_loss=eval_loss,
             train_seconds=time.perf_counter() - start,

@@ -16,7 +16,7 @@ that each lasts at least ``--minutes``. Everything reported comes from the run d
 every process a group had (summary.json sees only each group's last process).
 
     python experiments/fault_tolerance.py            # 2 x >= 5 minutes, after a ~30 s calibration
-    python experiments/fault_tolerance.py --quick    # 2 x ~70 s with a kill every 10 s: a smoke test
+    python experiments/fault_tolerance.py --quick    # 2 x ~60 s with a kill every 10 s: a smoke test
 
 Prints a markdown table and the target checks and writes them to
 experiments/results/fault_tolerance.md (the numbers also to fault_tolerance.json); plots train
@@ -30,6 +30,7 @@ import argparse
 import bisect
 import json
 import math
+import signal
 import statistics
 import sys
 import time
@@ -424,14 +425,14 @@ def settings(args: argparse.Namespace) -> Settings:
         # A smoke test: a kill that lands in the last seconds leaves a restarted group that
         # cannot heal, and the supervisor waits cluster.timeouts.quorum (60 s) before stopping
         # it; 20 s keeps the test short. The default run keeps the config's timeouts.
-        return Settings(args.minutes or 1.0, args.kill_every or 10.0, 10.0, 8.0, 2.0, ["cluster.timeouts.quorum=20"])
+        return Settings(args.minutes or 0.75, args.kill_every or 10.0, 10.0, 8.0, 2.0, ["cluster.timeouts.quorum=20"])
     return Settings(args.minutes or 5.0, args.kill_every or 15.0, 20.0, 20.0, 5.0, [])
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="~70 s per run, a kill every 10 s: a smoke test")
-    parser.add_argument("--minutes", type=float, help="least wall time of each run (default 5; --quick: 1)")
+    parser.add_argument("--quick", action="store_true", help="~60 s per run, a kill every 10 s: a smoke test")
+    parser.add_argument("--minutes", type=float, help="least wall time of each run (default 5; --quick: 0.75)")
     parser.add_argument("--kill-every", type=float, help="seconds between kills (default 15; --quick: 10)")
     parser.add_argument("--steps", type=int, help="inner steps per run, a multiple of H (default: from a calibration)")
     parser.add_argument("--results", metavar="DIR", help="folder of the table and plot (default experiments/results)")
@@ -439,8 +440,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def _stop(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds the with-blocks, which stop every process of the job
+
+
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, _stop)
     cfg = settings(args)
     began = time.monotonic()
     h = compose_job([], EXPERIMENT).algo.sync_every
