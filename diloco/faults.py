@@ -9,6 +9,7 @@ replayed.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,28 +102,29 @@ def request_fault(path: Path, fault: str) -> None:
     """Queue a fault for a group: one line, one write; its workers pick it up at their next round."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as fh:
-        fh.write(fault + "\n")
+        fh.write(f"{fault} {time.time()}\n")
 
 
 class FaultRequests:
     """The faults queued for one group; every worker of the group reads the same file.
 
     Polled at the start of each round rather than signalled, so a request can never reach a
-    process before it is ready for it. Requests already there when the worker starts are not
-    ours: they targeted an earlier process of the group, before a restart.
+    process before it is ready for it. Requests older than ``since`` (when this process of
+    the group was started) targeted an earlier process, before a restart.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, since: float) -> None:
         self.path = path
-        self.seen = len(self._lines())
+        self.since = since
+        self.seen = 0
 
     def take(self) -> list[str]:
         lines = self._lines()
         new, self.seen = lines[self.seen :], len(lines)
-        return new
+        return [fault for fault, at in (line.split() for line in new) if float(at) >= self.since]
 
     def _lines(self) -> list[str]:
         try:
-            return self.path.read_text().split()
+            return [line for line in self.path.read_text().splitlines() if line.strip()]
         except FileNotFoundError:
             return []

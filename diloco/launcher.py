@@ -144,6 +144,7 @@ class LocalCluster:
         n = self.job.cluster.workers_per_group
         port = free_port(self.job.cluster.master_addr)
         threads = threads_per_worker(self.job.cluster.groups * n)
+        started_at = time.time()
         workers = []
         for rank in range(n):
             env = WorkerEnv(
@@ -152,7 +153,17 @@ class LocalCluster:
             log_path = self.paths.logs / f"group{group}_rank{rank}.log"
             with log_path.open("ab") as log_file:
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "diloco.worker", "--run-dir", str(self.paths.root), "--group", str(group)],
+                    [
+                        sys.executable,
+                        "-m",
+                        "diloco.worker",
+                        "--run-dir",
+                        str(self.paths.root),
+                        "--group",
+                        str(group),
+                        "--started-at",
+                        str(started_at),
+                    ],
                     env={**os.environ, **env.to_environ(), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"},
                     stdout=log_file,
                     stderr=subprocess.STDOUT,

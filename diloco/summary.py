@@ -55,6 +55,16 @@ def survivor_stalls(events: list[dict], commits: dict[int, list[dict]], rounds_a
     return stalls
 
 
+def recoveries(commits: dict[int, list[dict]]) -> int:
+    """Heals from a peer over the whole job: every process of every group (restarts included)."""
+    per_process: dict[tuple[int, int], int] = {}
+    for group, records in commits.items():
+        for r in records:
+            key = (group, r.get("pid", 0))
+            per_process[key] = max(per_process.get(key, 0), r["recoveries"])
+    return sum(per_process.values())
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"count": 0}
@@ -100,7 +110,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "syncs_attempted": len(rounds),
         "bytes_sent": sum(r.get("bytes_sent", 0) for r in results),
         "bytes_per_token": sum(r.get("bytes_sent", 0) for r in results) / tokens if tokens else 0.0,
-        "recoveries": sum(r.get("recoveries", 0) for r in results),
+        "recoveries": recoveries(commits),
         "goodput_tokens_per_s": committed_tokens / wall_seconds if wall_seconds > 0 else 0.0,
         "faults": {kind: sum(e["kind"] == kind for e in events) for kind in sorted({e["kind"] for e in events})},
         "time_to_heal_s": _stats(times_to_heal(events, commits)),

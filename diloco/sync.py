@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -165,6 +166,7 @@ class Synchronizer:
                 "sync_ms": sync_ms,
                 "tokens": tokens,
                 "recoveries": self.recoveries,
+                "pid": os.getpid(),
                 "digest": self.group_digest() if committed else None,
             }
         )

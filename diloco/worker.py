@@ -128,8 +128,12 @@ def preflight(job: JobConfig) -> tuple[int, str]:
     return count_parameters(model), param_signature(job.model, model)
 
 
-def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths) -> TrainResult:
-    """Train this worker's part of replica group ``job.group.id``; the leader logs and saves."""
+def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: float = 0.0) -> TrainResult:
+    """Train this worker's part of replica group ``job.group.id``; the leader logs and saves.
+
+    ``started_at`` is when the launcher started this process (fault requests before it were
+    meant for an earlier process of the group).
+    """
     group = job.group.id
     leader = env.rank == 0
     device = select_device(job.cluster.device, env.local_rank)
@@ -155,7 +159,7 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths) -> TrainResult:
                 signature=signature,
                 device=device,
                 commits_path=paths.commits(group),
-                fault_requests=FaultRequests(paths.fault_requests(group)),
+                fault_requests=FaultRequests(paths.fault_requests(group), since=started_at),
             )
             outer.manager.start()
             trainer.outer = outer
@@ -216,12 +220,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--group", type=int, required=True)
+    parser.add_argument("--started-at", type=float, default=0.0, help="when the launcher spawned this process")
     args = parser.parse_args(argv)
     paths = RunPaths(args.run_dir)
     raw = json.loads(paths.job.read_text())
     raw["group"] = {"id": args.group}
     job = job_config_from_dict(raw)
-    run_worker(job, WorkerEnv.from_environ(os.environ), paths)
+    run_worker(job, WorkerEnv.from_environ(os.environ), paths, started_at=args.started_at)
     exit_without_teardown()
 
 

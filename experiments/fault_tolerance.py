@@ -126,33 +126,9 @@ class Run:
     def healed(self) -> int:
         return sum(r.healed_at is not None for r in self.recoveries())
 
-    def committed_rounds(self) -> tuple[int, int]:
-        """(committed, attempted) rounds in the commit logs of every process of every group."""
-        records = [r for group in self.commits.values() for r in group]
-        return sum(r["committed"] for r in records), len(records)
-
-    def goodput_all_processes(self, up_to_last_step: bool = False) -> float:
-        """Committed tokens/s counted from the commit logs, so killed processes' committed work counts too.
-
-        Per second of the job's wall time (summary.json's), or ``up_to_last_step``: per second
-        from launch to the last training step logged, leaving out the end of the job.
-
-        A committed record is H inner steps of this group that reached θ_g, unless it is a join
-        round (inner step 0) or the round the process healed in (its recoveries count went up):
-        those contribute a zero pseudo-gradient (DESIGN invariant 3).
-        """
-        group0 = self.summary["per_group"][0]
-        tokens_per_step = group0["tokens_seen"] / group0["steps"]
-        rounds = 0
-        for group, records in self.commits.items():
-            restarts, process, heals = self.restarts_of(group), 0, 0
-            for r in records:
-                if (p := bisect.bisect_left(restarts, r["time"])) != process:
-                    process, heals = p, 0  # a new process counts its heals from zero
-                rounds += r["committed"] and r["inner_step"] > 0 and r.get("recoveries", 0) == heals
-                heals = r.get("recoveries", 0)
-        seconds = self.training_times()[1] if up_to_last_step else self.summary["wall_seconds"]
-        return rounds * self.h * tokens_per_step / seconds
+    def goodput_to_last_step(self) -> float:
+        """summary.json's committed tokens per second from launch to the last training step (the end-of-job wait left out)."""
+        return self.summary["goodput_tokens_per_s"] * self.summary["wall_seconds"] / self.training_times()[1]
 
     def training_times(self) -> tuple[float, float]:
         """Seconds from launch to the first group's last step and to the last logged step of any group."""
@@ -236,7 +212,6 @@ def digests_equal(summary: dict[str, Any]) -> tuple[bool, str]:
 def numbers(run: Run, base: Run) -> dict[str, Any]:
     """Every figure of the table for one run (also written as JSON)."""
     s = run.summary
-    committed, attempted = run.committed_rounds()
     return {
         "wall_seconds": s["wall_seconds"],
         "training_ended_s": run.training_times()[1],
@@ -248,14 +223,10 @@ def numbers(run: Run, base: Run) -> dict[str, Any]:
         "summary_recoveries": s["recoveries"],
         "syncs_committed": s["syncs_committed"],
         "syncs_attempted": s["syncs_attempted"],
-        "rounds_committed_all_processes": committed,
-        "rounds_attempted_all_processes": attempted,
         "goodput_tokens_per_s": s["goodput_tokens_per_s"],
         "goodput_ratio": s["goodput_tokens_per_s"] / base.summary["goodput_tokens_per_s"],
-        "goodput_all_processes": run.goodput_all_processes(),
-        "goodput_all_processes_ratio": run.goodput_all_processes() / base.goodput_all_processes(),
-        "goodput_to_last_step": run.goodput_all_processes(up_to_last_step=True),
-        "goodput_to_last_step_ratio": run.goodput_all_processes(True) / base.goodput_all_processes(True),
+        "goodput_to_last_step": run.goodput_to_last_step(),
+        "goodput_to_last_step_ratio": run.goodput_to_last_step() / base.goodput_to_last_step(),
         "time_to_heal_s": s["time_to_heal_s"],
         "survivor_stall_s": s["survivor_stall_s"],
         "final_eval_loss": s["final_eval_loss"],
@@ -265,26 +236,18 @@ def numbers(run: Run, base: Run) -> dict[str, Any]:
 
 
 ROWS = [
-    ("wall time s (summary.json)", lambda n, s: f"{n['wall_seconds']:.0f}"),
+    ("wall time s", lambda n, s: f"{n['wall_seconds']:.0f}"),
     ("last training step logged at s", lambda n, s: f"{n['training_ended_s']:.0f}"),
     ("inner steps per group", lambda n, s: str(n["steps"])),
     ("kills injected", lambda n, s: str(n["kills"])),
     ("restarts", lambda n, s: str(n["restarts"])),
     ("recoveries (restarted groups healed)", lambda n, s: str(n["recoveries"])),
-    ("committed / attempted syncs (summary.json)", lambda n, s: f"{n['syncs_committed']} / {n['syncs_attempted']}"),
+    ("committed / attempted syncs", lambda n, s: f"{n['syncs_committed']} / {n['syncs_attempted']}"),
+    ("goodput (committed tokens/s)", lambda n, s: f"{n['goodput_tokens_per_s']:,.0f}"),
+    ("goodput ratio faulty / fault-free", lambda n, s: f"{n['goodput_ratio']:.3f}"),
     (
-        "committed / attempted rounds (commit logs, all processes)",
-        lambda n, s: f"{n['rounds_committed_all_processes']} / {n['rounds_attempted_all_processes']}",
-    ),
-    ("goodput, committed tokens/s (summary.json)", lambda n, s: f"{n['goodput_tokens_per_s']:,.0f}"),
-    ("goodput ratio faulty / fault-free (summary.json)", lambda n, s: f"{n['goodput_ratio']:.3f}"),
-    (
-        "goodput, committed tokens/s (commit logs, all processes): per wall s / per s to last step",
-        lambda n, s: f"{n['goodput_all_processes']:,.0f} / {n['goodput_to_last_step']:,.0f}",
-    ),
-    (
-        "goodput ratio faulty / fault-free (commit logs): per wall s / per s to last step",
-        lambda n, s: f"{n['goodput_all_processes_ratio']:.3f} / {n['goodput_to_last_step_ratio']:.3f}",
+        "goodput up to the last training step (ratio)",
+        lambda n, s: f"{n['goodput_to_last_step']:,.0f} ({n['goodput_to_last_step_ratio']:.3f})",
     ),
     ("time to heal s (median / max)", lambda n, s: _pair(n["time_to_heal_s"])),
     ("survivors' stall per failure s (median / max)", lambda n, s: _pair(n["survivor_stall_s"])),

@@ -23,7 +23,8 @@ TIMEOUT_S = 300
 def test_fault_tolerance_quick(tmp_path):
     # Popen, not run: on a timeout the script gets SIGTERM, which stops the job's processes too.
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "experiments" / "fault_tolerance.py"), "--quick", "--results", str(tmp_path)],
+        [sys.executable, str(REPO / "experiments" / "fault_tolerance.py"), "--quick", "--minutes", "0.5"]
+        + ["--kill-every", "8", "--results", str(tmp_path)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -57,8 +57,7 @@ def test_chaos_run_completes_and_every_killed_group_recovers(tmp_path):
     assert "crash" not in kinds, events
     assert kinds.count("restart") == kills
     assert summary["time_to_heal_s"]["count"] == kills, "every restarted group must commit again"
-    healed_by_restart = sum(r["recoveries"] for r in summary["per_group"])
-    assert healed_by_restart >= kills
+    assert summary["recoveries"] >= kills
     assert summary["groups_missing_results"] == []
     assert len({r["digest"] for r in summary["per_group"]}) == 1, "global state differs at the end"
     assert len({r["rounds"] for r in summary["per_group"]}) == 1
