@@ -69,10 +69,6 @@ class Fragment:
     contributed: bool = False
     tokens_since_sync: int = 0
 
-    @property
-    def numel(self) -> int:
-        return sum(t.numel() for t in self.global_)
-
 
 class OuterSync(Synchronizer):
     """Launches and applies fragment rounds at the steps the schedule names."""
