@@ -42,8 +42,8 @@ class GradientSync(Synchronizer):
         round_ = self.manager.start_round()
         if round_ is None:
             return outcome  # no quorum: no step, so no group drifts from the others
-        ok, healed = self._heal_and_serve(round_, step - 1)
-        outcome.healed_to_step = healed
+        ok, healed = self._heal_and_serve(round_, step - 1, step - 1)
+        outcome.healed_to_step = None if healed is None else healed.inner_step
         average = None
         if ok:
             average = self._reduce(round_, contribute=healed is None)
@@ -61,6 +61,7 @@ class GradientSync(Synchronizer):
 
     def after_inner_step(self, step: int, tokens: int) -> OuterOutcome:
         self.tokens += tokens
+        self._state_changed()  # θ is the live model: the optimizer step just changed it
         return OuterOutcome()
 
     def _reduce(self, round_, *, contribute: bool) -> torch.Tensor | None:

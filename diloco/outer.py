@@ -11,9 +11,12 @@ rank succeeded, and θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p (apply). A failed
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -23,7 +26,7 @@ from diloco.config_base import check
 from diloco.fragments import fragments_to_apply, fragments_to_launch
 from diloco.ft.lanes import LaneError
 from diloco.ft.manager import Round, wait_work
-from diloco.outer_reduce import PendingReduce, launch_reduce
+from diloco.outer_reduce import launch_reduce
 from diloco.sync import OuterOutcome, Synchronizer
 
 log = logging.getLogger(__name__)
@@ -63,42 +66,68 @@ class Fragment:
     local: list[torch.Tensor]
     global_: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
-    pending: PendingReduce | None = None
-    round: Round | None = None
-    local_ok: bool = True
-    contributed: bool = False
     tokens_since_sync: int = 0
 
 
+@dataclass
+class Flight:
+    """One round between its launch (inner step ``launch_step``) and its apply (τ steps later).
+
+    Filled in by the round's background thread; read by the training thread only once that
+    thread is done. ``averages`` stays None while the reduce has not run: the round found no
+    quorum, or it involves this group in a healing transfer, which waits for the apply step.
+    """
+
+    launch_step: int
+    fragments: list[Fragment]
+    deltas: list[torch.Tensor]
+    weights: list[float]
+    round: Round | None = None
+    averages: list[torch.Tensor | None] | None = None
+    bytes_sent: list[int] = field(default_factory=list)
+    held_ms: float = 0.0  # time the training thread spent on this round
+    done: Future | None = None
+
+
 class OuterSync(Synchronizer):
-    """Launches and applies fragment rounds at the steps the schedule names."""
+    """Launches rounds at the steps the schedule names and applies them τ steps later.
+
+    A launch only snapshots Δ on the training thread; the quorum, the non-finite check, the
+    quantization and the all-reduce run on a background thread while the next τ inner steps
+    train, so overlap hides the wait for the other groups as well as the transfer. A round
+    that makes this group send or receive state is finished on the training thread at the
+    apply step, where the state is consistent (a healing peer waits up to τ steps for it).
+    """
 
     def __init__(self, *, algo: AlgoConfig, fragments: list[Fragment], **common: Any) -> None:
         super().__init__(**common)
         self.algo = algo
         self.fragments = fragments
-        self._quorum_ms = 0.0
+        self._flight: Flight | None = None
 
     def join(self) -> OuterOutcome:
         """A starting group's first round: take the live state from a peer if the job is ahead."""
-        return self._advance(0, [], OuterOutcome())
+        outcome = OuterOutcome()
+        started = time.perf_counter()
+        self._poll_fault_requests()
+        flight = Flight(launch_step=0, fragments=[], deltas=[], weights=[], round=self.manager.start_round())
+        flight.held_ms = 1000 * (time.perf_counter() - started)
+        self._land(flight, 0, outcome)
+        return outcome
 
     def after_inner_step(self, step: int, tokens: int) -> OuterOutcome:
-        """After inner step ``step``: launch the due fragments' all-reduces, then apply due results."""
+        """After inner step ``step``: launch the due fragments' round, then apply the round due now."""
         self.tokens += tokens
         for f in self.fragments:
             f.tokens_since_sync += tokens
+        outcome = OuterOutcome()
         due = self._schedule(fragments_to_launch, step)
-        return self._advance(step, due, OuterOutcome())
-
-    def _advance(self, step: int, due: list[int], outcome: OuterOutcome) -> OuterOutcome:
-        if due or step == 0:
-            healed = self._launch_round(step, due, outcome)
-            if healed is not None:
-                outcome.healed_to_step = step = healed
-        if step > 0:
-            for p in self._schedule(fragments_to_apply, step):
-                outcome.metrics.update(self._apply(self.fragments[p], step))
+        if due:
+            self._launch(step, due)
+        flight = self._flight
+        if flight is not None and self._schedule(fragments_to_apply, step):  # the flight launched τ steps ago
+            self._flight = None
+            self._land(flight, step, outcome)
         return outcome
 
     def load_global_into_local(self) -> None:
@@ -114,84 +143,127 @@ class OuterSync(Synchronizer):
     def _schedule(self, rule: Callable[[int, int, int, int], list[int]], step: int) -> list[int]:
         return rule(step, self.algo.sync_every, self.algo.fragments, self.algo.delay)
 
-    def _launch_round(self, step: int, due: list[int], outcome: OuterOutcome) -> int | None:
-        """One quorum round at inner step ``step``; returns the step we jumped to if we healed.
-
-        A group that heals joins the round its peers are in (the fragments due at the
-        peer's step) with a zero, weightless contribution (DESIGN invariant 3).
-        """
+    def _launch(self, step: int, due: list[int]) -> None:
+        """Snapshot Δ_p = θ_g,p − θ_l,p of the due fragments and start their round in the background."""
         started = time.perf_counter()
         self._poll_fault_requests()
-        round_ = self.manager.start_round()
-        self._quorum_ms = 1000 * (time.perf_counter() - started)
-        if round_ is None:
-            return None  # no quorum: these fragments skip this window; θ_l trains on
-        ok, healed = self._heal_and_serve(round_, step)
-        if healed is not None:
-            due = self._schedule(fragments_to_launch, healed) if healed > 0 else []
-        for p in due:
-            if ok:
-                self._launch_reduce(self.fragments[p], round_, contribute=healed is None)
-            else:  # the lane was dropped: this round fails here, and at the peers' all-reduce
-                self.attempted += 1
-                self.fragments[p].round, self.fragments[p].pending, self.fragments[p].local_ok = round_, None, False
-        if not due:  # a join round moves no tensors: commit it now
-            self.attempted += 1
-            committed = self.manager.commit(round_, ok)
-            outcome.metrics.update(self._record(round_, committed, healed or step, self._quorum_ms))
-        return healed
-
-    def _launch_reduce(self, fragment: Fragment, round_: Round, *, contribute: bool) -> None:
-        """Start the lane all-reduce of Δ_p (zeros and weight 0 for a group that does not contribute)."""
-        self.attempted += 1
+        fragments = [self.fragments[p] for p in due]
         with torch.no_grad():
-            delta = torch.cat(
-                [
-                    (g - local.float().cpu()).flatten() if contribute else torch.zeros(g.numel())
-                    for g, local in zip(fragment.global_, fragment.local)
-                ]
-            )
-        fragment.round, fragment.local_ok, fragment.pending = round_, True, None
-        if contribute and not self._all_finite(delta):
-            delta.zero_()
-            contribute, fragment.local_ok = False, False
-        weight = 0.0
-        if contribute:
-            weight = float(fragment.tokens_since_sync) if self.algo.weighting == "tokens" else 1.0
-        fragment.contributed = contribute
-        try:
-            fragment.pending = launch_reduce(round_.lane, delta, weight, self.algo.quantize, round_.size)
-            if self._take_injected("break_lane"):
-                self.manager.lanes.drop()  # mid all-reduce: this round fails everywhere
-        except Exception as error:  # a broken lane fails the round; it does not stop training
-            log.warning("group %s: all-reduce launch failed: %s", self.manager.group, error)
-            fragment.local_ok = False
+            deltas = [
+                torch.cat([(g - local.float().cpu()).flatten() for g, local in zip(f.global_, f.local)])
+                for f in fragments
+            ]
+        weights = [float(f.tokens_since_sync) if self.algo.weighting == "tokens" else 1.0 for f in fragments]
+        flight = Flight(launch_step=step, fragments=fragments, deltas=deltas, weights=weights)
+        flight.done = run_in_background(lambda: self._quorum_and_reduce(flight), f"outer-round-{step}")
+        flight.held_ms = 1000 * (time.perf_counter() - started)
+        self._flight = flight
 
-    def _apply(self, fragment: Fragment, step: int) -> dict[str, float]:
-        round_, pending = fragment.round, fragment.pending
-        if round_ is None:
-            return {}  # no quorum at launch: nothing to apply
-        started = time.perf_counter()
-        average = None
-        if fragment.local_ok and pending is not None:
+    def _quorum_and_reduce(self, flight: Flight) -> None:
+        """The background part of a round: quorum, then the reduce unless a healing transfer involves us."""
+        flight.round = self.manager.start_round()
+        if flight.round is None or flight.round.heal_source is not None or flight.round.heal_targets:
+            return
+        self._reduce(flight)
+
+    def _reduce(self, flight: Flight) -> None:
+        """All-reduce every fragment's weighted Δ over the lane and average; None where it failed.
+
+        A Δ that is not finite on some rank of the group goes out as zeros with weight 0:
+        the others' average is untouched, and this group does not commit (DESIGN invariant 4).
+        """
+        round_ = flight.round
+        local_ok, pending = [], []
+        for delta, weight in zip(flight.deltas, flight.weights):
+            finite = weight == 0.0 or self._all_finite(delta)
+            if not finite:
+                delta.zero_()
             try:
-                average = pending.result(lambda work: wait_work(work, self.collective_timeout_s))
-            except LaneError as error:
-                log.warning("group %s: fragment %d round failed: %s", self.manager.group, fragment.index, error)
+                pending.append(
+                    launch_reduce(round_.lane, delta, weight if finite else 0.0, self.algo.quantize, round_.size)
+                )
+            except Exception as error:  # a broken lane fails the round; it does not stop training
+                log.warning("group %s: all-reduce launch failed: %s", self.manager.group, error)
+                pending.append(None)
+            local_ok.append(finite)
+        if self._take_injected("break_lane"):
+            self.manager.lanes.drop()  # mid all-reduce: this round fails everywhere
+        flight.averages = []
+        for ok, reduce in zip(local_ok, pending):
+            average = None
+            if reduce is not None:
+                try:
+                    average = reduce.result(lambda work: wait_work(work, self.collective_timeout_s))
+                except LaneError as error:
+                    log.warning("group %s: round %s failed: %s", self.manager.group, round_.quorum.quorum_id, error)
+            flight.averages.append(average if ok else None)
+            flight.bytes_sent.append(0 if reduce is None else reduce.bytes_sent)
+
+    def _land(self, flight: Flight, step: int, outcome: OuterOutcome) -> None:
+        """At the apply step, on the training thread: wait for the round, heal or serve if asked, commit."""
+        started = time.perf_counter()
+        if flight.done is not None:
+            self._wait_background(flight)
+        round_ = flight.round
+        if round_ is None:
+            return  # no quorum: these fragments skip this window; θ_l trains on
+        if flight.averages is None:  # a healing transfer involves us: do it now, then reduce
+            ok, healed = self._heal_and_serve(round_, step, flight.launch_step)
+            if healed is not None:
+                step = outcome.healed_to_step = healed.inner_step
+                flight = self._joining_flight(round_, healed.round_step)
+            if not flight.fragments:  # a join round moves no tensors: commit it now
+                self.attempted += 1
+                committed = self.manager.commit(round_, ok)
+                sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
+                outcome.metrics.update(self._record(round_, committed, step, sync_ms))
+                return
+            if ok:
+                self._reduce(flight)
+            else:  # the lane was dropped: this round fails here, and at the peers' all-reduce
+                flight.averages = [None] * len(flight.fragments)
+                flight.bytes_sent = [0] * len(flight.fragments)
+        for i in range(len(flight.fragments)):
+            outcome.metrics.update(self._apply(flight, i, step, started))
+
+    def _joining_flight(self, round_: Round, round_step: int) -> Flight:
+        """After healing: the peers' round, which this group joins with zeros and weight 0 (DESIGN invariant 3)."""
+        due = self._schedule(fragments_to_launch, round_step) if round_step > 0 else []
+        fragments = [self.fragments[p] for p in due]
+        deltas = [torch.zeros(sum(g.numel() for g in f.global_)) for f in fragments]
+        return Flight(
+            launch_step=round_step, fragments=fragments, deltas=deltas, weights=[0.0] * len(due), round=round_
+        )
+
+    def _wait_background(self, flight: Flight) -> None:
+        """Wait for the round's background part; every wait in it has its own timeout, this is a backstop."""
+        timeout_s = self.manager.quorum_timeout_s + self.manager.lanes.connect_timeout_s + 4 * self.collective_timeout_s
+        try:
+            flight.done.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise RuntimeError(
+                f"group {self.manager.group}: the outer round launched at inner step {flight.launch_step} "
+                f"is still running after {timeout_s:.0f}s (timeouts.quorum, connect and collective bound its waits)"
+            ) from None
+
+    def _apply(self, flight: Flight, i: int, step: int, started: float) -> dict[str, float]:
+        """Commit the flight's i-th fragment iff every rank has its average: then the outer step, else reset θ_l."""
+        fragment, average = flight.fragments[i], flight.averages[i]
+        self.attempted += 1
         if average is not None and self._take_injected("fail_round"):
             average = None
-        committed = self.manager.commit(round_, average is not None)
+        committed = self.manager.commit(flight.round, average is not None)
         tokens = 0.0
         if committed:
             self._outer_step(fragment, average)
-            self.bytes_sent += pending.bytes_sent
-            if fragment.contributed:  # each fragment carries 1/P of the window's inner work
+            self.bytes_sent += flight.bytes_sent[i]
+            if flight.weights[i] > 0:  # each fragment carries 1/P of the window's inner work
                 tokens = fragment.tokens_since_sync / self.algo.fragments
         else:
             self._reset_local(fragment)
-        fragment.round, fragment.pending, fragment.tokens_since_sync = None, None, 0
-        sync_ms = self._quorum_ms + 1000 * (time.perf_counter() - started)
-        return self._record(round_, committed, step, sync_ms, tokens)
+        fragment.tokens_since_sync = 0
+        sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
+        return self._record(flight.round, committed, step, sync_ms, tokens)
 
     @torch.no_grad()
     def _outer_step(self, fragment: Fragment, average: torch.Tensor) -> None:
@@ -202,6 +274,7 @@ class OuterSync(Synchronizer):
             offset += g.numel()
         fragment.optimizer.step()
         fragment.optimizer.zero_grad(set_to_none=True)
+        self._state_changed(fragment.index)
         alpha = self.algo.alpha
         for g, local in zip(fragment.global_, fragment.local):
             new_global = g.to(local.device, non_blocking=True).to(local.dtype)
@@ -211,3 +284,19 @@ class OuterSync(Synchronizer):
     def _reset_local(self, fragment: Fragment) -> None:
         for g, local in zip(fragment.global_, fragment.local):
             local.copy_(g.to(local.device).to(local.dtype))
+
+
+def run_in_background(work: Callable[[], None], name: str) -> Future:
+    """Run ``work`` on a daemon thread; the future carries its exception, if any, to the waiter."""
+    done: Future = Future()
+
+    def target() -> None:
+        try:
+            work()
+        except BaseException as error:  # noqa: BLE001 - handed to the training thread, which re-raises
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return done

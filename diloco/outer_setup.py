@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -77,7 +78,7 @@ def build_outer_sync(
         )
     manager = Manager(
         group=group,
-        inner_pg=dist.group.WORLD if env.world_size > 1 else None,
+        inner_pg=control_group(env, timeouts.collective),
         client=client,
         lanes=Lanes(local_rank=env.rank, connect_timeout_s=timeouts.connect, collective_timeout_s=timeouts.collective),
         quorum_timeout_s=timeouts.quorum,
@@ -107,6 +108,18 @@ def build_outer_sync(
         inner_optimizer=inner_optimizer,
     )
     return OuterSync(algo=job.algo, fragments=fragments, heal_state=heal_state, **common)
+
+
+def control_group(env: WorkerEnv, timeout_s: float) -> dist.ProcessGroup | None:
+    """The group's own Gloo group for the manager's small messages (quorum, commit votes).
+
+    Separate from FSDP's group because an outer round runs on a background thread while
+    the training thread's FSDP collectives go on: two threads must never share one group.
+    Every rank creates it at the same point (here), as ``new_group`` requires.
+    """
+    if env.world_size == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def _commit_logger(path: Path) -> Callable[[dict], None]:

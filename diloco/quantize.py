@@ -95,16 +95,17 @@ def _blockwise(x: torch.Tensor, block: int, qmax: float) -> tuple[torch.Tensor, 
 
 
 def _fp4_encode(y: torch.Tensor) -> torch.Tensor:
-    """Codes (uint8, 0..15) of the E2M1 values nearest to y, ties to the even code (as OCP MX)."""
+    """Codes (uint8, 0..15) of the E2M1 values nearest to y, ties to the even code (as OCP MX).
+
+    The code of a magnitude is the number of midpoints it passes. A magnitude exactly on the
+    midpoint between codes i and i+1 passes it only when i+1 is even. Seven comparisons are
+    several times faster than ``bucketize`` plus a tie fix-up on the CPU.
+    """
     magnitude = y.abs()
-    midpoints = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32, device=y.device)
-    # right=False: a value equal to a midpoint goes to the lower code ...
-    code = torch.bucketize(magnitude, midpoints)
-    # ... then a tie whose lower code is odd moves up to the even one.
-    at_mid = midpoints[code.clamp(max=len(_FP4_MIDPOINTS) - 1)]
-    tie_up = (code < len(_FP4_MIDPOINTS)) & (magnitude == at_mid) & (code % 2 == 1)
-    code = code + tie_up.to(code.dtype)
-    return (code + 8 * (y < 0).to(code.dtype)).to(torch.uint8)
+    code = (y < 0).to(torch.uint8) << 3
+    for i, midpoint in enumerate(_FP4_MIDPOINTS):
+        code += magnitude.ge(midpoint) if i % 2 else magnitude.gt(midpoint)
+    return code
 
 
 def _fp4_pack(codes: torch.Tensor) -> torch.Tensor:

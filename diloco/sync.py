@@ -20,7 +20,7 @@ import torch
 from diloco.byte_view import as_bytes_tensor, byte_view
 from diloco.faults import FaultRequests
 from diloco.ft.manager import Manager, Round
-from diloco.ft.state import HealState
+from diloco.ft.state import HealState, Position
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class Synchronizer:
         self.tokens_committed = 0.0  # tokens whose inner steps reached a committed global model
         self.recoveries = 0
         self._injected: set[str] = set()
+        self._fragment_digests: dict[int, bytes] = {}
 
     def inject(self, fault: str) -> None:
         """Fault injection for the next round.
@@ -117,18 +118,19 @@ class Synchronizer:
             log.warning("group %s: non-finite update left out of this round", self.manager.group)
         return finite
 
-    def _heal_and_serve(self, round_: Round, step: int) -> tuple[bool, int | None]:
+    def _heal_and_serve(self, round_: Round, step: int, round_step: int) -> tuple[bool, Position | None]:
         """Serve groups healing from us; receive a peer's state if we are behind.
 
-        Returns (ok, the inner step we jumped to if we healed). The received state is
-        staged and applied only if every rank of the group got its part, so a failed
-        transfer leaves the live state untouched; the group heals again next quorum. A
-        failed transfer may leave messages queued on the lane, so the lane is dropped and
-        this round is given up (the next quorum gets a new id and fresh lanes).
+        ``step`` is our inner step now, ``round_step`` the one the round was launched at.
+        Returns (ok, where the sender stood if we healed: jump to its inner step). The
+        received state is staged and applied only if every rank of the group got its part,
+        so a failed transfer leaves the live state untouched; the group heals again next
+        quorum. A failed transfer may leave messages queued on the lane, so the lane is
+        dropped and this round is given up (the next quorum gets a new id and fresh lanes).
         """
+        position = Position(committed=self.manager.committed, inner_step=step, round_step=round_step)
         sent = all(
-            self.heal_state.send(round_.lane, t, self.manager.committed, step, self.collective_timeout_s)
-            for t in round_.heal_targets
+            self.heal_state.send(round_.lane, t, position, self.collective_timeout_s) for t in round_.heal_targets
         )
         source = round_.heal_source
         staged = None
@@ -140,11 +142,13 @@ class Synchronizer:
             return False, None
         if staged is None:
             return True, None
-        self.manager.committed, healed_step = self.heal_state.apply(staged)
+        healed = self.heal_state.apply(staged)
+        self._state_changed()
+        self.manager.committed = healed.committed
         self._after_heal()
         self.recoveries += 1
-        log.info("group %s healed: round %d, inner step %d", self.manager.group, self.manager.committed, healed_step)
-        return True, healed_step
+        log.info("group %s healed: round %d, inner step %d", self.manager.group, healed.committed, healed.inner_step)
+        return True, healed
 
     def _record(
         self, round_: Round, committed: bool, step: int, sync_ms: float, tokens: float = 0.0
@@ -195,10 +199,29 @@ class Synchronizer:
         }
 
     def group_digest(self) -> str:
-        """sha256 over every rank's θ_g and outer-optimizer state (a collective over the group)."""
+        """sha256 over every rank's θ_g and outer-optimizer state (a collective over the group).
+
+        Each fragment's own digest is kept until its state changes (its outer step, a heal),
+        so a commit hashes the fragment it changed rather than the whole model.
+        """
         own = hashlib.sha256()
-        for name, tensor in self.heal_state.global_tensors().items():
-            raw = as_bytes_tensor(tensor)
-            own.update(name.encode())
-            own.update(byte_view(raw))
+        for p in range(len(self.heal_state.global_params)):
+            if p not in self._fragment_digests:
+                self._fragment_digests[p] = _sha256(self.heal_state.fragment_tensors(p))
+            own.update(self._fragment_digests[p])
         return self.manager.combine_digests(own.digest())
+
+    def _state_changed(self, fragment: int | None = None) -> None:
+        """Forget the digest of ``fragment`` (of every fragment if None): its θ_g or outer state changed."""
+        if fragment is None:
+            self._fragment_digests.clear()
+        else:
+            self._fragment_digests.pop(fragment, None)
+
+
+def _sha256(named: dict[str, torch.Tensor]) -> bytes:
+    digest = hashlib.sha256()
+    for name, tensor in named.items():
+        digest.update(name.encode())
+        digest.update(byte_view(as_bytes_tensor(tensor)))
+    return digest.digest()

@@ -254,3 +254,61 @@ def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco_bit_for_bit(
     for a, b in zip(diloco[0].model.parameters(), streaming[0].model.parameters()):
         assert torch.equal(a, b)
     assert diloco[0].outer.group_digest() == streaming[0].outer.group_digest()
+
+
+def test_overlap_hides_the_quorum_wait_a_group_launches_and_trains_on_before_its_peer_asks(tmp_path):
+    """With τ > 0 a launch must not block on the other groups: the quorum is part of what overlaps.
+
+    Group 0 launches fragment 0's round and trains the τ − 1 steps before its apply while
+    group 1 has not yet even reached its launch. If the launch waited for the quorum, group 0
+    would never get there and group 1 would wait for it in vain.
+    """
+    H, P, tau, steps = 8, 2, 2, 8
+    job = compose_job(
+        BASE
+        + ["cluster.groups=2", "algo=streaming", f"algo.sync_every={H}", f"algo.fragments={P}", f"algo.delay={tau}"]
+        + ["algo.quantize=none", f"trainer.max_steps={steps}"]
+    )
+    launch = H // P - tau  # fragment 0 is applied after step H/P, launched τ steps earlier
+    assert fragments_to_launch(launch, H, P, tau) == [0]
+    torch.manual_seed(0)
+    models = [Transformer(job.model) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    group0_ahead = threading.Event()
+    with lighthouse_for(job) as job:
+        outers = [
+            outer_for(job, g, m, build_inner_optimizer(list(m.parameters()), job.inner_opt, steps)[0], tmp_path)
+            for g, m in enumerate(models)
+        ]
+
+        def group(g: int) -> None:
+            outers[g].join()
+            for step in range(1, steps + 1):
+                if g == 1 and step == launch:
+                    assert group0_ahead.wait(timeout=60), "group 0 blocked in its launch, waiting for group 1"
+                if g == 0 and step == launch + tau:
+                    group0_ahead.set()
+                mock_inner_step(models[g], step, scale=1.0 + g)
+                outers[g].after_inner_step(step, tokens=1)
+            outers[g].manager.stop()
+
+        run_threads(lambda: group(0), lambda: group(1))
+    assert outers[0].committed_here == outers[1].committed_here == 1 + P  # the join round, then each fragment
+    assert outers[0].group_digest() == outers[1].group_digest()
+    assert_cached_digest_is_fresh(outers[0])
+
+
+def assert_cached_digest_is_fresh(outer) -> None:
+    """The per-fragment digest cache must never hide a change: recomputing from scratch agrees."""
+    cached = outer.group_digest()
+    outer._state_changed()
+    assert outer.group_digest() == cached
+
+
+def test_ddp_groups_end_with_the_same_state_and_a_fresh_digest(tmp_path):
+    job = compose_job(BASE + SGD_EXACT + ["cluster.groups=2", "trainer.batch_size=4", "algo=ddp"])
+    trainers = _two_group_trainers(job, tmp_path)
+    for a, b in zip(trainers[0].model.parameters(), trainers[1].model.parameters()):
+        assert torch.equal(a, b)
+    assert trainers[0].outer.group_digest() == trainers[1].outer.group_digest()
+    assert_cached_digest_is_fresh(trainers[0].outer)

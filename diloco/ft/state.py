@@ -1,12 +1,13 @@
 """The live state a behind group receives from a peer: named tensors of this worker's shard.
 
 θ_g of every fragment, every fragment's outer-optimizer state, the inner optimizer's state,
-and as JSON the committed round count and the inner step. Received tensors are staged and
+and as JSON where the sender stood (``Position``). Received tensors are staged and
 copied into the live ones only once the whole group has them (DESIGN invariant 2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -22,6 +23,20 @@ log = logging.getLogger(__name__)
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This worker's shard of a (possibly FSDP-sharded) tensor, sharing its storage."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a group stands when it sends its state: what the receiver takes over.
+
+    ``round_step`` is the inner step the round that carries the transfer was launched at:
+    with overlap (τ > 0) the sender serves at the round's apply step, ``inner_step`` =
+    ``round_step`` + τ, and the receiver joins the reduce of the fragments launched then.
+    """
+
+    committed: int
+    inner_step: int
+    round_step: int
 
 
 class HealState:
@@ -41,10 +56,15 @@ class HealState:
     def global_tensors(self) -> dict[str, torch.Tensor]:
         """θ_g and outer-optimizer state: what invariant 1 says must match across groups."""
         named: dict[str, torch.Tensor] = {}
-        for p, params in enumerate(self.global_params):
-            named.update({f"global.{p}.{i}": t.detach() for i, t in enumerate(params)})
-        for p, opt in enumerate(self.outer_optimizers):
-            named.update({f"outer.{p}.{k}": v for k, v in optimizer_state_tensors(opt).items()})
+        for p in range(len(self.global_params)):
+            named.update(self.fragment_tensors(p))
+        return named
+
+    def fragment_tensors(self, p: int) -> dict[str, torch.Tensor]:
+        """Fragment p's part of ``global_tensors``: its θ_g and its outer optimizer's state."""
+        named = {f"global.{p}.{i}": t.detach() for i, t in enumerate(self.global_params[p])}
+        if self.outer_optimizers:
+            named.update({f"outer.{p}.{k}": v for k, v in optimizer_state_tensors(self.outer_optimizers[p]).items()})
         return named
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -55,11 +75,11 @@ class HealState:
                     named[f"inner.{i}.{key}"] = local_tensor(value)
         return named
 
-    def send(self, lane: dist.ProcessGroup, dst: int, committed: int, inner_step: int, timeout_s: float) -> bool:
+    def send(self, lane: dist.ProcessGroup, dst: int, position: Position, timeout_s: float) -> bool:
         """Send our state to lane rank ``dst``; False if the transfer failed (the receiver retries later)."""
         bundle = StateBundle(
             tensors={k: v.detach().cpu() for k, v in self.tensors().items()},
-            meta={"committed": committed, "inner_step": inner_step},
+            meta=dataclasses.asdict(position),
         )
         try:
             send_state(lane, dst, bundle, timeout_s)
@@ -77,8 +97,8 @@ class HealState:
             return None
 
     @torch.no_grad()
-    def apply(self, bundle: StateBundle) -> tuple[int, int]:
-        """Copy a received state into the live tensors; returns (committed rounds, inner step)."""
+    def apply(self, bundle: StateBundle) -> Position:
+        """Copy a received state into the live tensors; returns where the sender stood."""
         live = self.tensors()
         for name, tensor in bundle.tensors.items():
             if not name.startswith("outer."):
@@ -88,7 +108,7 @@ class HealState:
             load_optimizer_state_tensors(
                 opt, {k[len(prefix) :]: v for k, v in bundle.tensors.items() if k.startswith(prefix)}
             )
-        return int(bundle.meta["committed"]), int(bundle.meta["inner_step"])
+        return Position(**{f.name: int(bundle.meta[f.name]) for f in dataclasses.fields(Position)})
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -120,8 +120,17 @@ def job_factory(tmp_path):
 ALL3 = ["group0", "group1", "group2"]
 
 
-def test_three_groups_hold_identical_state_after_every_commit(job_factory):
-    job = job_factory("cluster.workers_per_group=2", "trainer.max_steps=60")
+ALGOS = {
+    "diloco": [],
+    "streaming": ["algo=streaming", "algo.fragments=2", "algo.delay=1", "algo.alpha=0.5", "algo.quantize=fp4"],
+    "ddp": ["algo=ddp", "algo.sync_every=1"],
+}
+
+
+@pytest.mark.parametrize("algo", ["diloco", "streaming"])
+def test_three_groups_hold_identical_state_after_every_commit(job_factory, algo):
+    """Two workers per group: with streaming the rounds run on a background thread beside FSDP."""
+    job = job_factory("cluster.workers_per_group=2", "trainer.max_steps=60", *ALGOS[algo])
     job.start(range(3))
     job.wait(job.cluster.finished, 180, "all groups to finish")
     shared = assert_digests_agree(job.paths, 3)
@@ -129,13 +138,6 @@ def test_three_groups_hold_identical_state_after_every_commit(job_factory):
     results = [json.loads(job.paths.result(g).read_text()) for g in range(3)]
     assert len({r["digest"] for r in results}) == 1, "final global state differs between groups"
     assert len({r["rounds"] for r in results}) == 1
-
-
-ALGOS = {
-    "diloco": [],
-    "streaming": ["algo=streaming", "algo.fragments=2", "algo.delay=1", "algo.alpha=0.5", "algo.quantize=fp4"],
-    "ddp": ["algo=ddp", "algo.sync_every=1"],
-}
 
 
 @pytest.mark.parametrize("algo", sorted(ALGOS))
