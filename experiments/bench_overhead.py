@@ -18,7 +18,7 @@ machine disturbs less (see ``outer_excess_pct``). Bytes per token (summary.json)
 all-reduces gradients every step; a short DDP run suffices as its bytes per token are the
 same every step.
 
-    python experiments/bench_overhead.py           # 3 repeats, 200 steps: a few minutes on two cores
+    python experiments/bench_overhead.py           # 5 repeats, 200 steps: about 6 minutes on two cores
     python experiments/bench_overhead.py --quick   # 1 repeat, 100 steps, a smaller model
 
 Prints two markdown tables and the target checks, and writes them to
@@ -188,13 +188,13 @@ def report(setup: str, runs: dict[str, list[Run]], ddp: Run | None, why: str) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 repeat of 100 steps with a smaller model")
-    parser.add_argument("--repeats", type=int, help="timing repeats (default 3; --quick: 1)")
+    parser.add_argument("--repeats", type=int, help="timing repeats (default 5; --quick: 1)")
     parser.add_argument("--steps", type=int, help="inner steps, a multiple of 100 (default 200; --quick: 100)")
     parser.add_argument("--ddp-steps", type=int, help="steps of the DDP run (default 20; --quick: 10)")
     parser.add_argument("--results", metavar="DIR", help="folder of the results table (default experiments/results)")
     parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR (default: a temp dir)")
     args = parser.parse_args()
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick else 5)
     steps = args.steps or (100 if args.quick else 200)
     ddp_steps = args.ddp_steps or (10 if args.quick else 20)
     shared = ["model.dim=64"] if args.quick else []
