@@ -92,11 +92,12 @@ class Flight:
 class OuterSync(Synchronizer):
     """Launches rounds at the steps the schedule names and applies them τ steps later.
 
-    A launch only snapshots Δ on the training thread; the quorum, the non-finite check, the
-    quantization and the all-reduce run on a background thread while the next τ inner steps
-    train, so overlap hides the wait for the other groups as well as the transfer. A round
-    that makes this group send or receive state is finished on the training thread at the
-    apply step, where the state is consistent (a healing peer waits up to τ steps for it).
+    With τ > 0 a launch only snapshots Δ on the training thread; the quorum, the non-finite
+    check, the quantization and the all-reduce run on a background thread while the next τ
+    inner steps train, so overlap hides the wait for the other groups as well as the
+    transfer. A round that makes this group send or receive state is finished on the
+    training thread at the apply step, where the state is consistent (a healing peer waits
+    up to τ steps for it).
     """
 
     def __init__(self, *, algo: AlgoConfig, fragments: list[Fragment], **common: Any) -> None:
@@ -155,7 +156,10 @@ class OuterSync(Synchronizer):
             ]
         weights = [float(f.tokens_since_sync) if self.algo.weighting == "tokens" else 1.0 for f in fragments]
         flight = Flight(launch_step=step, fragments=fragments, deltas=deltas, weights=weights)
-        flight.done = run_in_background(lambda: self._quorum_and_reduce(flight), f"outer-round-{step}")
+        if self.algo.delay > 0:
+            flight.done = run_in_background(lambda: self._quorum_and_reduce(flight), f"outer-round-{step}")
+        else:  # applied right away: nothing to overlap, so no thread
+            self._quorum_and_reduce(flight)
         flight.held_ms = 1000 * (time.perf_counter() - started)
         self._flight = flight
 

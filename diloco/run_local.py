@@ -43,6 +43,7 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
         max_restarts=job.cluster.max_restarts,
         backoff_s=job.cluster.restart_backoff,
         end_grace_s=job.cluster.timeouts.quorum,
+        orphan_grace_s=job.cluster.timeouts.heartbeat,
     )
     injector = FaultInjector(
         cluster,

@@ -16,6 +16,7 @@ from typing import Any
 
 from diloco.faults import FaultEvent
 from diloco.launcher import JobFailed, LocalCluster, log_tail
+from diloco.metrics import read_jsonl_tail
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +40,23 @@ class Supervisor:
     """Restarts dead groups of a ``LocalCluster`` (limit and backoff from config)."""
 
     def __init__(
-        self, cluster: LocalCluster, events: EventLog, *, max_restarts: int, backoff_s: float, end_grace_s: float
+        self,
+        cluster: LocalCluster,
+        events: EventLog,
+        *,
+        max_restarts: int,
+        backoff_s: float,
+        end_grace_s: float,
+        orphan_grace_s: float,
     ) -> None:
         self.cluster = cluster
         self.events = events
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
         self.end_grace_s = end_grace_s
+        self.orphan_grace_s = orphan_grace_s
         self.first_finish_at: float | None = None
+        self.orphan_since: float | None = None
         self.crashes: dict[int, int] = {}
         self.restart_at: dict[int, float] = {}
         self.finished_groups: set[int] = set()
@@ -66,6 +76,7 @@ class Supervisor:
             self.first_finish_at = self.first_finish_at if self.first_finish_at is not None else now
             if now - self.first_finish_at > self.end_grace_s:
                 self._stop_stragglers()
+            self._stop_orphans(now)
         for group, at in sorted(self.restart_at.items()):
             if now >= at:
                 del self.restart_at[group]
@@ -84,6 +95,31 @@ class Supervisor:
                 self.cluster.signal_group(group, signal.SIGCONT)
                 self.cluster.signal_group(group, signal.SIGKILL)
                 self.events.write("stopped_at_end", group)
+
+    def _stop_orphans(self, now: float) -> None:
+        """Once some group finished, stop at once the running groups when none of them committed since it started.
+
+        Such groups (typically restarted just before the end) have nobody left to heal
+        from: they could only train alone from stale state until ``max_steps``. Waiting
+        ``orphan_grace_s`` covers a commit record that is still being written.
+        """
+        if self.cluster.job.algo.name == "local":
+            return  # groups never sync: each one finishes on its own
+        running = [g for g, ws in self.cluster.groups.items() if any(w.process.poll() is None for w in ws)]
+        if not running or any(self._committed_since_start(g) for g in running):
+            self.orphan_since = None
+            return
+        self.orphan_since = self.orphan_since if self.orphan_since is not None else now
+        if now - self.orphan_since >= self.orphan_grace_s:
+            for group in running:
+                self.cluster.signal_group(group, signal.SIGCONT)
+                self.cluster.signal_group(group, signal.SIGKILL)
+                self.events.write("stopped_at_end", group, reason="no peer left to heal from")
+
+    def _committed_since_start(self, group: int) -> bool:
+        leader = next(w for w in self.cluster.groups[group] if w.rank == 0)
+        records, _ = read_jsonl_tail(self.cluster.paths.commits(group), 0)
+        return any(r.get("committed") and r.get("pid") == leader.process.pid for r in records)
 
     def _crashed(self, group: int, now: float) -> None:
         workers = self.cluster.groups[group]

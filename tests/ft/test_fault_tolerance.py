@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from diloco.launcher import LocalCluster, log_tail
+from diloco.summary import read_jsonl
+from diloco.supervisor import EventLog, Supervisor
 from diloco.worker import RunPaths, preflight
 from tests.conftest import compose_job
 
@@ -248,3 +250,25 @@ def test_groups_with_wrong_token_job_or_model_are_refused_and_change_nothing(job
     job.wait(lambda: job.rounds_of(0) >= before + 1, 60, "the members to keep committing")
     seen = {p for r in committed_rounds(job.paths, 0) for p in r["participants"]}
     assert seen == {"group0", "group1"}, seen
+
+
+def test_a_group_left_with_no_peer_to_heal_from_is_stopped_at_once(job_factory):
+    """Group 1 starts only after group 0 finished: nobody can ever heal it, so the supervisor
+    stops it at once rather than after the end grace (timeouts.quorum, 600 s here)."""
+    job = job_factory("cluster.groups=2", "trainer.max_steps=40", "cluster.timeouts.quorum=600")
+    job.start([0])
+    job.wait(job.cluster.finished, 120, "group 0 to finish alone")
+    events = EventLog(job.paths.root / "events.jsonl", time.time())
+    timeouts = job.job.cluster.timeouts
+    supervisor = Supervisor(
+        job.cluster, events, max_restarts=0, backoff_s=1.0, end_grace_s=timeouts.quorum, orphan_grace_s=1.0
+    )
+    job.cluster.start_group(1)
+    start = time.monotonic()
+    while not supervisor.done():
+        assert time.monotonic() - start < 60, "the orphaned group 1 was not stopped"
+        supervisor.check(time.monotonic() - start)
+        time.sleep(0.2)
+    stopped = [e for e in read_jsonl(job.paths.root / "events.jsonl") if e["kind"] == "stopped_at_end"]
+    assert [e["group"] for e in stopped] == [1]
+    assert not committed_rounds(job.paths, 1)
