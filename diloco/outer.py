@@ -164,7 +164,7 @@ class OuterSync(Synchronizer):
         self._flight = flight
 
     def _quorum_and_reduce(self, flight: Flight) -> None:
-        """The background part of a round: quorum, then the reduce unless a healing transfer involves us."""
+        """The part of a round that overlaps inner steps: quorum, then the reduce unless a healing transfer involves us."""
         flight.round = self.manager.start_round()
         if flight.round is None or flight.round.heal_source is not None or flight.round.heal_targets:
             return

@@ -57,6 +57,7 @@ class Supervisor:
         self.orphan_grace_s = orphan_grace_s
         self.first_finish_at: float | None = None
         self.orphan_since: float | None = None
+        self.committed_pids: set[int] = set()
         self.crashes: dict[int, int] = {}
         self.restart_at: dict[int, float] = {}
         self.finished_groups: set[int] = set()
@@ -117,9 +118,12 @@ class Supervisor:
                 self.events.write("stopped_at_end", group, reason="no peer left to heal from")
 
     def _committed_since_start(self, group: int) -> bool:
-        leader = next(w for w in self.cluster.groups[group] if w.rank == 0)
-        records, _ = read_jsonl_tail(self.cluster.paths.commits(group), 0)
-        return any(r.get("committed") and r.get("pid") == leader.process.pid for r in records)
+        pid = next(w for w in self.cluster.groups[group] if w.rank == 0).process.pid
+        if pid not in self.committed_pids:  # read the commit log until this process is seen committing
+            records, _ = read_jsonl_tail(self.cluster.paths.commits(group), 0)
+            if any(r.get("committed") and r.get("pid") == pid for r in records):
+                self.committed_pids.add(pid)
+        return pid in self.committed_pids
 
     def _crashed(self, group: int, now: float) -> None:
         workers = self.cluster.groups[group]
