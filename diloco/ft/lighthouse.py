@@ -295,6 +295,13 @@ class Lighthouse:
             self._current = (quorum, now)
             self._history.append({**quorum.to_json(), "formed_at": time.time()})
             log.info("quorum formed: %s", json.dumps(quorum.to_json()))
+            if quorum.round_floor:
+                log.warning(
+                    "the job's newest state (round %d or later) was lost with every group that held it; "
+                    "going on from round %d, the best surviving state",
+                    quorum.round_floor - 1,
+                    quorum.max_step,
+                )
             for group in quorum.participants:
                 waiter = self._waiters.pop(group, None)
                 if waiter is not None:

@@ -136,7 +136,7 @@ class Manager:
         """Commit the round iff every rank of this group succeeded; a failure drops the lane."""
         ok = self.all_ranks(local_ok)
         if ok:
-            self.committed += 1
+            self.committed = max(self.committed, round_.quorum.round_floor) + 1
         else:
             self.lanes.drop()
         self.last_commit_failed = not ok

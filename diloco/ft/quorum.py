@@ -52,6 +52,7 @@ class Quorum:
     participants: tuple[str, ...]  # fixed order: a participant's index is its rank in every lane
     max_step: int
     heal_from: dict[str, str]  # group behind max_step (or new) -> the live peer it receives state from
+    round_floor: int = 0  # > 0 when the job's newest rounds were lost: a commit here is round_floor + 1
 
     def rank_of(self, group: str) -> int:
         return self.participants.index(group)
@@ -62,6 +63,7 @@ class Quorum:
             "participants": list(self.participants),
             "max_step": self.max_step,
             "heal_from": dict(self.heal_from),
+            "round_floor": self.round_floor,
         }
 
     @classmethod
@@ -71,6 +73,7 @@ class Quorum:
             participants=tuple(str(p) for p in data["participants"]),
             max_step=int(data["max_step"]),
             heal_from={str(k): str(v) for k, v in data["heal_from"].items()},
+            round_floor=int(data.get("round_floor", 0)),
         )
 
 
@@ -118,11 +121,16 @@ def assign_healing(steps: dict[str, int]) -> dict[str, str]:
     return {g: sources[i % len(sources)] for i, g in enumerate(behind)}
 
 
-def next_quorum_id(previous: Quorum | None, participants: tuple[str, ...], any_commit_failed: bool) -> int:
-    """Changes exactly when membership changes or a member reports a failed commit."""
+def next_quorum_id(previous: Quorum | None, participants: tuple[str, ...], fresh_lanes: bool) -> int:
+    """Changes exactly when membership changes or a member needs fresh lanes.
+
+    ``fresh_lanes``: a member reports a failed commit, or comes back behind (it heals, or
+    the job goes on from lost state). A member that died and came back between two quorums
+    leaves the participants unchanged, yet its old lane is gone: the id must change.
+    """
     if previous is None:
         return 1
-    if previous.participants != participants or any_commit_failed:
+    if previous.participants != participants or fresh_lanes:
         return previous.quorum_id + 1
     return previous.quorum_id
 
@@ -135,7 +143,12 @@ class QuorumBook:
     already seen (they report theirs in heartbeats), so an id is never reused.
     ``high_water`` is the highest committed step any group has reported: a quorum whose
     members are all below it would fork the job from stale state (nobody could heal them),
-    so it is not formed; the askers wait for a live peer that holds the job's state.
+    so the askers wait for a live peer that holds the job's state. Only once no healthy
+    group has reported that step for ``heartbeat_timeout_s`` is that state taken as lost
+    (every holder died before anyone healed from it): the best surviving state goes on, and
+    its rounds are numbered above any lost one (``Quorum.round_floor``), so a holder that
+    was only stopped and comes back is behind and heals instead of meeting a different
+    state under the same round number.
     """
 
     rules: QuorumRules
@@ -145,11 +158,15 @@ class QuorumBook:
     previous: Quorum | None = None
     quorum_id_floor: int = 0
     high_water: int = 0
+    reported: dict[str, int] = field(default_factory=dict)  # each group's last reported committed step
+    lost_since: float | None = None
 
-    def heartbeat(self, group: str, now: float, quorum_id_seen: int = 0, step: int = 0) -> None:
+    def heartbeat(self, group: str, now: float, quorum_id_seen: int = 0, step: int | None = None) -> None:
         self.last_heartbeat[group] = now
         self.quorum_id_floor = max(self.quorum_id_floor, quorum_id_seen)
-        self.high_water = max(self.high_water, step)
+        if step is not None:
+            self.reported[group] = step
+            self.high_water = max(self.high_water, step)
 
     def ask(self, request: QuorumRequest, now: float) -> None:
         """Register (or refresh) a request; asking is also a heartbeat."""
@@ -186,13 +203,28 @@ class QuorumBook:
             return None
         participants = tuple(sorted(askers))
         steps = {g: self.pending[g].step for g in participants}
+        round_floor = 0
         if max(steps.values()) < self.high_water:
-            return None
-        quorum_id = next_quorum_id(self.previous, participants, any(r.commit_failed for r in self.pending.values()))
+            if not self._newest_state_lost(healthy, now):
+                return None
+            # One above: a group may have committed one round past the last step it reported.
+            round_floor = self.high_water + 1
+        heal_from = assign_healing(steps)
+        fresh_lanes = bool(heal_from) or round_floor > 0 or any(r.commit_failed for r in self.pending.values())
+        quorum_id = next_quorum_id(self.previous, participants, fresh_lanes)
         if self.previous is None or quorum_id != self.previous.quorum_id:
             quorum_id = max(quorum_id, self.quorum_id_floor + 1)
-        quorum = Quorum(quorum_id, participants, max(steps.values()), assign_healing(steps))
+        quorum = Quorum(quorum_id, participants, max(steps.values()), heal_from, round_floor)
         self.previous = quorum
+        self.lost_since = None
         self.pending.clear()
         self.asked_at.clear()
         return quorum
+
+    def _newest_state_lost(self, healthy: set[str], now: float) -> bool:
+        """True once no healthy group has reported ``high_water`` for ``heartbeat_timeout_s``."""
+        if any(self.reported.get(g, 0) >= self.high_water for g in healthy):
+            self.lost_since = None
+            return False
+        self.lost_since = self.lost_since if self.lost_since is not None else now
+        return now - self.lost_since >= self.rules.heartbeat_timeout_s

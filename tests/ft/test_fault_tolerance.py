@@ -102,6 +102,9 @@ class Job:
             r["participants"] == participants and r["round"] > after_round for r in committed_rounds(self.paths, group)
         )
 
+    def leader_pid(self, group: int) -> int:
+        return next(w for w in self.cluster.groups[group] if w.rank == 0).process.pid
+
     def recoveries_of(self, group: int) -> int:
         return max((r["recoveries"] for r in commits(self.paths, group)), default=0)
 
@@ -272,3 +275,21 @@ def test_a_group_left_with_no_peer_to_heal_from_is_stopped_at_once(job_factory):
     stopped = [e for e in read_jsonl(job.paths.root / "events.jsonl") if e["kind"] == "stopped_at_end"]
     assert [e["group"] for e in stopped] == [1]
     assert not committed_rounds(job.paths, 1)
+
+
+def test_job_goes_on_when_every_holder_of_its_newest_state_dies(job_factory):
+    """Both groups are killed at once: nobody is left holding the newest round. After a
+    heartbeat timeout without a holder the restarted groups go on from the best state that
+    survived (here: the initial one), numbering their rounds above every lost round."""
+    job = job_factory("cluster.groups=2", "trainer.max_steps=100000")
+    job.start(range(2))
+    job.wait(lambda: min(job.rounds_of(0), job.rounds_of(1)) >= 3, 120, "three rounds committed by both")
+    for g in range(2):
+        job.cluster.signal_group(g, signal.SIGKILL)
+    lost = max(job.rounds_of(0), job.rounds_of(1))
+    for g in range(2):
+        job.cluster.start_group(g)
+    job.wait(lambda: min(job.rounds_of(0), job.rounds_of(1)) > lost + 1, 120, "rounds numbered above the lost ones")
+    restarted = [r for g in range(2) for r in committed_rounds(job.paths, g) if r["pid"] == job.leader_pid(g)]
+    assert min(r["round"] for r in restarted) > lost, "a round number of the lost history was reused"
+    assert_digests_agree(job.paths, 2)

@@ -59,7 +59,7 @@ def test_healing_sources_are_up_to_date_peers_spread_evenly():
     assert assign_healing({"a": 3, "b": 3}) == {}
 
 
-def test_quorum_id_changes_exactly_on_membership_change_or_failed_commit():
+def test_quorum_id_changes_exactly_on_membership_change_or_when_fresh_lanes_are_needed():
     previous = Quorum(4, ("a", "b"), 10, {})
     assert next_quorum_id(None, ("a",), False) == 1
     assert next_quorum_id(previous, ("a", "b"), False) == 4
@@ -107,6 +107,19 @@ class TestBook:
         q = book.decide(now=12.0)
         assert q.participants == ("g0", "g1") and q.quorum_id == first.quorum_id + 1
 
+    def test_a_member_that_came_back_behind_gets_fresh_lanes_though_membership_looks_unchanged(self):
+        """g2 died and restarted between two quorums: same participants, but its old lane is gone."""
+        book = self._book()
+        for g in ("g0", "g1", "g2"):
+            book.ask(QuorumRequest(g, step=4), now=1.0)
+        first = book.decide(now=1.0)
+        book.ask(QuorumRequest("g0", step=5), now=2.0)
+        book.ask(QuorumRequest("g1", step=5), now=2.0)
+        book.ask(QuorumRequest("g2", step=0), now=2.0)
+        q = book.decide(now=2.0)
+        assert q.participants == first.participants and q.heal_from == {"g2": "g0"}
+        assert q.quorum_id == first.quorum_id + 1
+
     def test_an_asker_that_stops_heartbeating_is_dropped_from_pending(self):
         book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=60.0, heartbeat_timeout_s=2.0))
         book.ask(QuorumRequest("a", step=0), now=0.0)
@@ -140,15 +153,43 @@ class TestBook:
         book.ask(QuorumRequest("g1", step=3), now=0.0)
         assert book.decide(now=0.0).quorum_id == 8
 
-    def test_no_quorum_that_would_fork_the_job_from_stale_state(self):
-        """Groups that all lag the job's committed step wait for a peer that holds it."""
+    def test_no_quorum_that_would_fork_the_job_from_stale_state_while_a_holder_lives(self):
+        """Groups that all lag the job's committed step wait for a live peer that holds it."""
         book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=1.0, heartbeat_timeout_s=2.0))
-        book.heartbeat("old", now=0.0, step=12)  # held the job's state, then died
-        book.ask(QuorumRequest("new", step=0), now=5.0)
-        assert book.decide(now=5.0) is None and book.decide(now=50.0) is None
-        book.ask(QuorumRequest("new", step=0), now=51.0)  # still waiting, still heartbeating
-        book.ask(QuorumRequest("old", step=12), now=51.0)
-        assert book.decide(now=51.0).heal_from == {"new": "old"}
+        for t in range(52):  # the holder keeps heartbeating but is slow to ask; a majority asks
+            book.heartbeat("old", now=float(t), step=12)
+            book.ask(QuorumRequest("a", step=0), now=float(t))
+            book.ask(QuorumRequest("b", step=3), now=float(t))
+            assert book.decide(now=float(t)) is None
+        book.ask(QuorumRequest("old", step=12), now=52.0)
+        q = book.decide(now=52.0)
+        assert q.heal_from == {"a": "old", "b": "old"} and q.round_floor == 0
+
+    def test_lost_newest_state_goes_on_from_the_best_survivor_under_higher_round_numbers(self):
+        """Every holder of round 12 died: after a heartbeat timeout without one, the best
+        surviving state (round 9) goes on, and its next commit is round 14: above 12 and above
+        a round 13 that a holder may have committed without reporting it before it died."""
+        book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=1.0, heartbeat_timeout_s=2.0))
+        book.heartbeat("old", now=0.0, step=12)  # held the job's newest state, then died
+        book.heartbeat("mid", now=0.0, step=9)
+        for t in (1.0, 2.5, 3.5, 4.0):  # old unhealthy from 2.0: lost from 2.5, given up at 4.5
+            book.ask(QuorumRequest("mid", step=9), now=t)
+            book.ask(QuorumRequest("new", step=0), now=t)
+            assert book.decide(now=t) is None, t
+        book.ask(QuorumRequest("mid", step=9), now=4.5)
+        book.ask(QuorumRequest("new", step=0), now=4.5)
+        q = book.decide(now=4.5)
+        assert q.participants == ("mid", "new") and q.heal_from == {"new": "mid"}
+        assert q.max_step == 9 and q.round_floor == 13
+        assert Quorum.from_json(q.to_json()) == q
+        book.ask(QuorumRequest("mid", step=14), now=5.0)
+        book.ask(QuorumRequest("new", step=14), now=5.0)
+        assert book.decide(now=5.0).round_floor == 0  # back to normal above the high water
+        book.heartbeat("mid", now=20.0, step=14)  # later the only holder of round 14 dies too:
+        book.ask(QuorumRequest("new", step=0), now=30.0)  # a fresh wait, not the old loss's clock
+        assert book.decide(now=30.0) is None and book.decide(now=31.0) is None
+        book.ask(QuorumRequest("new", step=0), now=32.0)
+        assert book.decide(now=32.0).round_floor == 15
 
     def test_failed_commit_forces_a_new_id(self):
         book = self._book()
