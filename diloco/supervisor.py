@@ -86,16 +86,20 @@ class Supervisor:
 
     def done(self) -> bool:
         """Every group finished, or the job ended while some were down."""
-        running = [g for g, ws in self.cluster.groups.items() if any(w.process.poll() is None for w in ws)]
-        return bool(self.finished_groups) and not running and not self.restart_at
+        return bool(self.finished_groups) and not self._running() and not self.restart_at
+
+    def _running(self) -> list[int]:
+        return [g for g, ws in self.cluster.groups.items() if any(w.process.poll() is None for w in ws)]
+
+    def _stop_at_end(self, groups: list[int], **extra: Any) -> None:
+        for group in groups:
+            self.cluster.signal_group(group, signal.SIGCONT)
+            self.cluster.signal_group(group, signal.SIGKILL)
+            self.events.write("stopped_at_end", group, **extra)
 
     def _stop_stragglers(self) -> None:
         """Groups still running long after others finished are behind for good: no peer is left to heal them."""
-        for group, workers in list(self.cluster.groups.items()):
-            if any(w.process.poll() is None for w in workers):
-                self.cluster.signal_group(group, signal.SIGCONT)
-                self.cluster.signal_group(group, signal.SIGKILL)
-                self.events.write("stopped_at_end", group)
+        self._stop_at_end(self._running())
 
     def _stop_orphans(self, now: float) -> None:
         """Once some group finished, stop at once the running groups when none of them committed since it started.
@@ -106,16 +110,13 @@ class Supervisor:
         """
         if self.cluster.job.algo.name == "local":
             return  # groups never sync: each one finishes on its own
-        running = [g for g, ws in self.cluster.groups.items() if any(w.process.poll() is None for w in ws)]
+        running = self._running()
         if not running or any(self._committed_since_start(g) for g in running):
             self.orphan_since = None
             return
         self.orphan_since = self.orphan_since if self.orphan_since is not None else now
         if now - self.orphan_since >= self.orphan_grace_s:
-            for group in running:
-                self.cluster.signal_group(group, signal.SIGCONT)
-                self.cluster.signal_group(group, signal.SIGKILL)
-                self.events.write("stopped_at_end", group, reason="no peer left to heal from")
+            self._stop_at_end(running, reason="no peer left to heal from")
 
     def _committed_since_start(self, group: int) -> bool:
         pid = next(w for w in self.cluster.groups[group] if w.rank == 0).process.pid
