@@ -9,46 +9,71 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from diloco.config import job_config_from_dict
+from diloco.config import JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError
 from diloco.data import DataError
 from diloco.distributed import WorkerEnv
+from diloco.files import OutputError
 from diloco.ft.lighthouse import serve_forever
+from diloco.ft.manager import MembershipError
 from diloco.launcher import JobFailed
-from diloco.run_local import launch
-from diloco.worker import RunPaths, exit_without_teardown, run_worker
+from diloco.outcome import group_outcome
+from diloco.run_local import launch, refuse_reused_run_dir
+from diloco.worker import (
+    RunPaths,
+    exit_without_teardown,
+    refuse_finished_group,
+    run_worker,
+)
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     raw = OmegaConf.to_container(cfg, resolve=True)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    paths = RunPaths(Path(HydraConfig.get().runtime.output_dir))
     try:
         job = job_config_from_dict(raw)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if job.role == "local":
+            refuse_reused_run_dir(paths)
+        elif job.role == "group":
+            refuse_finished_group(paths, job.group.id)
+        (paths.root / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if job.role == "lighthouse":
             serve_forever(job.cluster.lighthouse, job.cluster.quorum_rules(), job.name)
             return None
         if job.role == "group":
-            run_worker(job, WorkerEnv.from_environ(os.environ), RunPaths(run_dir))
-            exit_without_teardown()
-        summary = launch(job, run_dir)
-    except (ConfigError, DataError) as error:
+            run_group(job, paths)
+        summary = launch(job, paths.root)
+    except (ConfigError, DataError, OutputError) as error:
         sys.exit(f"error: {error}")
     except JobFailed as error:
         sys.exit(f"job failed: {error}")
     except KeyboardInterrupt:
         sys.exit("interrupted: all workers stopped")
     print(
-        f"done: eval loss {summary['final_eval_loss']:.4f} (ppl {summary['final_eval_ppl']:.2f}), "
-        f"{summary['tokens_seen']:,} tokens in {summary['wall_seconds']:.0f}s; summary in {run_dir / 'summary.json'}"
+        f"{'done' if summary['ok'] else 'failed'}: eval loss {summary['final_eval_loss']:.4f} "
+        f"(ppl {summary['final_eval_ppl']:.2f}), {summary['tokens_seen']:,} tokens in {summary['wall_seconds']:.0f}s; "
+        f"summary in {paths.summary}"
     )
+    if not summary["ok"]:
+        sys.exit(f"job failed: {summary['failure']}")
     return summary["final_eval_loss"]  # the objective a hydra sweeper minimises
+
+
+def run_group(job: JobConfig, paths: RunPaths) -> NoReturn:
+    """One worker of a multi-host job's group: exits 0 only if the group ends holding the job's final model."""
+    try:
+        report = run_worker(job, WorkerEnv.from_environ(os.environ), paths)
+    except (MembershipError, OutputError) as error:
+        exit_without_teardown(1, f"error: {error}")
+    problem = group_outcome(report, job.algo.name)
+    exit_without_teardown(1 if problem else 0, problem and f"job failed: {problem}")
 
 
 if __name__ == "__main__":

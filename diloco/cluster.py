@@ -16,7 +16,9 @@ class TimeoutsConfig:
 
     ``connect``: peers and stores to appear; ``collective``: one all-reduce or state transfer;
     ``quorum``: a leader's wait for a quorum; ``heartbeat``: silence after which a group is
-    dropped; ``join``: how long the first asker waits for the other healthy groups.
+    dropped; ``join``: how long the first asker waits for the other healthy groups;
+    ``start``: how long a job's first quorum waits for every configured group; ``end``: how
+    long groups that finished wait for the others to finish before the job ends.
     """
 
     connect: float = 60.0
@@ -24,9 +26,11 @@ class TimeoutsConfig:
     quorum: float = 60.0
     heartbeat: float = 3.0
     join: float = 0.5
+    start: float = 60.0
+    end: float = 120.0
 
     def validate(self) -> None:
-        for key in ("connect", "collective", "quorum", "heartbeat", "join"):
+        for key in ("connect", "collective", "quorum", "heartbeat", "join", "start", "end"):
             value = getattr(self, key)
             check(value > 0, f"cluster.timeouts.{key}", value, "must be > 0 seconds")
 
@@ -40,8 +44,11 @@ class ClusterConfig:
     min_groups: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     master_addr: str = "127.0.0.1"
-    max_restarts: int = 5  # crashes of one group the supervisor restarts before failing the job
+    max_restarts: int = 5  # crashes in a row without progress (of a group, of the lighthouse) before the job fails
     restart_backoff: float = 1.0  # seconds before restarting a dead group, doubling per crash
+    # How the local launcher starts workers: forked from a warm fork server (a restart costs
+    # a fork, not seconds of imports; Linux only) or exec'd as a fresh python each.
+    spawn: Literal["fork", "exec"] = "fork"
     lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
 
@@ -70,4 +77,7 @@ class ClusterConfig:
             min_groups=self.min_groups,
             join_timeout_s=self.timeouts.join,
             heartbeat_timeout_s=self.timeouts.heartbeat,
+            expected_groups=self.groups,
+            start_timeout_s=self.timeouts.start,
+            end_timeout_s=self.timeouts.end,
         )

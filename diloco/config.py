@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from diloco.cluster import ClusterConfig
-from diloco.config_base import check, from_dict
+from diloco.config_base import check, from_dict, to_dict
 from diloco.data import DataConfig
 from diloco.faults import FaultsConfig
 from diloco.fragments import validate_schedule
@@ -88,6 +88,22 @@ class JobConfig:
             self.group.id,
             f"must be in [0, cluster.groups={self.cluster.groups})",
         )
+
+
+TRAINING_SECTIONS = ("model", "data", "inner_opt", "trainer", "algo", "outer_opt")
+
+
+def training_config(job: JobConfig) -> dict[str, Any]:
+    """What every group of a job must share, flat (``algo.sync_every`` -> 50): the lighthouse
+    refuses a group whose values differ, naming the keys."""
+    flat: dict[str, Any] = {
+        "cluster.groups": job.cluster.groups,
+        "cluster.workers_per_group": job.cluster.workers_per_group,
+    }
+    for section in TRAINING_SECTIONS:
+        for key, value in to_dict(getattr(job, section)).items():
+            flat[f"{section}.{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat
 
 
 def job_config_from_dict(raw: dict[str, Any]) -> JobConfig:

@@ -11,6 +11,7 @@ without replaying or skipping windows.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
@@ -111,8 +112,31 @@ class TokenSplits:
 
 
 def load_corpus(cfg: DataConfig) -> TokenSplits:
-    """Read the configured corpus and split off its last ``val_fraction`` for evaluation."""
+    """Read the configured corpus and split off its last ``val_fraction`` for evaluation.
+
+    Memoized: a worker forked from the fork server (diloco.forkserver) finds the splits
+    the server loaded, shared copy-on-write (or the same read-only memory map), instead of
+    spending seconds reading them again. The memo is keyed by the file's identity too, so a
+    data file replaced, rewritten or removed since is read again (or reported missing),
+    exactly as a fresh process would; for a folder only entries added or removed directly
+    in it change its identity. Callers must not write into the returned tensors.
+    """
     cfg.validate()
+    if cfg.corpus == "stdlib":
+        return _load_corpus_cached(cfg, None)  # the running interpreter's sources do not change under it
+    try:
+        stat = os.stat(str(cfg.path))
+    except OSError:
+        return _load_corpus(cfg)  # raises the DataError that names the path and the fix
+    return _load_corpus_cached(cfg, (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)  # a job reads one corpus; a few entries bound what a long test session keeps
+def _load_corpus_cached(cfg: DataConfig, identity: tuple[int, ...] | None) -> TokenSplits:
+    return _load_corpus(cfg)
+
+
+def _load_corpus(cfg: DataConfig) -> TokenSplits:
     if cfg.corpus == "stdlib":
         stream = _join(_read(p) for p in stdlib_files())
     elif cfg.corpus == "text":

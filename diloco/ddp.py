@@ -39,10 +39,17 @@ class GradientSync(Synchronizer):
         started = time.perf_counter()
         outcome = OuterOutcome(skip_step=True)
         self._poll_fault_requests()
-        round_ = self.manager.start_round()
-        if round_ is None:
-            return outcome  # no quorum: no step, so no group drifts from the others
+        round_ = self.manager.start_round(step - 1)
+        if round_ is None:  # no quorum: no step, so no group drifts from the others
+            outcome.metrics.update(self._no_quorum_metrics())
+            return outcome
         ok, healed = self._heal_and_serve(round_, step - 1, step - 1)
+        if round_.quorum.closing:
+            # Finished groups handed over the final state (step = their last one): the trainer
+            # counts this step, so it lands on theirs without an optimizer step. Nothing is committed.
+            outcome.healed_to_step = None if healed is None else healed.inner_step - 1
+            outcome.metrics.update(self._record(round_, False, step, 1000 * (time.perf_counter() - started)))
+            return outcome
         outcome.healed_to_step = None if healed is None else healed.inner_step
         average = None
         if ok:
@@ -76,12 +83,12 @@ class GradientSync(Synchronizer):
         if not finite:
             grads.zero_()
             contribute = False
-        try:
-            pending = launch_reduce(round_.lane, grads, 1.0 if contribute else 0.0, "none", round_.size)
-            if self._take_injected("break_lane"):
-                self.manager.lanes.drop()  # mid all-reduce: this round fails everywhere
+        pending = launch_reduce(round_.lane, grads, 1.0 if contribute else 0.0, "none", round_.size)
+        if self._take_injected("break_lane"):
+            self.manager.lanes.drop()  # mid all-reduce: this round fails everywhere
+        try:  # only the wait is guarded: that is where Gloo reports a lost peer; anything else is a bug
             average = pending.result(lambda work: wait_work(work, self.collective_timeout_s))
-        except (LaneError, RuntimeError) as error:
+        except LaneError as error:
             log.warning("group %s: gradient all-reduce failed: %s", self.manager.group, error)
             return None
         self.bytes_sent += pending.bytes_sent

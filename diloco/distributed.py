@@ -12,6 +12,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from diloco.config_base import check
+
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -53,11 +55,20 @@ class WorkerEnv:
         }
 
 
+def check_device(preference: str) -> None:
+    """Refuse ``cluster.device=cuda`` where torch sees no GPU, before any process starts."""
+    check(
+        preference != "cuda" or torch.cuda.is_available(),
+        "cluster.device",
+        preference,
+        "torch sees no CUDA device on this machine; use cluster.device=cpu (or auto)",
+    )
+
+
 def select_device(preference: str, local_rank: int) -> torch.device:
     """``auto`` takes this worker's GPU when there is one, else the CPU."""
+    check_device(preference)
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("cluster.device=cuda but torch sees no CUDA device; use cluster.device=cpu")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return device

@@ -28,6 +28,9 @@ class FaultsConfig:
     stop_after: float = 0.0  # no new faults after this many seconds (0: until the job ends)
     kill_every: float = 0.0
     kill_same_group_twice: bool = False  # False: a kill never hits the group killed just before
+    min_alive: int = (
+        0  # a kill never leaves fewer other groups holding the job's state: it goes elsewhere or is skipped
+    )
     hang_every: float = 0.0
     hang_seconds: float = 5.0
     break_lane_every: float = 0.0
@@ -45,6 +48,7 @@ class FaultsConfig:
             self.restart_lighthouse_every,
             "must be >= 0",
         )
+        check(self.min_alive >= 0, "faults.min_alive", self.min_alive, "must be >= 0 (0: kills are never held back)")
         check(self.hang_seconds > 0, "faults.hang_seconds", self.hang_seconds, "must be > 0 seconds")
         check(
             self.lighthouse_down_seconds >= 0,
@@ -73,8 +77,8 @@ class FaultEvent:
 def plan_faults(cfg: FaultsConfig, groups: int, horizon_s: float) -> list[FaultEvent]:
     """Every fault up to the horizon, in time order; each kind draws groups from its own seeded stream.
 
-    Kinds are staggered by ``KIND_STAGGER_S`` each (kills first) so that two faults never
-    land at the same instant.
+    Kinds start staggered by ``KIND_STAGGER_S`` each (kills first), so the first faults of
+    different kinds do not land at the same instant.
     """
     if cfg.stop_after > 0:
         horizon_s = min(horizon_s, cfg.stop_after)
@@ -96,6 +100,13 @@ def plan_faults(cfg: FaultsConfig, groups: int, horizon_s: float) -> list[FaultE
             events.append(FaultEvent(at=at, kind=kind, group=group))
             at += period
     return sorted(events, key=lambda e: (e.at, FAULT_KINDS.index(e.kind)))
+
+
+def kill_target(planned: int, up: set[int], holders: set[int], min_alive: int, groups: int) -> int | None:
+    """The group a kill hits: the planned one or, failing it, the next one (by id) that is up
+    and whose death leaves ``min_alive`` other groups holding the job's state; None if none."""
+    allowed = [g for g in up if len(holders - {g}) >= min_alive]
+    return min(allowed, key=lambda g: (g - planned) % groups, default=None)
 
 
 def request_fault(path: Path, fault: str) -> None:

@@ -1,8 +1,10 @@
 """The embedded launcher: a lighthouse plus M replica groups x N worker processes on this machine.
 
 Each worker is a real process with torchrun's environment, so what runs here is what runs
-under torchrun or Slurm on many hosts; only the spawning differs. ``LocalCluster`` owns the
-processes, so a test or a fault injector can kill, stop and restart any part of the job.
+under torchrun or Slurm on many hosts; only the spawning differs (diloco.spawn: workers and
+the lighthouse forked from a warm fork server, or exec'd). ``LocalCluster`` owns the processes, so a test or a fault
+injector can kill, stop and restart any part of the job, and every one of them watches the
+launcher's lifeline (diloco.lifeline): none outlives the launcher, however it ends.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,16 @@ from diloco.config import JobConfig
 from diloco.config_base import to_dict
 from diloco.distributed import WorkerEnv
 from diloco.faults import request_fault
+from diloco.lifeline import Lifeline
+from diloco.spawn import (
+    ForkedProcess,
+    ForkServer,
+    ForkServerError,
+    ProcessHandle,
+    WorkerSpec,
+    exec_lighthouse,
+    exec_worker,
+)
 from diloco.worker import RunPaths
 
 log = logging.getLogger(__name__)
@@ -31,6 +44,7 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.5
 TERMINATE_GRACE_S = 10.0
 LOG_TAIL_LINES = 20
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the lighthouse is never behind a proxy
 
 
 class JobFailed(RuntimeError):
@@ -41,7 +55,7 @@ class JobFailed(RuntimeError):
 class WorkerProcess:
     group: int
     rank: int
-    process: subprocess.Popen
+    process: ProcessHandle
     log_path: Path
 
 
@@ -68,6 +82,15 @@ def resolve_lighthouse(job: JobConfig) -> JobConfig:
     return dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, lighthouse=lighthouse))
 
 
+def serving_pid(url: str) -> int | None:
+    """The pid the lighthouse at ``url`` reports on /status (None: nothing there answers as a lighthouse)."""
+    try:
+        with _NO_PROXY.open(url + "/status", timeout=1.0) as response:
+            return int(json.loads(response.read())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):  # refused, reset, timeout, not a lighthouse
+        return None
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -75,7 +98,7 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
-def stop_processes(processes: list[subprocess.Popen]) -> None:
+def stop_processes(processes: list[ProcessHandle]) -> None:
     """SIGTERM (and SIGCONT, in case one is stopped), then SIGKILL what is left after a grace period."""
     for process in processes:
         if process.poll() is None:
@@ -97,8 +120,10 @@ class LocalCluster:
         self.job = resolve_lighthouse(job)
         self.paths = paths
         self.signature = signature
-        self.lighthouse: subprocess.Popen | None = None
+        self.lighthouse: ProcessHandle | None = None
         self.groups: dict[int, list[WorkerProcess]] = {}
+        self.lifeline: Lifeline | None = None  # made when the first process starts, cut by stop()
+        self.fork_server: ForkServer | None = None  # started by the first process started with cluster.spawn=fork
         paths.logs.mkdir(parents=True, exist_ok=True)
         paths.job.touch(mode=0o600)  # it holds the token: only its owner may read it
         paths.job.write_text(json.dumps(to_dict(self.job), indent=2))
@@ -107,40 +132,53 @@ class LocalCluster:
     def lighthouse_url(self) -> str:
         return f"http://{self.job.cluster.lighthouse.host}:{self.job.cluster.lighthouse.port}"
 
+    def _lifeline(self) -> Lifeline:
+        if self.lifeline is None:
+            self.lifeline = Lifeline()
+        return self.lifeline
+
     def start_lighthouse(self) -> None:
-        """Start the lighthouse and wait (bounded by the connect timeout) until it listens."""
-        with (self.paths.logs / "lighthouse.log").open("ab") as log_file:
-            self.lighthouse = subprocess.Popen(
-                [sys.executable, "-m", "diloco.ft", "--run-dir", str(self.paths.root), "--signature", self.signature],
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        cfg = self.job.cluster.lighthouse
+        """Start the lighthouse and wait (bounded by the connect timeout) until it serves.
+
+        Its /status must name its own pid: another process already listening on a fixed port
+        (a lighthouse left from another job, say) is never taken for this job's. With
+        ``cluster.spawn=fork`` it is forked from the fork server (a restart costs a fork, not
+        seconds of imports while no group has a quorum); the first call starts that server.
+        """
+        log_path = self.paths.logs / "lighthouse.log"
+        if self.job.cluster.spawn == "exec":
+            self.lighthouse = exec_lighthouse(self.paths.root, self.signature, log_path, self._lifeline())
+        else:
+            timeout_s = self.job.cluster.timeouts.connect
+            self.lighthouse = self._fork(lambda server: server.spawn_lighthouse(self.signature, log_path, timeout_s))
         deadline = time.monotonic() + self.job.cluster.timeouts.connect
         while time.monotonic() < deadline:
             if self.lighthouse.poll() is not None:
-                raise JobFailed(
-                    f"the lighthouse exited with code {self.lighthouse.returncode}:\n"
-                    + log_tail(self.paths.logs / "lighthouse.log")
-                )
-            try:
-                with socket.create_connection((cfg.host, cfg.port), timeout=1.0):
-                    return
-            except OSError:
-                time.sleep(0.1)
+                if self.lighthouse.returncode < 0:
+                    return  # killed by a signal, not unable to start: the supervisor sees it dead and restarts it
+                last = log_tail(log_path, 1)
+                raise JobFailed(f"the lighthouse could not start at {self.lighthouse_url}: {last}")
+            if serving_pid(self.lighthouse_url) == self.lighthouse.pid:
+                return
+            time.sleep(0.1)
         raise JobFailed(
-            f"the lighthouse did not listen on {cfg.host}:{cfg.port} in {self.job.cluster.timeouts.connect}s"
+            f"the lighthouse did not serve at {self.lighthouse_url} within "
+            f"cluster.timeouts.connect={self.job.cluster.timeouts.connect:g}s"
         )
 
     def kill_lighthouse(self) -> None:
+        """A planned outage: the lighthouse is forgotten (not a crash to restart) until started again."""
         if self.lighthouse is not None:
             self.lighthouse.kill()
             self.lighthouse.wait()
+            self.lighthouse = None
 
     def start_group(self, group: int) -> None:
-        """Start the N workers of one replica group, each logging to its own file."""
+        """Start the N workers of one replica group, each logging to its own file.
+
+        With ``cluster.spawn=fork`` the first call starts the fork server (it imports
+        everything once, so this call waits for it), and a call after it died starts another.
+        """
         n = self.job.cluster.workers_per_group
         port = free_port(self.job.cluster.master_addr)
         threads = threads_per_worker(self.job.cluster.groups * n)
@@ -150,27 +188,24 @@ class LocalCluster:
             env = WorkerEnv(
                 rank=rank, world_size=n, local_rank=rank, master_addr=self.job.cluster.master_addr, master_port=port
             )
-            log_path = self.paths.logs / f"group{group}_rank{rank}.log"
-            with log_path.open("ab") as log_file:
-                process = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "diloco.worker",
-                        "--run-dir",
-                        str(self.paths.root),
-                        "--group",
-                        str(group),
-                        "--started-at",
-                        str(started_at),
-                    ],
-                    env={**os.environ, **env.to_environ(), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"},
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # the launcher alone decides when its workers stop
-                )
-            workers.append(WorkerProcess(group, rank, process, log_path))
+            spec = WorkerSpec(group, env, threads, self.paths.logs / f"group{group}_rank{rank}.log", started_at)
+            workers.append(WorkerProcess(group, rank, self._spawn(spec), spec.log_path))
         self.groups[group] = workers
+
+    def _spawn(self, spec: WorkerSpec) -> ProcessHandle:
+        if self.job.cluster.spawn == "exec":
+            return exec_worker(spec, self.paths.root, self._lifeline())
+        return self._fork(lambda server: server.spawn(spec, timeout_s=self.job.cluster.timeouts.connect))
+
+    def _fork(self, request: Callable[[ForkServer], ForkedProcess]) -> ForkedProcess:
+        """``request`` a process from the fork server, starting one first if none is alive."""
+        log_path = self.paths.logs / "forkserver.log"
+        try:
+            if self.fork_server is None or not self.fork_server.alive():
+                self.fork_server = ForkServer.start(self.paths.root, self._lifeline(), log_path)
+            return request(self.fork_server)
+        except ForkServerError as error:
+            raise JobFailed(f"{error}; last lines of {log_path}:\n{log_tail(log_path)}") from error
 
     def signal_group(self, group: int, signum: int) -> None:
         """Send ``signum`` to every worker of ``group`` (SIGKILL, SIGSTOP, SIGCONT, SIGUSR1...).
@@ -200,6 +235,14 @@ class LocalCluster:
         return all(w.process.poll() == 0 for workers in self.groups.values() for w in workers)
 
     def stop(self) -> None:
-        """Stop every process of the job; nothing is left behind."""
+        """Stop every process of the job; nothing is left behind.
+
+        Cutting the lifeline last also ends any process a failed start left unrecorded.
+        """
         processes = [w.process for workers in self.groups.values() for w in workers]
         stop_processes(processes + ([self.lighthouse] if self.lighthouse else []))
+        if self.fork_server is not None:
+            self.fork_server.stop(TERMINATE_GRACE_S)
+        if self.lifeline is not None:
+            self.lifeline.cut()
+            self.lifeline = None

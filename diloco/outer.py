@@ -111,7 +111,7 @@ class OuterSync(Synchronizer):
         outcome = OuterOutcome()
         started = time.perf_counter()
         self._poll_fault_requests()
-        flight = Flight(launch_step=0, fragments=[], deltas=[], weights=[], round=self.manager.start_round())
+        flight = Flight(launch_step=0, fragments=[], deltas=[], weights=[], round=self.manager.start_round(0))
         flight.held_ms = 1000 * (time.perf_counter() - started)
         self._land(flight, 0, outcome)
         return outcome
@@ -164,9 +164,12 @@ class OuterSync(Synchronizer):
         self._flight = flight
 
     def _quorum_and_reduce(self, flight: Flight) -> None:
-        """The part of a round that overlaps inner steps: quorum, then the reduce unless a healing transfer involves us."""
-        flight.round = self.manager.start_round()
-        if flight.round is None or flight.round.heal_source is not None or flight.round.heal_targets:
+        """The part of a round that overlaps inner steps: the quorum, then the reduce.
+
+        No reduce when a healing transfer involves this group, or in a closing round.
+        """
+        flight.round = round_ = self.manager.start_round(flight.launch_step)
+        if round_ is None or round_.quorum.closing or round_.heal_source is not None or round_.heal_targets:
             return
         self._reduce(flight)
 
@@ -182,26 +185,23 @@ class OuterSync(Synchronizer):
             finite = weight == 0.0 or self._all_finite(delta)
             if not finite:
                 delta.zero_()
-            try:
-                pending.append(
-                    launch_reduce(round_.lane, delta, weight if finite else 0.0, self.algo.quantize, round_.size)
-                )
-            except Exception as error:  # a broken lane fails the round; it does not stop training
-                log.warning("group %s: all-reduce launch failed: %s", self.manager.group, error)
-                pending.append(None)
+            # Not guarded: Gloo reports a broken lane when the collective is waited on (a
+            # failed round); an error here is a bug, and it stops the worker with its traceback.
+            pending.append(
+                launch_reduce(round_.lane, delta, weight if finite else 0.0, self.algo.quantize, round_.size)
+            )
             local_ok.append(finite)
         if self._take_injected("break_lane"):
             self.manager.lanes.drop()  # mid all-reduce: this round fails everywhere
         flight.averages = []
         for ok, reduce in zip(local_ok, pending):
             average = None
-            if reduce is not None:
-                try:
-                    average = reduce.result(lambda work: wait_work(work, self.collective_timeout_s))
-                except LaneError as error:
-                    log.warning("group %s: round %s failed: %s", self.manager.group, round_.quorum.quorum_id, error)
+            try:
+                average = reduce.result(lambda work: wait_work(work, self.collective_timeout_s))
+            except LaneError as error:
+                log.warning("group %s: round %s failed: %s", self.manager.group, round_.quorum.quorum_id, error)
             flight.averages.append(average if ok else None)
-            flight.bytes_sent.append(0 if reduce is None else reduce.bytes_sent)
+            flight.bytes_sent.append(reduce.bytes_sent)
 
     def _land(self, flight: Flight, step: int, outcome: OuterOutcome) -> None:
         """At the apply step, on the training thread: wait for the round, heal or serve if asked, commit."""
@@ -209,8 +209,12 @@ class OuterSync(Synchronizer):
         if flight.done is not None:
             self._wait_background(flight)
         round_ = flight.round
-        if round_ is None:
-            return  # no quorum: these fragments skip this window; θ_l trains on
+        if round_ is None:  # no quorum: these fragments skip this window; θ_l trains on
+            outcome.metrics.update(self._no_quorum_metrics())
+            return
+        if round_.quorum.closing:
+            self._take_final_state(flight, step, outcome, started)
+            return
         if flight.averages is None:  # a healing transfer involves us: do it now, then reduce
             ok, healed = self._heal_and_serve(round_, step, flight.launch_step)
             if healed is not None:
@@ -229,6 +233,21 @@ class OuterSync(Synchronizer):
                 flight.bytes_sent = [0] * len(flight.fragments)
         for i in range(len(flight.fragments)):
             outcome.metrics.update(self._apply(flight, i, step, started))
+
+    def _take_final_state(self, flight: Flight, step: int, outcome: OuterOutcome, started: float) -> None:
+        """Groups that finished hand this group the job's final state; it takes it and stops training.
+
+        A closing round commits nothing: the state it moves is already the job's last
+        committed one. If the transfer failed, this round's fragments start over from θ_g.
+        """
+        _, healed = self._heal_and_serve(flight.round, step, flight.launch_step)
+        if healed is not None:
+            step = outcome.healed_to_step = healed.inner_step
+        else:
+            for fragment in flight.fragments:
+                self._reset_local(fragment)
+        sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
+        outcome.metrics.update(self._record(flight.round, False, step, sync_ms))
 
     def _joining_flight(self, round_: Round, round_step: int) -> Flight:
         """After healing: the peers' round, which this group joins with zeros and weight 0 (DESIGN invariant 3)."""

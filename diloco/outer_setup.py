@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.config import JobConfig
+from diloco.config import JobConfig, training_config
 from diloco.ddp import GradientSync
 from diloco.distributed import WorkerEnv
 from diloco.faults import FaultRequests
@@ -75,6 +75,7 @@ def build_outer_sync(
             signature=signature,
             group=group,
             connect_timeout_s=timeouts.connect,
+            config=training_config(job),
         )
     manager = Manager(
         group=group,
@@ -87,6 +88,7 @@ def build_outer_sync(
     common = dict(
         manager=manager,
         collective_timeout_s=timeouts.collective,
+        end_wait_s=timeouts.end + timeouts.quorum,
         commit_log=_commit_logger(commits_path) if env.rank == 0 else _ignore,
         fault_requests=fault_requests,
     )

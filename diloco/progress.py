@@ -33,6 +33,12 @@ def render_progress(step: int, max_steps: int, elapsed_s: float, last: dict[str,
     return " ".join(parts)
 
 
+def render_outages(latest: dict[int, dict[str, Any]]) -> str:
+    """`` | no quorum: group 1 for 12s``: groups that cannot reach the lighthouse say so on the console."""
+    outages = [f"group {g} for {r['outer/no_quorum_s']:.0f}s" for g, r in latest.items() if r.get("outer/no_quorum_s")]
+    return f" | no quorum: {', '.join(outages)}" if outages else ""
+
+
 @dataclass
 class ProgressView:
     """Follows ``metrics/group*.jsonl`` and redraws the slowest group's progress.
@@ -59,6 +65,7 @@ class ProgressView:
             return
         slowest = min(self._latest.values(), key=lambda r: r.get("step", 0))
         line = render_progress(int(slowest.get("step", 0)), self.max_steps, elapsed_s, slowest)
+        line += render_outages({i: self._latest.get(path, {}) for i, path in enumerate(self.files)})
         if self.out.isatty():
             self.out.write("\r" + line + ("\n" if final else ""))
             self.out.flush()

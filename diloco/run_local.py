@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import time
@@ -10,8 +9,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from diloco.config import JobConfig
+from diloco.config_base import ConfigError
 from diloco.faults import plan_faults
-from diloco.launcher import POLL_INTERVAL_S, LocalCluster
+from diloco.files import write_json_atomically
+from diloco.launcher import POLL_INTERVAL_S, JobFailed, LocalCluster
 from diloco.progress import ProgressView
 from diloco.summary import build_summary
 from diloco.supervisor import EventLog, FaultInjector, Supervisor
@@ -23,9 +24,13 @@ FAULT_HORIZON_S = 7 * 24 * 3600.0  # the plan outlasts any local run; firing sto
 def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str, Any]:
     """Run the whole job on this machine; returns (and writes) the summary.
 
-    Ctrl-C or SIGTERM stops every process of the job before returning (KeyboardInterrupt).
+    The summary's ``ok`` says whether model.pt is the final global model every group holds
+    (``failure`` says why not). A job the supervisor gave up on raises ``JobFailed`` after
+    writing its summary. Ctrl-C or SIGTERM stops every process of the job before returning
+    (KeyboardInterrupt).
     """
     paths = RunPaths(run_dir)
+    refuse_reused_run_dir(paths)
     paths.root.mkdir(parents=True, exist_ok=True)
     n_params, signature = preflight(job)
     cluster = LocalCluster(job, paths, signature)
@@ -43,7 +48,6 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
         max_restarts=job.cluster.max_restarts,
         backoff_s=job.cluster.restart_backoff,
         end_grace_s=job.cluster.timeouts.quorum,
-        orphan_grace_s=job.cluster.timeouts.heartbeat,
     )
     injector = FaultInjector(
         cluster,
@@ -51,6 +55,7 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
         events,
         hang_s=job.faults.hang_seconds,
         down_s=job.faults.lighthouse_down_seconds,
+        min_alive=job.faults.min_alive,
     )
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
@@ -66,12 +71,26 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
             view.update(elapsed)
             time.sleep(POLL_INTERVAL_S)
         view.update(time.monotonic() - start, final=True)
+    except JobFailed as failure:
+        cluster.stop()
+        summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
+        write_json_atomically(paths.summary, summary | {"ok": False, "failure": str(failure).splitlines()[0]})
+        raise
     finally:
         cluster.stop()
         signal.signal(signal.SIGTERM, previous_sigterm)
     summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
-    paths.summary.write_text(json.dumps(summary, indent=2))
+    write_json_atomically(paths.summary, summary)
     return summary
+
+
+def refuse_reused_run_dir(paths: RunPaths) -> None:
+    """A run directory holds one run: appending a second one's logs would mix and double-count both."""
+    if found := paths.outputs_present():
+        raise ConfigError(
+            f"hydra.run.dir={paths.root}: already holds a run ({', '.join(found)}); "
+            "pick a new hydra.run.dir (or remove the old run)"
+        )
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.config import JobConfig
+from diloco.outcome import job_outcome
 from diloco.worker import RunPaths
 
 FAILURES = ("kill", "hang", "crash")
@@ -25,10 +26,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def times_to_heal(events: list[dict], commits: dict[int, list[dict]]) -> list[float]:
-    """Seconds from each restart to the restarted group's first committed round."""
+    """Seconds from each restart to the restarted group's first committed round (or its heal at the job's end)."""
     healed = []
     for event in (e for e in events if e["kind"] == "restart"):
-        after = [c["time"] for c in commits.get(event["group"], []) if c["committed"] and c["time"] > event["time"]]
+        back = [c for c in commits.get(event["group"], []) if c["committed"] or c.get("healed")]
+        after = [c["time"] for c in back if c["time"] > event["time"]]
         if after:
             healed.append(min(after) - event["time"])
     return healed
@@ -77,28 +79,35 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: float) -> dict[str, Any]:
-    """Job-level numbers; the final loss is that of the groups holding the job's latest global model."""
+    """Job-level numbers and the honest outcome (DESIGN invariant 6): ``ok`` only if model.pt is
+    the final global model every group holds; otherwise ``failure`` says why, in one line."""
     results = [json.loads(p.read_text()) for g in range(job.cluster.groups) if (p := paths.result(g)).exists()]
-    if not results:
-        raise RuntimeError(f"no group wrote a result in {paths.root / 'results'}")
-    latest = max(r.get("rounds", 0) for r in results)
-    current = [r for r in results if r.get("rounds", 0) == latest]
+    outcome = job_outcome(results, job.cluster.groups, job.algo.name, model_saved=paths.weights.exists())
+    # The final model's numbers: those of the group that saved it, else of the furthest groups.
+    latest = max((r.get("rounds", 0) for r in results), default=0)
+    current = [r for r in results if r["group"] == outcome.writer]
+    current = current or [r for r in results if r.get("rounds", 0) == latest]
     tokens = sum(r["tokens_seen"] for r in results)
-    train_seconds = max(r["train_seconds"] for r in results)
-    eval_loss = statistics.fmean(r["final_eval_loss"] for r in current)
+    train_seconds = max((r["train_seconds"] for r in results), default=0.0)
+    eval_loss = statistics.fmean(r["final_eval_loss"] for r in current) if current else math.nan
     events = read_jsonl(paths.root / "events.jsonl")
     commits = {g: read_jsonl(paths.commits(g)) for g in range(job.cluster.groups)}
     # Counted from the commit logs, which every process of a group appends to (restarts included).
-    rounds = [r for records in commits.values() for r in records]
+    rounds = [r for records in commits.values() for r in records if not r.get("closing")]
     committed_tokens = sum(r.get("tokens", 0.0) for r in rounds if r["committed"])
+    bytes_sent = sum(r.get("bytes_sent", 0) for r in results)
     return {
         "name": job.name,
+        "ok": outcome.ok,
+        "failure": outcome.failure,
+        "final_round": outcome.final_round,
+        "model_saved_by_group": outcome.writer,
         "parameters": n_params,
         "groups": job.cluster.groups,
         "workers_per_group": job.cluster.workers_per_group,
         "algo": job.algo.name,
-        "steps": min(r["steps"] for r in results),
-        "final_train_loss": statistics.fmean(r["final_train_loss"] for r in current),
+        "steps": min((r["steps"] for r in results), default=0),
+        "final_train_loss": statistics.fmean(r["final_train_loss"] for r in current) if current else math.nan,
         "final_eval_loss": eval_loss,
         "final_eval_ppl": math.exp(min(eval_loss, 50.0)),
         "tokens_seen": tokens,
@@ -108,11 +117,12 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "rounds": latest,
         "syncs_committed": sum(r["committed"] for r in rounds),
         "syncs_attempted": len(rounds),
-        "bytes_sent": sum(r.get("bytes_sent", 0) for r in results),
-        "bytes_per_token": sum(r.get("bytes_sent", 0) for r in results) / tokens if tokens else 0.0,
+        "bytes_sent": bytes_sent,
+        "bytes_per_token": bytes_sent / tokens if tokens else 0.0,
         "recoveries": recoveries(commits),
         "goodput_tokens_per_s": committed_tokens / wall_seconds if wall_seconds > 0 else 0.0,
         "faults": {kind: sum(e["kind"] == kind for e in events) for kind in sorted({e["kind"] for e in events})},
+        "lighthouse_restarts": sum(e["kind"] == "lighthouse_restart" for e in events),
         "time_to_heal_s": _stats(times_to_heal(events, commits)),
         "survivor_stall_s": _stats(survivor_stalls(events, commits)),
         "groups_missing_results": sorted(set(range(job.cluster.groups)) - {r["group"] for r in results}),

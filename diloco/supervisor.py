@@ -1,8 +1,9 @@
-"""Keeps a local job alive: restarts dead groups, fires planned faults, logs every event.
+"""Keeps a local job alive: restarts dead groups and a dead lighthouse, fires planned faults, logs every event.
 
 A group that crashes is restarted after a backoff that doubles with each crash, up to a
-limit; a group killed on purpose by the fault plan is restarted without counting against it.
-Every return is a live recovery: the restarted group heals from a peer, never a checkpoint.
+limit of crashes in a row without progress; a group killed on purpose by the fault plan is
+restarted without counting against it. Every return is a live recovery: the restarted group
+heals from a peer, never a checkpoint.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco.faults import FaultEvent
+from diloco.faults import FaultEvent, kill_target
 from diloco.launcher import JobFailed, LocalCluster, log_tail
 from diloco.metrics import read_jsonl_tail
 
 log = logging.getLogger(__name__)
+
+LIGHTHOUSE_SETTLED_S = 60.0  # a lighthouse that served this long and then died was not crash-looping
 
 
 class EventLog:
@@ -36,8 +39,47 @@ class EventLog:
         log.info("%s%s at %.1fs", kind, "" if group is None else f" group {group}", record["elapsed"])
 
 
+class StateHolders:
+    """Which processes have held the job's state (they committed a round or healed), from the commit logs."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self._offsets: dict[int, int] = {}
+        self._pids: set[int] = set()
+
+    def held_state(self, pid: int) -> bool:
+        self._refresh()
+        return pid in self._pids
+
+    def current(self) -> set[int]:
+        """The groups whose running processes hold the job's state now."""
+        self._refresh()
+        return {
+            g
+            for g, workers in self.cluster.groups.items()
+            if all(w.process.poll() is None for w in workers) and workers[0].process.pid in self._pids
+        }
+
+    def _refresh(self) -> None:
+        for group in range(self.cluster.job.cluster.groups):
+            path = self.cluster.paths.commits(group)
+            records, self._offsets[group] = read_jsonl_tail(path, self._offsets.get(group, 0))
+            self._pids.update(r["pid"] for r in records if r.get("committed") or r.get("healed"))
+
+
 class Supervisor:
-    """Restarts dead groups of a ``LocalCluster`` (limit and backoff from config)."""
+    """Restarts the dead groups and the dead lighthouse of a ``LocalCluster`` (limit and backoff from config).
+
+    ``max_restarts`` bounds crash loops: crashes in a row of a group whose processes never
+    held the job's state (never committed or healed), deaths in a row of a lighthouse soon
+    after its start; the backoff doubles with each.
+
+    Until the job's end a group that dies is restarted, even one killed just before the
+    end: the groups that finished wait for it and hand it their final state (DESIGN
+    invariant 7). A group exits 0 only once the lighthouse has declared the end; from then
+    on nothing is restarted, and groups still running ``end_grace_s`` later were left
+    behind and are stopped. The lighthouse is restarted at once on the same address.
+    """
 
     def __init__(
         self,
@@ -47,23 +89,23 @@ class Supervisor:
         max_restarts: int,
         backoff_s: float,
         end_grace_s: float,
-        orphan_grace_s: float,
     ) -> None:
         self.cluster = cluster
         self.events = events
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
         self.end_grace_s = end_grace_s
-        self.orphan_grace_s = orphan_grace_s
         self.first_finish_at: float | None = None
-        self.orphan_since: float | None = None
-        self.committed_pids: set[int] = set()
         self.crashes: dict[int, int] = {}
+        self.lighthouse_crashes = 0  # unplanned deaths in a row, each soon after its start
+        self.lighthouse_started_at = 0.0
+        self.holders = StateHolders(cluster)
         self.restart_at: dict[int, float] = {}
         self.finished_groups: set[int] = set()
 
     def check(self, now: float) -> None:
-        """Notice dead and finished groups, and restart those whose backoff has passed."""
+        """Notice a dead lighthouse, dead and finished groups; restart groups whose backoff has passed."""
+        self._check_lighthouse(now)
         for group in range(self.cluster.job.cluster.groups):
             workers = self.cluster.groups.get(group)
             if workers is None:
@@ -73,11 +115,10 @@ class Supervisor:
             elif any(w.process.poll() not in (None, 0) for w in workers):
                 self._crashed(group, now)
         if self.finished_groups:
-            self.restart_at.clear()  # the job is ending: a restarted group could not heal from anyone
+            self.restart_at.clear()  # the job has ended: a restarted group could not take part any more
             self.first_finish_at = self.first_finish_at if self.first_finish_at is not None else now
             if now - self.first_finish_at > self.end_grace_s:
-                self._stop_stragglers()
-            self._stop_orphans(now)
+                self._stop_at_end(self._running())
         for group, at in sorted(self.restart_at.items()):
             if now >= at:
                 del self.restart_at[group]
@@ -88,49 +129,48 @@ class Supervisor:
         """Every group finished, or the job ended while some were down."""
         return bool(self.finished_groups) and not self._running() and not self.restart_at
 
+    def _check_lighthouse(self, now: float) -> None:
+        """A lighthouse that died unplanned is restarted at once (it exits 0 only after the job's end).
+
+        Only deaths in a row within ``LIGHTHOUSE_SETTLED_S`` of a start count toward
+        ``max_restarts`` (a crash loop); one that served for longer was killed, not broken.
+        """
+        lighthouse = self.cluster.lighthouse
+        if lighthouse is None or lighthouse.poll() in (None, 0):
+            return  # a planned outage, running, or done after the end
+        if now - self.lighthouse_started_at >= LIGHTHOUSE_SETTLED_S:
+            self.lighthouse_crashes = 0
+        self.lighthouse_crashes += 1
+        self.events.write("lighthouse_crash", code=lighthouse.returncode)
+        log_path = self.cluster.paths.logs / "lighthouse.log"
+        if self.lighthouse_crashes > self.max_restarts:
+            raise JobFailed(
+                f"the lighthouse failed {self.lighthouse_crashes} times (cluster.max_restarts={self.max_restarts}); "
+                f"last lines of {log_path}:\n{log_tail(log_path)}"
+            )
+        self.cluster.start_lighthouse()
+        self.lighthouse_started_at = now
+        self.events.write("lighthouse_restart")
+
     def _running(self) -> list[int]:
         return [g for g, ws in self.cluster.groups.items() if any(w.process.poll() is None for w in ws)]
 
-    def _stop_at_end(self, groups: list[int], **extra: Any) -> None:
+    def _stop_at_end(self, groups: list[int]) -> None:
         for group in groups:
             self.cluster.signal_group(group, signal.SIGCONT)
             self.cluster.signal_group(group, signal.SIGKILL)
-            self.events.write("stopped_at_end", group, **extra)
-
-    def _stop_stragglers(self) -> None:
-        """Groups still running long after others finished are behind for good: no peer is left to heal them."""
-        self._stop_at_end(self._running())
-
-    def _stop_orphans(self, now: float) -> None:
-        """Once some group finished, stop at once the running groups when none of them committed since it started.
-
-        Such groups (typically restarted just before the end) have nobody left to heal
-        from: they could only train alone from stale state until ``max_steps``. Waiting
-        ``orphan_grace_s`` covers a commit record that is still being written.
-        """
-        if self.cluster.job.algo.name == "local":
-            return  # groups never sync: each one finishes on its own
-        running = self._running()
-        if not running or any(self._committed_since_start(g) for g in running):
-            self.orphan_since = None
-            return
-        self.orphan_since = self.orphan_since if self.orphan_since is not None else now
-        if now - self.orphan_since >= self.orphan_grace_s:
-            self._stop_at_end(running, reason="no peer left to heal from")
-
-    def _committed_since_start(self, group: int) -> bool:
-        pid = next(w for w in self.cluster.groups[group] if w.rank == 0).process.pid
-        if pid not in self.committed_pids:  # read the commit log until this process is seen committing
-            records, _ = read_jsonl_tail(self.cluster.paths.commits(group), 0)
-            if any(r.get("committed") and r.get("pid") == pid for r in records):
-                self.committed_pids.add(pid)
-        return pid in self.committed_pids
+            self.events.write("stopped_at_end", group)
 
     def _crashed(self, group: int, now: float) -> None:
         workers = self.cluster.groups[group]
         failed = next(w for w in workers if w.process.poll() not in (None, 0))
+        leader_pid = next(w.process.pid for w in workers if w.rank == 0)
         self.cluster.signal_group(group, signal.SIGKILL)  # a group missing a worker cannot go on
-        self.crashes[group] = self.crashes.get(group, 0) + 1
+        if self.finished_groups:  # after the end: it was left behind (refused), there is nothing to restart
+            self.events.write("left_behind", group, rank=failed.rank, code=failed.process.returncode)
+            return
+        # Crashes in a row without progress count: a process that held the job's state ran fine until killed.
+        self.crashes[group] = 1 if self.holders.held_state(leader_pid) else self.crashes.get(group, 0) + 1
         self.events.write("crash", group, rank=failed.rank, code=failed.process.returncode)
         if self.crashes[group] > self.max_restarts:
             raise JobFailed(
@@ -141,16 +181,30 @@ class Supervisor:
 
 
 class FaultInjector:
-    """Fires a fault plan against the cluster's real processes as time passes."""
+    """Fires a fault plan against the cluster's real processes as time passes.
+
+    A kill whose planned group is down or hung, or would leave fewer than ``min_alive``
+    other groups holding the job's state, goes to the next group that can take it (or is
+    skipped if none can), so a plan's kill rate is what the job sees.
+    """
 
     def __init__(
-        self, cluster: LocalCluster, plan: list[FaultEvent], events: EventLog, *, hang_s: float, down_s: float
+        self,
+        cluster: LocalCluster,
+        plan: list[FaultEvent],
+        events: EventLog,
+        *,
+        hang_s: float,
+        down_s: float,
+        min_alive: int = 0,
     ):
         self.cluster = cluster
         self.plan = list(plan)
         self.events = events
         self.hang_s = hang_s
         self.down_s = down_s
+        self.min_alive = min_alive
+        self.holders = StateHolders(cluster)
         self.resume_at: dict[int, float] = {}
         self.lighthouse_back_at: float | None = None
 
@@ -175,9 +229,9 @@ class FaultInjector:
                 self.lighthouse_back_at = now + self.down_s
                 self.events.write("lighthouse_down")
             return
-        group = event.group
-        if group not in self.cluster.groups or group in self.resume_at:
-            self.events.write("skipped", group, fault=event.kind)  # the group is down or already hung
+        group = self._kill_target(event.group) if event.kind == "kill" else event.group
+        if group is None or group not in self.cluster.groups or group in self.resume_at:
+            self.events.write("skipped", event.group, fault=event.kind)  # the group is down or already hung
             return
         if event.kind == "kill":
             self.cluster.signal_group(group, signal.SIGKILL)
@@ -187,3 +241,8 @@ class FaultInjector:
         else:
             self.cluster.request_fault(group, event.kind)
         self.events.write(event.kind, group)
+
+    def _kill_target(self, planned: int) -> int | None:
+        up = {g for g in self.cluster.groups if g not in self.resume_at}
+        holders = self.holders.current() - set(self.resume_at)
+        return kill_target(planned, up, holders, self.min_alive, self.cluster.job.cluster.groups)

@@ -19,12 +19,14 @@ import torch
 
 from diloco.byte_view import as_bytes_tensor, byte_view
 from diloco.faults import FaultRequests
-from diloco.ft.manager import Manager, Round
+from diloco.ft.manager import Manager, MembershipError, Round
+from diloco.ft.quorum import JobEnd
 from diloco.ft.state import HealState, Position
 
 log = logging.getLogger(__name__)
 
 INJECTABLE_FAULTS = ("fail_round", "break_lane", "nan")
+NO_QUORUM_PAUSE_S = 0.2  # between a finished group's asks while the lighthouse is unreachable
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Synchronizer:
         manager: Manager,
         heal_state: HealState,
         collective_timeout_s: float,
+        end_wait_s: float,
         commit_log: Callable[[dict], None],
         fault_requests: FaultRequests | None = None,
     ) -> None:
@@ -52,7 +55,9 @@ class Synchronizer:
         self.fault_requests = fault_requests
         self.heal_state = heal_state
         self.collective_timeout_s = collective_timeout_s
+        self.end_wait_s = end_wait_s
         self.commit_log = commit_log
+        self.end: JobEnd | None = None  # set once the lighthouse declares the job's end
         self.attempted = 0
         self.committed_here = 0
         self.bytes_sent = 0
@@ -60,6 +65,7 @@ class Synchronizer:
         self.tokens_committed = 0.0  # tokens whose inner steps reached a committed global model
         self.recoveries = 0
         self._injected: set[str] = set()
+        self._recoveries_recorded = 0
         self._fragment_digests: dict[int, bytes] = {}
 
     def inject(self, fault: str) -> None:
@@ -88,6 +94,34 @@ class Synchronizer:
 
     def load_global_into_local(self) -> None:
         """Make the model hold the job's result (θ_g for DiLoCo) before the final eval and save."""
+
+    def finish(self, step: int) -> JobEnd:
+        """After the last inner step ``step``: stay in the job until it ends (DESIGN invariant 7).
+
+        Finished is not lost: the group stays a quorum member and heal source, handing its
+        final state to groups behind it (a straggler, a restarted group) and taking it if it
+        is behind itself, in closing rounds that commit nothing, until the lighthouse
+        declares the end. Raises ``MembershipError`` when the end is not confirmed within
+        ``end_wait_s`` (the lighthouse gone for good): this group cannot know its state is the job's.
+        """
+        self.manager.finished = True
+        deadline = time.monotonic() + self.end_wait_s
+        while True:
+            answer = self.manager.closing_round(step, self.group_digest())
+            if isinstance(answer, JobEnd):
+                self.end = answer
+                return answer
+            if answer is not None:
+                started = time.perf_counter()
+                self._heal_and_serve(answer, step, step)
+                self._record(answer, False, step, 1000 * (time.perf_counter() - started))
+            elif not self.manager.all_ranks(time.monotonic() < deadline):  # every rank gives up together
+                raise MembershipError(
+                    f"group {self.manager.group} finished training but the lighthouse did not confirm the job's end "
+                    f"within {self.end_wait_s:g}s (cluster.timeouts.end + quorum): its state may not be the job's"
+                )
+            else:
+                time.sleep(NO_QUORUM_PAUSE_S)
 
     def _after_heal(self) -> None:
         """Called once a peer's state has been applied."""
@@ -153,16 +187,21 @@ class Synchronizer:
     def _record(
         self, round_: Round, committed: bool, step: int, sync_ms: float, tokens: float = 0.0
     ) -> dict[str, float]:
-        """Log the round (with the group's digest when committed) and return its metrics.
+        """Log the round (with the group's digest when committed or healed) and return its metrics.
 
-        ``tokens``: the inner-step tokens this round brought into the global model.
+        ``tokens``: the inner-step tokens this round brought into the global model. A closing
+        round (finished groups handing over the final state) commits nothing.
         """
         self.committed_here += int(committed)
         self.tokens_committed += tokens
+        healed = self.recoveries > self._recoveries_recorded
+        self._recoveries_recorded = self.recoveries
         self.commit_log(
             {
                 "round": self.manager.committed,
                 "committed": committed,
+                "healed": healed,
+                "closing": round_.quorum.closing,
                 "quorum_id": round_.quorum.quorum_id,
                 "participants": list(round_.quorum.participants),
                 "inner_step": step,
@@ -171,7 +210,7 @@ class Synchronizer:
                 "tokens": tokens,
                 "recoveries": self.recoveries,
                 "pid": os.getpid(),
-                "digest": self.group_digest() if committed else None,
+                "digest": self.group_digest() if committed or healed else None,
             }
         )
         return {
@@ -184,7 +223,12 @@ class Synchronizer:
             "outer/bytes": float(self.bytes_sent),
             "outer/bytes_per_token": self.bytes_sent / self.tokens if self.tokens else 0.0,
             "outer/recoveries": float(self.recoveries),
+            "outer/no_quorum_s": 0.0,
         }
+
+    def _no_quorum_metrics(self) -> dict[str, float]:
+        """Said in the metrics (and so on the console), not only in the log."""
+        return {"outer/no_quorum_s": self.manager.seconds_without_quorum()}
 
     def report(self) -> dict[str, Any]:
         """The group's outer counters and final digest for summary.json (a collective)."""
@@ -196,6 +240,7 @@ class Synchronizer:
             "tokens_committed": self.tokens_committed,
             "recoveries": self.recoveries,
             "digest": self.group_digest(),
+            "end": None if self.end is None else self.end.to_json(),
         }
 
     def group_digest(self) -> str:

@@ -174,8 +174,10 @@ class Trainer:
                 window_start = time.perf_counter()  # evaluation time is not training throughput
             if metrics and self.on_metrics is not None:
                 self.on_metrics(metrics, self.step)
+        train_seconds = time.perf_counter() - start
         # The final evaluation, also for a group that healed straight to the last step.
         if self.outer is not None:
+            self.outer.finish(self.step)  # until every group has finished: the state may still change
             self.outer.load_global_into_local()  # the result of DiLoCo is θ_g
         eval_loss = self.evaluate()
         if self.on_metrics is not None:
@@ -185,7 +187,7 @@ class Trainer:
             tokens_seen=tokens_per_step * trained,
             final_train_loss=train_loss,
             final_eval_loss=eval_loss,
-            train_seconds=time.perf_counter() - start,
+            train_seconds=train_seconds,
         )
 
     def progress_state(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """One worker process of a replica group: wires model, data, optimizer and trainer, then trains.
 
-Run by the embedded launcher as ``python -m diloco.worker --job JOB.json --run-dir DIR``
-with torchrun's variables in the environment, or through ``run.py role=group`` under torchrun.
+Run by the embedded launcher as ``python -m diloco.worker --run-dir DIR --group G`` with
+torchrun's variables in the environment (``cluster.spawn=exec``), forked from a warm
+``diloco.forkserver`` (``cluster.spawn=fork``), or through ``run.py role=group`` under torchrun.
 """
 
 from __future__ import annotations
@@ -13,20 +14,23 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from diloco import lifeline
 from diloco.config import JobConfig, job_config_from_dict
-from diloco.config_base import to_dict
+from diloco.config_base import ConfigError, to_dict
 from diloco.data import ShardedBatches, eval_batches, load_corpus
-from diloco.distributed import WorkerEnv, init_group, select_device, shard_model
+from diloco.distributed import WorkerEnv, check_device, init_group, select_device, shard_model
 from diloco.faults import FaultRequests
+from diloco.files import write_atomically, write_json_atomically
 from diloco.metrics import MetricsLogger, start_wandb
 from diloco.model import Transformer, count_parameters, param_signature
 from diloco.optim import build_inner_optimizer
-from diloco.outer_setup import build_outer_sync
+from diloco.outer_setup import build_outer_sync, group_name
+from diloco.process_logging import setup_process_logging
 from diloco.trainer import Trainer, TrainResult
 
 JOB_FILE = "job.json"
@@ -65,6 +69,11 @@ class RunPaths:
 
     def fault_requests(self, group: int) -> Path:
         return self.root / "faults" / f"group{group}.requests"
+
+    def outputs_present(self) -> list[str]:
+        """What an earlier run left here (the launcher refuses to run a second job on top of it)."""
+        names = [JOB_FILE, "summary.json", "model.pt", "events.jsonl", "results", "commits", "metrics", "logs"]
+        return [name for name in names if (self.root / name).exists()]
 
 
 def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tuple[ShardedBatches, list]:
@@ -115,12 +124,26 @@ def build_trainer(
     )
 
 
+def refuse_finished_group(paths: RunPaths, group: int) -> None:
+    """A group that already finished in this run directory must not run again on top of its result.
+
+    (A group restarted mid-job by its orchestrator has no result yet, and goes on.)
+    """
+    if paths.result(group).exists():
+        raise ConfigError(
+            f"hydra.run.dir={paths.root}: group {group} already finished a run here ({paths.result(group)}); "
+            "pick a new hydra.run.dir for a new job"
+        )
+
+
 def preflight(job: JobConfig) -> tuple[int, str]:
     """Check, in the launching process, what would otherwise fail inside every worker.
 
     Loads the data for every group (a missing or corrupt path, or a shard too small, is
-    reported before any process starts); returns the model's parameter count and signature.
+    reported before any process starts) and checks the device exists; returns the model's
+    parameter count and signature.
     """
+    check_device(job.cluster.device)
     for group in range(job.cluster.groups):
         build_data(job, group, 0, job.cluster.workers_per_group)
     with torch.device("meta"):
@@ -128,12 +151,14 @@ def preflight(job: JobConfig) -> tuple[int, str]:
     return count_parameters(model), param_signature(job.model, model)
 
 
-def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: float = 0.0) -> TrainResult:
-    """Train this worker's part of replica group ``job.group.id``; the leader logs and saves.
+def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: float = 0.0) -> dict[str, Any]:
+    """Train this worker's part of replica group ``job.group.id``; returns the group's result record.
 
-    ``started_at`` is when the launcher started this process (fault requests before it were
-    meant for an earlier process of the group).
+    The leader logs, writes the result and, if the lighthouse named this group at the job's
+    end, saves the final model. ``started_at`` is when the launcher started this process
+    (fault requests before it were meant for an earlier process of the group).
     """
+    setup_process_logging()
     group = job.group.id
     leader = env.rank == 0
     device = select_device(job.cluster.device, env.local_rank)
@@ -181,17 +206,25 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: floa
             if trainer.outer is not None:
                 trainer.outer.manager.stop()
         weights = _full_state_dict(model, sharded)
-        outer_report = trainer.outer.report() if trainer.outer is not None else {}
+        report = _result_record(group, result, n_params)
+        if trainer.outer is not None:
+            report |= trainer.outer.report()
         if leader:
-            report = _result_record(group, result, n_params) | outer_report
-            if group == 0:
-                torch.save(weights, paths.weights)
-            paths.result(group).parent.mkdir(parents=True, exist_ok=True)
-            paths.result(group).write_text(json.dumps(report, indent=2))
+            if saves_final_model(job, report):
+                write_atomically(paths.weights, lambda fh: torch.save(weights, fh))
+            write_json_atomically(paths.result(group), report)
             logger.close(report)
-        return result
+        return report
     finally:
         dist.destroy_process_group()
+
+
+def saves_final_model(job: JobConfig, report: dict[str, Any]) -> bool:
+    """The group the lighthouse named at the job's end saves model.pt (group 0 when groups never sync)."""
+    if job.algo.name == "local":
+        return job.group.id == 0
+    end = report.get("end")
+    return end is not None and end["writer"] == group_name(job.group.id)
 
 
 def _full_state_dict(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
@@ -221,25 +254,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--group", type=int, required=True)
     parser.add_argument("--started-at", type=float, default=0.0, help="when the launcher spawned this process")
+    lifeline.add_argument(parser)
     args = parser.parse_args(argv)
-    paths = RunPaths(args.run_dir)
-    raw = json.loads(paths.job.read_text())
-    raw["group"] = {"id": args.group}
-    job = job_config_from_dict(raw)
-    run_worker(job, WorkerEnv.from_environ(os.environ), paths, started_at=args.started_at)
+    if args.lifeline_fd is not None:
+        lifeline.watch(args.lifeline_fd)
+    run_launched_worker(RunPaths(args.run_dir), args.group, WorkerEnv.from_environ(os.environ), args.started_at)
+
+
+def run_launched_worker(paths: RunPaths, group: int, env: WorkerEnv, started_at: float) -> NoReturn:
+    """What a worker the local launcher started does, exec'd or forked: train ``group``'s part, then leave."""
+    run_worker(load_job(paths, group), env, paths, started_at=started_at)
     exit_without_teardown()
 
 
-def exit_without_teardown() -> None:
+def load_job(paths: RunPaths, group: int) -> JobConfig:
+    """The job the launcher wrote to the run directory, as seen by a worker of ``group``."""
+    raw = json.loads(paths.job.read_text())
+    raw["group"] = {"id": group}
+    return job_config_from_dict(raw)
+
+
+def exit_without_teardown(code: int = 0, message: str | None = None) -> NoReturn:
     """Leave without running C++ destructors: everything is written and every group torn down.
 
     Destroying aborted Gloo lanes and store clients at interpreter exit intermittently ends
-    in std::terminate, which would turn a finished worker into a crashed one.
+    in std::terminate, which would turn a finished worker into a crashed one. ``message``
+    goes to stderr first (the one-line reason of a non-zero ``code``).
     """
+    if message:
+        print(message, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -26,7 +27,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # python experiments/<script>.py from a checkout, installed or not
 
 from diloco.config import JobConfig, job_config_from_dict  # noqa: E402
-from diloco.launcher import LocalCluster, log_tail  # noqa: E402
+from diloco.launcher import JobFailed, LocalCluster, log_tail  # noqa: E402
 from diloco.run_local import launch  # noqa: E402
 from diloco.worker import RunPaths, preflight  # noqa: E402
 
@@ -71,9 +72,27 @@ def _experiment_in_defaults() -> bool:
     return any(key.split()[-1].split("/")[-1].startswith("experiment") for key in keys)
 
 
-def run_job(job: JobConfig, run_dir: Path) -> dict[str, Any]:
-    """Run a whole job quietly (its progress view goes to a buffer); returns summary.json's dict."""
-    return launch(job, run_dir, out=io.StringIO())
+def run_job(job: JobConfig, run_dir: Path, keep_failure: bool = False) -> dict[str, Any]:
+    """Run a whole job quietly (its progress view goes to a buffer); returns summary.json's dict.
+
+    A job the supervisor gave up on raises ``JobFailed``; with ``keep_failure`` its summary
+    (written before the raise: ``ok`` false, ``failure`` the reason) is returned instead.
+    """
+    try:
+        return launch(job, run_dir, out=io.StringIO())
+    except JobFailed:
+        if not keep_failure:
+            raise
+        return json.loads((run_dir / "summary.json").read_text())
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (a test's timeout, a scheduler) unwinds like Ctrl-C: the with-blocks stop every process of the job."""
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @contextlib.contextmanager

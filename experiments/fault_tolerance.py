@@ -30,12 +30,12 @@ import argparse
 import bisect
 import json
 import math
-import signal
 import statistics
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from experiments.common import (  # noqa: E402
     read_jsonl,
     run_job,
     runs_root,
+    stop_on_sigterm,
     verdict,
     write_result,
 )
@@ -83,7 +84,7 @@ class Recovery:
     group: int
     failed_at: float
     restarted_at: float | None
-    healed_at: float | None  # the restarted process's first committed round after taking a peer's state
+    healed_at: float | None  # the restarted process's first record holding a peer's state (committed or healed)
 
 
 @dataclass
@@ -99,35 +100,67 @@ class Run:
     def count(self, kind: str) -> int:
         return self.summary["faults"].get(kind, 0)
 
-    def restarts_of(self, group: int) -> list[float]:
-        return sorted(e["time"] for e in self.events if e["kind"] == "restart" and e["group"] == group)
+    @cached_property
+    def _restarts(self) -> dict[int, list[float]]:
+        per_group: dict[int, list[float]] = defaultdict(list)
+        for e in self.events:
+            if e["kind"] == "restart":
+                per_group[e["group"]].append(e["time"])
+        return {group: sorted(times) for group, times in per_group.items()}
 
-    def recoveries(self) -> list[Recovery]:
-        """Per failure: the restart that followed it and whether the new process healed.
+    @cached_property
+    def _back_times(self) -> dict[int, list[float]]:
+        """Per group, in time order: records of a process holding a peer's state (committed or healed, after a heal)."""
+        return {
+            group: sorted(
+                c["time"] for c in records if (c["committed"] or c.get("healed")) and c.get("recoveries", 0) >= 1
+            )
+            for group, records in self.commits.items()
+        }
+
+    def restarts_of(self, group: int) -> list[float]:
+        return self._restarts.get(group, [])
+
+    def healed_at(self, group: int, restarted: float) -> float | None:
+        """When the process of ``group`` started at ``restarted`` first held a peer's state (None: never).
 
         A group's commit log holds the records of all its processes in turn; each process
-        counts its own heals (``recoveries``), so a committed record of the restarted process
-        with recoveries >= 1 means it took its state from a live peer and is back.
+        counts its own heals (``recoveries``), so a committed or healed record (healed: the
+        job's final state taken from a finished peer in a closing round) of the restarted
+        process with recoveries >= 1 means it took its state from a live peer and is back.
         """
+        restarts = self.restarts_of(group)
+        i = bisect.bisect_right(restarts, restarted)
+        until = restarts[i] if i < len(restarts) else math.inf  # the next process of the group
+        times = self._back_times.get(group, [])
+        j = bisect.bisect_right(times, restarted)
+        return times[j] if j < len(times) and times[j] < until else None
+
+    def recoveries(self) -> list[Recovery]:
+        """Per failure: the restart that followed it and whether the new process healed."""
         found = []
         for event in (e for e in self.events if e["kind"] in FAILURES):
             group = event["group"]
             restarts = self.restarts_of(group)
             i = bisect.bisect_left(restarts, event["time"])
             restarted = restarts[i] if i < len(restarts) else None
-            healed = None
-            if restarted is not None:
-                until = restarts[i + 1] if i + 1 < len(restarts) else math.inf
-                own = [c for c in self.commits.get(group, []) if restarted < c["time"] < until]
-                healed = next((c["time"] for c in own if c["committed"] and c.get("recoveries", 0) >= 1), None)
+            healed = self.healed_at(group, restarted) if restarted is not None else None
             found.append(Recovery(group, event["time"], restarted, healed))
         return found
 
     def healed(self) -> int:
         return sum(r.healed_at is not None for r in self.recoveries())
 
+    def restarts(self) -> list[tuple[int, float]]:
+        """(group, time) of every restart."""
+        return [(group, t) for group, times in self._restarts.items() for t in times]
+
+    def healed_restarts(self) -> int:
+        """Restarted processes that healed from a peer, each restart once (a hang before a kill is not a second one)."""
+        return sum(self.healed_at(group, t) is not None for group, t in self.restarts())
+
     def goodput_to_last_step(self) -> float:
-        """summary.json's committed tokens per second from launch to the last training step (the end-of-job wait left out)."""
+        """summary.json's committed tokens per second from launch to the last training step (the end wait left out)."""
         return self.summary["goodput_tokens_per_s"] * self.summary["wall_seconds"] / self.training_times()[1]
 
     def training_times(self) -> tuple[float, float]:
@@ -153,9 +186,9 @@ def last_record(run: ClusterRun, group: int) -> dict[str, Any] | None:
     return records[-1] if records else None
 
 
-def calibrate(root: Path, window_s: float) -> float:
+def calibrate(root: Path, window_s: float, experiment: str = EXPERIMENT, overrides: tuple[str, ...] = ()) -> float:
     """Inner steps per second of the job, fault-free, all groups running (median over groups)."""
-    job = compose_job(["faults=none", f"trainer.max_steps={ENDLESS}"], EXPERIMENT)
+    job = compose_job(["faults=none", f"trainer.max_steps={ENDLESS}", *overrides], experiment)
     groups = range(job.cluster.groups)
     with ClusterRun(job, root / "calibration") as run:
         run.wait(
@@ -175,14 +208,24 @@ def plan_steps(rate: float, minutes: float, h: int) -> int:
     return max(2 * h, math.ceil(rate * minutes * 60 * MARGIN / h) * h)
 
 
-def run_one(name: str, overrides: list[str], run_dir: Path) -> Run:
-    job = compose_job(overrides, EXPERIMENT)
+def run_one(
+    name: str, overrides: list[str], run_dir: Path, experiment: str = EXPERIMENT, keep_failure: bool = False
+) -> Run:
+    """Run the job composed from ``experiment`` and ``overrides``; ``keep_failure``: a job the
+    supervisor gave up on is read back (summary.json ``ok`` false, ``failure``) instead of raising."""
+    job = compose_job(overrides, experiment)
     start = time.time()
-    summary = run_job(job, run_dir)
-    groups = range(job.cluster.groups)
+    run_job(job, run_dir, keep_failure=keep_failure)
+    return load_run(name, run_dir, job.algo.sync_every, start)
+
+
+def load_run(name: str, run_dir: Path, h: int, start: float) -> Run:
+    """A finished job's records read back from its run directory (``start``: time.time() at its launch)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    groups = range(summary["groups"])
     return Run(
         name=name,
-        h=job.algo.sync_every,
+        h=h,
         summary=summary,
         start=start,
         events=read_jsonl(run_dir / "events.jsonl"),
@@ -403,13 +446,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _stop(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")  # unwinds the with-blocks, which stop every process of the job
-
-
 def main() -> None:
     args = parse_args()
-    signal.signal(signal.SIGTERM, _stop)
+    stop_on_sigterm()
     cfg = settings(args)
     began = time.monotonic()
     h = compose_job([], EXPERIMENT).algo.sync_every

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from diloco.config import JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
+from diloco.launcher import free_port
 from tests.conftest import CONF_DIR, REPO, compose_job, compose_raw
 
 
@@ -107,3 +110,51 @@ def test_run_py_names_the_allowed_presets_for_an_unknown_one(tmp_path):
     result = _run(["model=huge"], tmp_path)
     assert result.returncode != 0
     assert "tiny" in result.stderr and "llama3_1b" in result.stderr
+
+
+@pytest.mark.slow
+def test_run_py_refuses_a_run_directory_that_holds_a_run_and_touches_nothing(tmp_path):
+    (tmp_path / "summary.json").write_text('{"syncs_committed": 6}')
+    (tmp_path / "config.yaml").write_text("old: run\n")
+    result = _run(["logger=none"], tmp_path)
+    assert result.returncode != 0
+    reason = result.stderr.strip().splitlines()[-1]
+    assert reason == (
+        f"error: hydra.run.dir={tmp_path}: already holds a run (summary.json); pick a new hydra.run.dir "
+        "(or remove the old run)"
+    )
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "config.yaml").read_text() == "old: run\n" and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_refused_before_any_process_starts(tmp_path):
+    result = _run(["logger=none", "cluster.device=cuda"], tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: cluster.device='cuda': torch sees no CUDA device on this machine; use cluster.device=cpu (or auto)"
+    )
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+def test_a_group_pointed_at_no_lighthouse_fails_at_once_naming_the_address(tmp_path):
+    """A typo in the lighthouse's host or port is not an outage to train through alone."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(free_port("127.0.0.1"))
+    nothing_there = free_port("127.0.0.1")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "run.py"), f"hydra.run.dir={tmp_path}", "role=group", "logger=none"]
+        + ["cluster.groups=2", f"cluster.lighthouse.port={nothing_there}", "cluster.timeouts.connect=2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
+    )
+    assert result.returncode == 1
+    reason = result.stderr.strip().splitlines()[-1]
+    assert reason.startswith(f"error: group group0 cannot reach the lighthouse at http://127.0.0.1:{nothing_there} ")
+    assert "within cluster.timeouts.connect=2s" in reason and "Traceback" not in result.stderr
+    assert not (tmp_path / "model.pt").exists() and not (tmp_path / "results").exists()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import diloco.data as data_module
 from diloco.config_base import ConfigError
 from diloco.data import (
     ByteTokenizer,
@@ -96,8 +97,9 @@ def test_stdlib_corpus_loads_deterministically(stdlib_splits):
     assert s.train.dtype == torch.uint8 and s.train.dim() == 1
     assert s.train.numel() > 1_000_000
     assert 0 < s.val.numel() < s.train.numel()
-    again = load_corpus(DataConfig())
-    assert torch.equal(s.train, again.train) and torch.equal(s.val, again.val)
+    again = data_module._load_corpus(DataConfig())  # a second read from disk, not the memoized splits
+    assert again is not s and torch.equal(s.train, again.train) and torch.equal(s.val, again.val)
+    assert load_corpus(DataConfig()) is load_corpus(DataConfig())  # memoized for forked workers
 
 
 def test_stdlib_corpus_excludes_site_packages(stdlib_splits):

@@ -58,3 +58,14 @@ def test_bench_overhead_quick(tmp_path):
         ratio = float(re.search(r"\(ratio ([\d.]+)\)", bytes_line.group(1)).group(1))
         assert ratio >= 400, out
     assert (tmp_path / "bench_overhead.md").exists()
+
+
+@pytest.mark.slow
+def test_bench_restart_quick(tmp_path):
+    out = run_script("bench_restart.py", tmp_path)
+    assert "| spawn | restarts | median s to first commit | max s | median worker CPU s |" in out
+    for spawn in ("exec", "fork"):
+        row = rf"^\| {spawn} \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \d/2 \|$"
+        assert re.search(row, out, re.MULTILINE), out
+    assert re.search(r"exec / fork: [\d.]+x the seconds to first commit, [\d.]+x the worker CPU", out), out
+    assert (tmp_path / "bench_restart.md").read_text().strip() == out.strip()

@@ -312,3 +312,30 @@ def test_ddp_groups_end_with_the_same_state_and_a_fresh_digest(tmp_path):
         assert torch.equal(a, b)
     assert trainers[0].outer.group_digest() == trainers[1].outer.group_digest()
     assert_cached_digest_is_fresh(trainers[0].outer)
+
+
+@pytest.mark.parametrize(
+    "algo",
+    [["algo=diloco"], ["algo=streaming", "algo.fragments=2", "algo.delay=1"], ["algo=ddp"]],
+    ids=["diloco", "streaming-overlap", "ddp"],
+)
+def test_a_bug_inside_a_round_stops_the_worker_instead_of_failing_the_round(tmp_path, monkeypatch, algo):
+    """Only a lost peer or a broken lane fails a round; a bug (here: in the all-reduce's launch)
+    must surface with its traceback, not turn every round into a silent failed one."""
+
+    def buggy(*args, **kwargs):
+        raise RuntimeError("deliberate bug in a round: shapes [3] and [4] differ")
+
+    monkeypatch.setattr("diloco.outer.launch_reduce", buggy)
+    monkeypatch.setattr("diloco.ddp.launch_reduce", buggy)
+    job = compose_job(
+        BASE + ["cluster.groups=1", "algo.sync_every=4", "trainer.max_steps=8", "trainer.seq_len=32"] + algo
+    )
+    torch.manual_seed(0)
+    trainer = build_trainer(job, Transformer(job.model), group=0, worker=0, num_workers=1, device=torch.device("cpu"))
+    with lighthouse_for(job) as job:
+        trainer.outer = outer_for(job, 0, trainer.model, trainer.optimizer, tmp_path)
+        with pytest.raises(RuntimeError, match="deliberate bug in a round"):
+            trainer.fit()
+        trainer.outer.manager.stop()
+    assert trainer.step < job.trainer.max_steps

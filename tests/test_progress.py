@@ -37,3 +37,16 @@ def test_progress_view_follows_the_slowest_group(tmp_path):
     out = io.StringIO()
     ProgressView(files, max_steps=100, out=out).update(elapsed_s=5.0)
     assert out.getvalue().startswith("step 10/100") and "loss 4.000" in out.getvalue()
+
+
+def test_a_group_without_a_quorum_says_so_on_the_console(tmp_path):
+    files = [tmp_path / "g0.jsonl", tmp_path / "g1.jsonl"]
+    files[0].write_text(json.dumps({"step": 40, "outer/no_quorum_s": 0.0}) + "\n")
+    files[1].write_text(json.dumps({"step": 40, "outer/no_quorum_s": 12.4}) + "\n")
+    out = io.StringIO()
+    ProgressView(files, max_steps=100, out=out).update(elapsed_s=5.0)
+    assert out.getvalue().rstrip().endswith("| no quorum: group 1 for 12s")
+    files[1].write_text(files[1].read_text() + json.dumps({"step": 50, "outer/no_quorum_s": 0.0}) + "\n")
+    again = io.StringIO()
+    ProgressView(files, max_steps=100, out=again).update(elapsed_s=6.0)
+    assert "no quorum" not in again.getvalue()

@@ -41,7 +41,7 @@ class Lanes:
             self.pg = dist.ProcessGroupGloo(
                 dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=self.collective_timeout_s)
             )
-        except Exception as error:  # gloo raises RuntimeError/DistBackendError on rendezvous timeouts
+        except RuntimeError as error:  # Gloo's rendezvous failures (DistStoreError and others) are RuntimeErrors
             raise LaneError(f"lane {self.local_rank} of quorum {quorum_id} could not form: {error}") from error
         self.quorum_id = quorum_id
         return self.pg
@@ -51,7 +51,7 @@ class Lanes:
         if self.pg is not None:
             try:
                 self.pg.abort()
-            except Exception as error:  # an already broken lane may refuse even this
+            except RuntimeError as error:  # an already broken lane may refuse even this
                 log.debug("aborting lane of quorum %s: %s", self.quorum_id, error)
         self.pg = None
         self.quorum_id = None
@@ -65,7 +65,7 @@ class Lanes:
                     is_master=False,
                     timeout=timedelta(seconds=self.connect_timeout_s),
                 )
-            except Exception as error:
+            except RuntimeError as error:  # DistStoreError, DistNetworkError
                 raise LaneError(f"lighthouse store {address[0]}:{address[1]} unreachable: {error}") from error
             self._store_address = address
         return self._store

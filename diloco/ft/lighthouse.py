@@ -13,7 +13,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import math
+import os
 import signal
 import threading
 import time
@@ -27,34 +27,20 @@ import torch.distributed as dist
 
 from diloco.config_base import check
 from diloco.ft import status_page
-from diloco.ft.quorum import Quorum, QuorumBook, QuorumRequest, QuorumRules
+from diloco.ft.identity import JobIdentity, NotThisJob
+from diloco.ft.protocol import (
+    FIELDS,
+    MAX_BODY_BYTES,
+    LighthouseRefused,
+    parse_body,
+)
+from diloco.ft.quorum import JobEnd, Quorum, QuorumBook, QuorumRequest, QuorumRules
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 * 1024
 MAX_POLL_S = 300.0  # a long poll never outlives this, whatever the client asks for
 DECIDE_EVERY_S = 0.02  # the join and heartbeat timeouts are noticed within this
-MAX_GROUP_ID_CHARS = 200
 _WILDCARD_HOSTS = {"", "0.0.0.0"}
-
-# Body fields of each POST endpoint beyond job/signature/group: name -> (type, default or
-# None when required). A quorum request may carry the last quorum id the group saw, so a
-# restarted lighthouse never reuses an id even if a request reaches it before any heartbeat.
-_FIELDS: dict[str, dict[str, tuple[type, Any]]] = {
-    "/heartbeat": {"step": (int, None), "quorum_id": (int, None)},
-    "/quorum": {"step": (int, None), "commit_failed": (bool, None), "timeout_s": (float, None), "quorum_id": (int, 0)},
-}
-
-
-_TYPES: dict[type, tuple[Callable[[Any], bool], str]] = {
-    str: (lambda v: isinstance(v, str), "a string"),
-    bool: (lambda v: isinstance(v, bool), "true or false"),
-    int: (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a non-negative integer"),
-    float: (
-        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf,
-        "a positive number of seconds",
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -83,31 +69,18 @@ class LighthouseConfig:
         check(self.history >= 1, "cluster.lighthouse.history", self.history, "must be >= 1 (quorums kept for /status)")
 
 
-class LighthouseRefused(RuntimeError):
-    """The lighthouse refused the request (token, job id, model signature, malformed request):
-    the same request will be refused again, so fix the configuration instead of retrying.
-    The lighthouse raises it internally too; ``status`` is the HTTP status it answers with."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class LighthouseUnavailable(RuntimeError):
-    """The lighthouse could not be reached or failed (connection refused/reset, timeout, 5xx)."""
-
-
-class QuorumTimeout(RuntimeError):
-    """No quorum containing this group formed within the requested time; the request is withdrawn."""
-
-
 @dataclass
 class _Waiter:
-    """One open long poll; the decision step fills in ``quorum`` or ``error`` and wakes it."""
+    """One open long poll; the decision step fills in ``quorum``, ``end`` or ``error`` and wakes it."""
 
     group: str
     quorum: Quorum | None = None
+    end: JobEnd | None = None
     error: tuple[int, str] | None = None
+
+    @property
+    def answered(self) -> bool:
+        return self.quorum is not None or self.end is not None or self.error is not None
 
 
 class Lighthouse:
@@ -120,16 +93,18 @@ class Lighthouse:
         job_id: str,
         model_signature: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        job_config: dict[str, Any] | None = None,
     ) -> None:
         cfg.validate()
         rules.validate()
         self.cfg = cfg
         self.rules = rules
         self.job_id = job_id
-        self._signature = model_signature  # None: pinned by the first accepted request
+        self._identity = JobIdentity(job_id, model_signature, job_config)  # None parts: pinned by the first group
         self._clock = clock
         self._cond = threading.Condition(threading.Lock())
-        self._book = QuorumBook(rules)
+        self._book = QuorumBook(rules, started_at=clock())
+        self._told_end: set[str] = set()  # finished groups that received the job's end
         self._steps: dict[str, int] = {}
         self._waiters: dict[str, _Waiter] = {}
         self._current: tuple[Quorum, float] | None = None  # (quorum, formed at clock time)
@@ -201,9 +176,12 @@ class Lighthouse:
         """Check and serve one POST; a refusal changes nothing in the lighthouse's state."""
         try:
             self._check_token(authorization)
-            req = _parse_body(path, body)
+            req = parse_body(path, body)
             with self._cond:
-                self._check_identity(req)
+                try:
+                    self._identity.admit(req["job"], req["signature"], req.get("config"))
+                except NotThisJob as refusal:
+                    raise LighthouseRefused(409, str(refusal)) from None
             if path == "/heartbeat":
                 return self._heartbeat(req)
             store_host = local_host if self.cfg.host in _WILDCARD_HOSTS else self.cfg.host
@@ -223,21 +201,11 @@ class Lighthouse:
                 401, "wrong token: the request's token does not match the lighthouse's cluster.lighthouse.token"
             )
 
-    def _check_identity(self, req: dict[str, Any]) -> None:
-        """Job id, then model signature; pins the signature on the first accepted request."""
-        if req["job"] != self.job_id:
-            raise LighthouseRefused(409, f"job id {req['job']!r} differs from this lighthouse's job {self.job_id!r}")
-        if self._signature is not None and req["signature"] != self._signature:
-            raise LighthouseRefused(
-                409,
-                f"model signature {req['signature']} differs from the job's {self._signature}: "
-                "the group runs a different model config",
-            )
-        self._signature = req["signature"]
-
     def _heartbeat(self, req: dict[str, Any]) -> tuple[int, dict]:
         with self._cond:
-            self._book.heartbeat(req["group"], self._clock(), quorum_id_seen=req["quorum_id"], step=req["step"])
+            self._book.heartbeat(
+                req["group"], self._clock(), quorum_id_seen=req["quorum_id"], step=req["step"], finished=req["finished"]
+            )
             self._steps[req["group"]] = req["step"]
         return 200, {"ok": True}
 
@@ -247,15 +215,21 @@ class Lighthouse:
         with self._cond:
             now = self._clock()
             deadline = now + min(req["timeout_s"], MAX_POLL_S)
-            self._book.heartbeat(group, now, quorum_id_seen=req["quorum_id"])
-            earlier = self._waiters.get(group)
-            if earlier is not None:
-                earlier.error = (409, f"superseded: group {group!r} sent a newer quorum request")
-            self._waiters[group] = waiter
-            self._steps[group] = req["step"]
-            self._book.ask(QuorumRequest(group, req["step"], req["commit_failed"]), now)
-            self._decide_locked(now)
-            while waiter.quorum is None and waiter.error is None and not self._stopping.is_set():
+            if self._book.ended is not None:
+                self._answer_after_end(waiter, req["finished"])
+            else:
+                self._book.heartbeat(group, now, quorum_id_seen=req["quorum_id"], finished=req["finished"])
+                earlier = self._waiters.get(group)
+                if earlier is not None:
+                    earlier.error = (409, f"superseded: group {group!r} sent a newer quorum request")
+                self._waiters[group] = waiter
+                self._steps[group] = req["step"]
+                request = QuorumRequest(
+                    group, req["step"], req["commit_failed"], req["finished"], req["digest"], req["round_step"]
+                )
+                self._book.ask(request, now)
+                self._decide_locked(now)
+            while not waiter.answered and not self._stopping.is_set():
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     return 504, {"error": self._give_up_locked(waiter, req["timeout_s"])}
@@ -263,6 +237,8 @@ class Lighthouse:
             if waiter.quorum is not None:
                 store = {"host": store_host, "port": self.store_address[1]}
                 return 200, {"quorum": waiter.quorum.to_json(), "store": store}
+            if waiter.end is not None:
+                return 200, {"end": waiter.end.to_json()}
             if waiter.error is not None:
                 return waiter.error[0], {"error": waiter.error[1]}
             self._give_up_locked(waiter, req["timeout_s"])
@@ -280,6 +256,31 @@ class Lighthouse:
             f"a quorum needs cluster.min_groups={self.rules.min_groups} askers and a strict majority "
             f"of the healthy groups, after cluster.timeouts.join={self.rules.join_timeout_s:g} s"
         )
+
+    def _answer_after_end(self, waiter: _Waiter, finished: bool) -> None:
+        """After the end a finished group learns it; any other is too late to take part."""
+        end = self._book.ended
+        assert end is not None, "called only once the job has ended"
+        if finished:
+            waiter.end = end
+            self._told_end.add(waiter.group)
+        else:
+            waiter.error = (
+                409,
+                f"the job ended at round {end.round} (every group finished, or cluster.timeouts.end passed after "
+                f"the first did); group {waiter.group!r} did not finish and can no longer take part",
+            )
+
+    @property
+    def ended(self) -> JobEnd | None:
+        with self._cond:
+            return self._book.ended
+
+    def served_end(self) -> bool:
+        """The job ended and every group that had finished by then has been told."""
+        with self._cond:
+            end = self._book.ended
+            return end is not None and set(self._book.finished) <= self._told_end
 
     # -- decisions -----------------------------------------------------------------------
     def _decide_loop(self) -> None:
@@ -306,52 +307,35 @@ class Lighthouse:
                 waiter = self._waiters.pop(group, None)
                 if waiter is not None:
                     waiter.quorum, woken = quorum, True
-        for group in [g for g in self._waiters if g not in self._book.pending]:
-            # The rules dropped the request: its group stopped heartbeating while it waited.
-            hb = self.rules.heartbeat_timeout_s
-            message = f"no heartbeat for cluster.timeouts.heartbeat={hb:g} s while it waited; keep heartbeating"
-            self._waiters.pop(group).error = (504, f"request of group {group!r} dropped: {message}")
-            woken = True
+        for group, reason in self._book.turned_away.items():
+            waiter = self._waiters.pop(group, None)
+            if waiter is not None:
+                waiter.error, woken = (504, f"request of group {group!r} withdrawn: {reason}"), True
+        self._book.turned_away.clear()
+        if self._book.ended is None and (end := self._book.end_of_job(now)) is not None:
+            log.info("the job ended at round %d; %s saves the final model", end.round, end.writer)
+        if self._book.ended is not None:
+            for group, waiter in list(self._waiters.items()):
+                self._answer_after_end(waiter, group in self._book.finished)
+                del self._waiters[group]
+                woken = True
         if woken:
             self._cond.notify_all()
 
     # -- status --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        """What /status serves: a read-only snapshot, holding no secrets."""
+        """What /status serves: a read-only snapshot, holding no secrets (the pid lets a launcher
+        tell its own lighthouse from another process on the port)."""
         with self._cond:
-            return status_page.build_status(
-                self.job_id, self._signature, self._book, self._steps, self._current, self._history, self._clock()
+            return {"pid": os.getpid()} | status_page.build_status(
+                self.job_id,
+                self._identity.signature,
+                self._book,
+                self._steps,
+                self._current,
+                self._history,
+                self._clock(),
             )
-
-
-def _parse_body(path: str, body: bytes) -> dict[str, Any]:
-    """The request's fields, type-checked; any problem is a 400 naming the field."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise LighthouseRefused(400, f"malformed JSON body: {e}") from None
-    if not isinstance(data, dict):
-        raise LighthouseRefused(400, f"the body must be a JSON object, got {type(data).__name__}")
-    spec = {"job": (str, None), "signature": (str, None), "group": (str, None), **_FIELDS[path]}
-    unknown = sorted(set(data) - set(spec))
-    if unknown:
-        raise LighthouseRefused(400, f"unknown field {unknown[0]!r} for {path}; expected {sorted(spec)}")
-    req = {}
-    for name, (tp, default) in spec.items():
-        if name not in data:
-            if default is None:
-                raise LighthouseRefused(400, f"missing field {name!r} for {path}; expected {sorted(spec)}")
-            req[name] = default
-            continue
-        req[name] = value = data[name]
-        ok, what = _TYPES[tp]
-        if not ok(value):
-            raise LighthouseRefused(400, f"field {name!r}={value!r} must be {what}")
-    if not 0 < len(req["group"]) <= MAX_GROUP_ID_CHARS:
-        raise LighthouseRefused(
-            400, f"field 'group' must be 1 to {MAX_GROUP_ID_CHARS} characters, got {len(req['group'])}"
-        )
-    return req
 
 
 class _Server(ThreadingHTTPServer):
@@ -379,7 +363,7 @@ class _Handler(BaseHTTPRequestHandler):
         lighthouse: Lighthouse = self.server.lighthouse  # type: ignore[attr-defined]
         path = self.path.split("?", 1)[0]
         length = self.headers.get("Content-Length", "")
-        if path not in _FIELDS:
+        if path not in FIELDS:
             self._reply_json(404, {"error": f"unknown path {path!r}: POST /heartbeat or /quorum"})
         elif not length.isdigit():
             self._reply_json(400, {"error": "a POST needs a Content-Length header"})
@@ -406,15 +390,33 @@ class _Handler(BaseHTTPRequestHandler):
             log.debug("client %s left before its answer", self.address_string())
 
 
-def serve_forever(cfg: LighthouseConfig, rules: QuorumRules, job_id: str, model_signature: str | None = None) -> None:
-    """Run a lighthouse alone until SIGINT or SIGTERM (call from the main thread)."""
+def serve_forever(
+    cfg: LighthouseConfig,
+    rules: QuorumRules,
+    job_id: str,
+    model_signature: str | None = None,
+    job_config: dict[str, Any] | None = None,
+) -> None:
+    """Run a lighthouse until SIGINT or SIGTERM, or until its job has ended (call from the main thread).
+
+    After the end it stays until every finished group has been told (at most
+    ``rules.end_timeout_s``), then returns: exiting 0 means the job is over, so an
+    orchestrator restarts the lighthouse only when it exits any other way.
+    """
     done = threading.Event()
     previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with Lighthouse(cfg, rules, job_id, model_signature) as lighthouse:
+        with Lighthouse(cfg, rules, job_id, model_signature, job_config=job_config) as lighthouse:
             print(f"lighthouse for job {job_id!r} at {lighthouse.url}; status page {lighthouse.url}/", flush=True)
-            while not done.wait(1.0):
-                pass
+            ended_at = None
+            while not done.wait(0.1):
+                if ended_at is None and lighthouse.ended is not None:
+                    ended_at = time.monotonic()
+                if ended_at is not None and (
+                    lighthouse.served_end() or time.monotonic() - ended_at > rules.end_timeout_s
+                ):
+                    print(f"job {job_id!r} ended at round {lighthouse.ended.round}; lighthouse exiting", flush=True)
+                    break
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

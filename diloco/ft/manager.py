@@ -22,14 +22,20 @@ import torch.distributed as dist
 
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import LaneError, Lanes
-from diloco.ft.lighthouse import LighthouseRefused, LighthouseUnavailable, QuorumTimeout
-from diloco.ft.quorum import Quorum
+from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable, QuorumTimeout
+from diloco.ft.quorum import JobEnd, Quorum
 
 log = logging.getLogger(__name__)
 
 MAX_BROADCAST_BYTES = 1 << 20
 MIN_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
+FIRST_CONTACT_RETRY_S = 0.5
+
+
+class MembershipError(RuntimeError):
+    """This group cannot take part in the job: refused by the lighthouse, or it cannot reach it
+    at start. Not a fault to retry: the message says what to fix."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,8 @@ class Manager:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.committed = 0
         self.last_commit_failed = False
+        self.finished = False  # trained to the end: only serves (or takes) the final state now
+        self._no_quorum_since: float | None = None
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self._without_quorum = False
@@ -86,8 +94,15 @@ class Manager:
         self._heartbeats: threading.Thread | None = None
 
     def start(self) -> None:
-        """Leader only: heartbeat in the background, so a long inner phase is not mistaken for death."""
+        """Leader only: reach the lighthouse, then heartbeat in the background, so a long inner
+        phase is not mistaken for death.
+
+        A lighthouse that cannot be reached within the connect timeout at start is a
+        configuration error (a wrong host or port), not an outage to train through: training
+        alone would end with a model no round produced.
+        """
         if self.client is not None:
+            self._first_contact()
             self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
             self._heartbeats.start()
 
@@ -97,27 +112,53 @@ class Manager:
             self._heartbeats.join(timeout=self.heartbeat_interval_s + 5)
         self.lanes.drop()
 
-    def start_round(self) -> Round | None:
+    def start_round(self, round_step: int) -> Round | None:
         """Ask for a quorum (leader), share it with the group, and make sure the lane matches it.
+
+        ``round_step`` is the inner step the round is launched at: a quorum reduces only
+        groups at the same one, and heals the others to it.
 
         Returns ``None`` when there is no quorum this time (lighthouse down, timeout, lane
         could not form): the group then keeps training and tries again at its next sync.
-        Raises ``RuntimeError`` when the lighthouse refused the group (wrong token, job or model).
+        Raises ``MembershipError`` when the lighthouse refused the group (wrong token, job,
+        model or configuration; the job already ended).
         """
-        answer = self._ask() if self.client is not None else None
-        answer = self._broadcast(answer)
+        return self._round(self._exchange(round_step))
+
+    def closing_round(self, step: int, digest: str) -> Round | JobEnd | None:
+        """A finished group's round: serve the final state to groups behind, take it if behind, or learn the end.
+
+        ``digest`` is this group's global-state digest, which the lighthouse passes on as the
+        job's final one if this group saves the model.
+        """
+        answer = self._exchange(step, digest)
+        return JobEnd.from_json(answer["end"]) if "end" in answer else self._round(answer)
+
+    def seconds_without_quorum(self) -> float:
+        """How long the group has gone without a quorum (0 while rounds form)."""
+        return 0.0 if self._no_quorum_since is None else time.monotonic() - self._no_quorum_since
+
+    def _exchange(self, round_step: int, digest: str = "") -> dict[str, Any]:
+        """The leader asks the lighthouse; every rank gets its answer."""
+        answer = self._broadcast(self._ask(round_step, digest) if self.client is not None else None)
         if "refused" in answer:
-            raise RuntimeError(f"the lighthouse refused group {self.group}: {answer['refused']}")
+            raise MembershipError(f"the lighthouse refused group {self.group}: {answer['refused']}")
+        return answer
+
+    def _round(self, answer: dict[str, Any]) -> Round | None:
         if "quorum" not in answer:
             # Once per outage, not once per sync: a dead lighthouse must not flood the log.
             (log.debug if self._without_quorum else log.warning)(
                 "group %s: no quorum (%s); training on", self.group, answer.get("error")
             )
             self._without_quorum = True
+            if self._no_quorum_since is None:
+                self._no_quorum_since = time.monotonic()
             return None
         if self._without_quorum:
-            log.warning("group %s: quorum again after an outage", self.group)
+            log.warning("group %s: quorum again after %.0fs without one", self.group, self.seconds_without_quorum())
             self._without_quorum = False
+        self._no_quorum_since = None
         quorum = Quorum.from_json(answer["quorum"])
         lane_rank = quorum.rank_of(self.group)
         try:
@@ -160,14 +201,39 @@ class Manager:
             dist.all_gather(parts, mine, group=self.inner_pg)
         return hashlib.sha256(b"".join(bytes(p.tolist()) for p in parts)).hexdigest()
 
-    def _ask(self) -> dict[str, Any]:
+    def _first_contact(self) -> None:
+        assert self.client is not None
+        deadline = time.monotonic() + self.client.connect_timeout_s
+        while True:
+            try:
+                self.client.heartbeat(self.committed, 0, self.finished)
+                return
+            except LighthouseRefused as error:
+                raise MembershipError(f"the lighthouse refused group {self.group}: {error}") from None
+            except LighthouseUnavailable as error:
+                if time.monotonic() >= deadline:
+                    raise MembershipError(
+                        f"group {self.group} cannot reach the lighthouse at {self.client.url} within "
+                        f"cluster.timeouts.connect={self.client.connect_timeout_s:g}s ({error}); check "
+                        "cluster.lighthouse.host and cluster.lighthouse.port, and that the lighthouse runs"
+                    ) from None
+                time.sleep(FIRST_CONTACT_RETRY_S)
+
+    def _ask(self, round_step: int, digest: str) -> dict[str, Any]:
         assert self.client is not None
         if self.refused:
             return {"refused": self.refused}
         if time.monotonic() < self._retry_at:
             return {"error": f"lighthouse unreachable; next try in {self._retry_at - time.monotonic():.1f}s"}
         try:
-            quorum, store = self.client.quorum(self.committed, self.last_commit_failed, self.quorum_timeout_s)
+            answer = self.client.quorum(
+                self.committed,
+                self.last_commit_failed,
+                self.quorum_timeout_s,
+                round_step=round_step,
+                finished=self.finished,
+                digest=digest,
+            )
         except LighthouseRefused as error:
             if "superseded" in str(error):  # our own earlier, abandoned request: just ask again next time
                 return {"error": str(error)}
@@ -180,6 +246,9 @@ class Manager:
             self._retry_at = time.monotonic() + self._backoff_s
             return {"error": str(error)}
         self._backoff_s = 0.0
+        if isinstance(answer, JobEnd):
+            return {"end": answer.to_json()}
+        quorum, store = answer
         return {"quorum": quorum.to_json(), "store": list(store)}
 
     def _broadcast(self, answer: dict[str, Any] | None) -> dict[str, Any]:
@@ -204,7 +273,7 @@ class Manager:
         assert self.client is not None
         while not self._stop.wait(self.heartbeat_interval_s):
             try:
-                self.client.heartbeat(self.committed, self.lanes.quorum_id or 0)
+                self.client.heartbeat(self.committed, self.lanes.quorum_id or 0, self.finished)
                 self._retry_at = 0.0  # the lighthouse answers again: stop backing off
             except LighthouseRefused as error:
                 self.refused = str(error)
@@ -215,8 +284,8 @@ class Manager:
 
 
 def wait_work(work: dist.Work, timeout_s: float) -> None:
-    """Wait for a lane collective with a bound; any failure becomes a ``LaneError``."""
+    """Wait for a lane collective with a bound; a lost peer, broken lane or timeout becomes a ``LaneError``."""
     try:
         work.wait(timedelta(seconds=timeout_s))
-    except Exception as error:
+    except RuntimeError as error:  # how Gloo reports all three
         raise LaneError(f"lane collective failed: {error}") from error

@@ -14,11 +14,20 @@ from diloco.config_base import check
 @dataclass(frozen=True)
 class QuorumRules:
     """``min_groups`` must ask before any quorum forms; ``join_timeout_s`` is how long the
-    first asker waits for the rest; a group silent for ``heartbeat_timeout_s`` is dropped."""
+    first asker waits for the rest; a group silent for ``heartbeat_timeout_s`` is dropped.
+
+    ``expected_groups`` is the job's number of groups (0: unknown, which turns off the two
+    waits it allows): a job's first quorum waits up to ``start_timeout_s`` for all of them,
+    so no window is lost to a slow start; finished groups wait up to ``end_timeout_s`` for
+    the rest to finish before the job ends.
+    """
 
     min_groups: int = 1
     join_timeout_s: float = 5.0
     heartbeat_timeout_s: float = 10.0
+    expected_groups: int = 0
+    start_timeout_s: float = 60.0
+    end_timeout_s: float = 120.0
 
     def validate(self) -> None:
         check(self.min_groups >= 1, "cluster.min_groups", self.min_groups, "must be a positive integer")
@@ -29,19 +38,37 @@ class QuorumRules:
             self.heartbeat_timeout_s,
             "must be > 0 seconds",
         )
+        check(self.expected_groups >= 0, "cluster.groups", self.expected_groups, "must be a positive integer")
+        check(self.start_timeout_s > 0, "cluster.timeouts.start", self.start_timeout_s, "must be > 0 seconds")
+        check(self.end_timeout_s > 0, "cluster.timeouts.end", self.end_timeout_s, "must be > 0 seconds")
 
 
 @dataclass(frozen=True)
 class QuorumRequest:
     """A group leader asking to take part in the next sync.
 
-    ``step`` is the group's committed outer step; ``commit_failed`` reports that its last
+    ``step`` is the group's committed outer step; ``round_step`` the inner step it asks
+    at (the round's launch step, which fixes the fragments it will reduce): groups that
+    missed different numbers of windows without a quorum (a lighthouse outage) hold the
+    same committed state at different inner steps, and only groups at the same
+    ``(step, round_step)`` reduce together. ``commit_failed`` reports that its last
     round failed, which forces a new quorum id (and so fresh lanes) even if nobody left.
+    A ``finished`` group has trained to the end: it asks only to serve its state to groups
+    that are behind (or to take it, if it is behind itself) until the job ends; ``digest``
+    is then the digest of its global state.
     """
 
     group: str
     step: int
     commit_failed: bool = False
+    finished: bool = False
+    digest: str = ""
+    round_step: int = 0
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """How far the group is: committed rounds first, then inner steps since."""
+        return (self.step, self.round_step)
 
 
 @dataclass(frozen=True)
@@ -53,6 +80,7 @@ class Quorum:
     max_step: int
     heal_from: dict[str, str]  # group behind max_step (or new) -> the live peer it receives state from
     round_floor: int = 0  # > 0 when the job's newest rounds were lost: a commit here is round_floor + 1
+    closing: bool = False  # finished groups hand their final state to those behind: nothing is reduced or committed
 
     def rank_of(self, group: str) -> int:
         return self.participants.index(group)
@@ -64,6 +92,7 @@ class Quorum:
             "max_step": self.max_step,
             "heal_from": dict(self.heal_from),
             "round_floor": self.round_floor,
+            "closing": self.closing,
         }
 
     @classmethod
@@ -74,7 +103,28 @@ class Quorum:
             max_step=int(data["max_step"]),
             heal_from={str(k): str(v) for k, v in data["heal_from"].items()},
             round_floor=int(data.get("round_floor", 0)),
+            closing=bool(data.get("closing", False)),
         )
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """The job is over: every group finished (or ``end_timeout_s`` passed); the final state is ``round``.
+
+    ``writer`` is the finished group that saves the final model; ``digest`` is its global
+    state's digest, which every other finished group compares with its own.
+    """
+
+    round: int
+    writer: str
+    digest: str
+
+    def to_json(self) -> dict:
+        return {"round": self.round, "writer": self.writer, "digest": self.digest}
+
+    @classmethod
+    def from_json(cls, data: dict) -> JobEnd:
+        return cls(round=int(data["round"]), writer=str(data["writer"]), digest=str(data["digest"]))
 
 
 def healthy_groups(last_heartbeat: dict[str, float], now: float, timeout_s: float) -> set[str]:
@@ -109,15 +159,15 @@ def quorum_ready(
     return join_clock_start is not None and now - join_clock_start >= rules.join_timeout_s
 
 
-def assign_healing(steps: dict[str, int]) -> dict[str, str]:
-    """Each participant behind the max step -> an up-to-date peer, spread round-robin.
+def assign_healing(positions: dict[str, tuple[int, int]]) -> dict[str, str]:
+    """Each participant behind the furthest position -> a peer at it, spread round-robin.
 
-    Both lists are sorted, so every lighthouse restart gives the same assignment for the
-    same inputs.
+    A position is ``QuorumRequest.position``. Both lists are sorted, so every lighthouse
+    restart gives the same assignment for the same inputs.
     """
-    max_step = max(steps.values())
-    sources = sorted(g for g, s in steps.items() if s == max_step)
-    behind = sorted(g for g, s in steps.items() if s < max_step)
+    furthest = max(positions.values())
+    sources = sorted(g for g, p in positions.items() if p == furthest)
+    behind = sorted(g for g, p in positions.items() if p < furthest)
     return {g: sources[i % len(sources)] for i, g in enumerate(behind)}
 
 
@@ -137,7 +187,7 @@ def next_quorum_id(previous: Quorum | None, participants: tuple[str, ...], fresh
 
 @dataclass
 class QuorumBook:
-    """The lighthouse's memory: heartbeats, open requests and the last quorum.
+    """The lighthouse's memory: heartbeats, open requests, the last quorum and the job's end.
 
     ``quorum_id_floor`` lets a restarted lighthouse continue above ids the groups have
     already seen (they report theirs in heartbeats), so an id is never reused.
@@ -149,9 +199,21 @@ class QuorumBook:
     its rounds are numbered above any lost one (``Quorum.round_floor``), so a holder that
     was only stopped and comes back is behind and heals instead of meeting a different
     state under the same round number.
+
+    Start: a fresh job's first quorum waits for every expected group (up to
+    ``start_timeout_s``); a lighthouse restarted mid-job (groups report quorum ids it never
+    issued) forms nothing until it has heard from every expected group or a heartbeat
+    timeout has passed, so no quorum forms before the holders of the newest state speak.
+
+    End: a group that trained to the end reports itself finished and stays. While any
+    healthy group is finished, quorums are closing ones: finished holders of the job's
+    state hand it to the askers behind it and nothing new is committed, so no group commits
+    from stale state after its peers finished. The job ends once every expected group has
+    finished at one step, or ``end_timeout_s`` after the first group finished.
     """
 
     rules: QuorumRules
+    started_at: float = 0.0
     last_heartbeat: dict[str, float] = field(default_factory=dict)
     pending: dict[str, QuorumRequest] = field(default_factory=dict)
     asked_at: dict[str, float] = field(default_factory=dict)
@@ -160,17 +222,32 @@ class QuorumBook:
     high_water: int = 0
     reported: dict[str, int] = field(default_factory=dict)  # each group's last reported committed step
     lost_since: float | None = None
+    first_seen_at: float | None = None
+    finished: dict[str, tuple[int, str]] = field(default_factory=dict)  # group -> (step, digest) it finished at
+    first_finished_at: float | None = None
+    ended: JobEnd | None = None
+    turned_away: dict[str, str] = field(default_factory=dict)  # withdrawn requests -> why (answered at once)
 
-    def heartbeat(self, group: str, now: float, quorum_id_seen: int = 0, step: int | None = None) -> None:
+    def heartbeat(
+        self, group: str, now: float, quorum_id_seen: int = 0, step: int | None = None, finished: bool = False
+    ) -> None:
+        """A sign of life; a group that says it is not finished (a new process of it) trains again."""
+        self.first_seen_at = now if self.first_seen_at is None else self.first_seen_at
         self.last_heartbeat[group] = now
         self.quorum_id_floor = max(self.quorum_id_floor, quorum_id_seen)
         if step is not None:
             self.reported[group] = step
             self.high_water = max(self.high_water, step)
+        if not finished:
+            self.finished.pop(group, None)
 
     def ask(self, request: QuorumRequest, now: float) -> None:
         """Register (or refresh) a request; asking is also a heartbeat."""
-        self.heartbeat(request.group, now, step=request.step)
+        self.heartbeat(request.group, now, step=request.step, finished=request.finished)
+        if request.finished:
+            self.finished[request.group] = (request.step, request.digest)
+            self.first_finished_at = now if self.first_finished_at is None else self.first_finished_at
+        self.turned_away.pop(request.group, None)
         self.pending[request.group] = request
         self.asked_at.setdefault(request.group, now)
 
@@ -193,10 +270,18 @@ class QuorumBook:
         return min(times) if times else None
 
     def decide(self, now: float) -> Quorum | None:
-        """Form a quorum from the open requests if the rules allow it, and close them."""
+        """Form a quorum from the open requests if the rules allow it, and close them.
+
+        Requests the rules will not serve are withdrawn into ``turned_away`` with the reason.
+        """
         healthy = self.healthy(now)
-        for group in [g for g in self.pending if g not in healthy]:
-            self.withdraw(group)  # an asker that stopped heartbeating is not waited for
+        hb = self.rules.heartbeat_timeout_s
+        for group in [g for g in self.pending if g not in healthy]:  # an asker that stopped heartbeating
+            self._turn_away(group, f"no heartbeat for cluster.timeouts.heartbeat={hb:g} s while it waited")
+        if self.ended is not None or not self._started(now):
+            return None
+        if any(g in self.finished for g in healthy):
+            return self._closing_quorum(healthy, now)
         askers = set(self.pending)
         previous = self.previous.participants if self.previous else None
         if not quorum_ready(askers, healthy, previous, self.join_clock_start(), now, self.rules):
@@ -209,17 +294,83 @@ class QuorumBook:
                 return None
             # One above: a group may have committed one round past the last step it reported.
             round_floor = self.high_water + 1
-        heal_from = assign_healing(steps)
+        heal_from = assign_healing({g: self.pending[g].position for g in participants})
         fresh_lanes = bool(heal_from) or round_floor > 0 or any(r.commit_failed for r in self.pending.values())
+        return self._form(participants, steps, heal_from, fresh_lanes, round_floor=round_floor)
+
+    def end_of_job(self, now: float) -> JobEnd | None:
+        """The job's end, once every expected group finished at one step or ``end_timeout_s`` passed.
+
+        Then the final state is the one at the highest step a finished group holds, and the
+        first such group (by id) saves it; groups that never caught up are left behind.
+        """
+        if self.ended is not None:
+            return self.ended
+        healthy = self.healthy(now)
+        finished = {g: v for g, v in self.finished.items() if g in healthy}
+        if not finished or self.first_finished_at is None:
+            return None
+        top = max(step for step, _ in finished.values())
+        level = all(step == top for step, _ in finished.values())
+        everyone = healthy <= finished.keys() and len(finished) >= self.rules.expected_groups
+        if not (level and everyone) and now - self.first_finished_at < self.rules.end_timeout_s:
+            return None
+        writer = min(g for g, (step, _) in finished.items() if step == top)
+        self.ended = JobEnd(round=top, writer=writer, digest=finished[writer][1])
+        return self.ended
+
+    def _started(self, now: float) -> bool:
+        """Whether quorums may form yet (see the class docstring: start, and a restarted lighthouse)."""
+        expected = self.rules.expected_groups
+        if self.previous is not None or expected == 0:
+            return True
+        if self.first_seen_at is None:
+            return False
+        if self.quorum_id_floor == 0:  # a fresh job: its first quorum waits for every group
+            return len(self.pending) >= expected or now - self.first_seen_at >= self.rules.start_timeout_s
+        return len(self.last_heartbeat) >= expected or now - self.started_at >= self.rules.heartbeat_timeout_s
+
+    def _closing_quorum(self, healthy: set[str], now: float) -> Quorum | None:
+        """Finished holders of the job's state hand it to every asker behind it."""
+        finished = {g: step for g, (step, _) in self.finished.items() if g in healthy}
+        top = max(finished.values())
+        if top < self.high_water and not self._newest_state_lost(healthy, now):
+            return None  # a group that holds newer state is alive: wait for it to finish
+        for group in [g for g, r in self.pending.items() if g not in finished and r.step >= top]:
+            self._turn_away(group, "other groups have finished training; no new round starts, train on to the end")
+        holders = [g for g in self.pending if finished.get(g) == top]
+        behind = [g for g, r in self.pending.items() if r.step < top]
+        if not holders or not behind:
+            return None
+        participants = tuple(sorted(holders + behind))
+        steps = {g: self.pending[g].step for g in participants}
+        # Finished holders serve whatever inner step they stopped at.
+        heal_from = assign_healing({g: (steps[g], 0) for g in participants})
+        return self._form(participants, steps, heal_from, fresh_lanes=True, closing=True)
+
+    def _form(
+        self,
+        participants: tuple[str, ...],
+        steps: dict[str, int],
+        heal_from: dict[str, str],
+        fresh_lanes: bool,
+        *,
+        round_floor: int = 0,
+        closing: bool = False,
+    ) -> Quorum:
         quorum_id = next_quorum_id(self.previous, participants, fresh_lanes)
         if self.previous is None or quorum_id != self.previous.quorum_id:
             quorum_id = max(quorum_id, self.quorum_id_floor + 1)
-        quorum = Quorum(quorum_id, participants, max(steps.values()), heal_from, round_floor)
+        quorum = Quorum(quorum_id, participants, max(steps.values()), heal_from, round_floor, closing)
         self.previous = quorum
         self.lost_since = None
-        self.pending.clear()
-        self.asked_at.clear()
+        for group in participants:
+            self.withdraw(group)
         return quorum
+
+    def _turn_away(self, group: str, reason: str) -> None:
+        self.withdraw(group)
+        self.turned_away[group] = reason
 
     def _newest_state_lost(self, healthy: set[str], now: float) -> bool:
         """True once no healthy group has reported ``high_water`` for ``heartbeat_timeout_s``."""

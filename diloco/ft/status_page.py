@@ -40,6 +40,7 @@ def build_status(
             "since_heartbeat_s": round(now - t, 3),
             "healthy": g in healthy,
             "waiting_for_quorum": g in book.pending,
+            "finished": g in book.finished,
         }
         for g, t in sorted(book.last_heartbeat.items())
     ]
@@ -50,6 +51,7 @@ def build_status(
         "now": time.time(),
         "groups": groups,
         "quorum": quorum,
+        "ended": None if book.ended is None else book.ended.to_json(),
         "history": list(history),
         "rules": dataclasses.asdict(book.rules),
     }
@@ -58,8 +60,15 @@ def build_status(
 def render_html(status: Mapping[str, Any]) -> str:
     """A small page with the same content as ``status`` (the /status JSON), as tables."""
     groups = _table(
-        ["group", "step", "since heartbeat (s)", "healthy", "waiting for quorum"],
-        [[g["id"], g["step"], g["since_heartbeat_s"], g["healthy"], g["waiting_for_quorum"]] for g in status["groups"]],
+        ["group", "step", "since heartbeat (s)", "healthy", "waiting for quorum", "finished"],
+        [
+            [g["id"], g["step"], g["since_heartbeat_s"], g["healthy"], g["waiting_for_quorum"], g["finished"]]
+            for g in status["groups"]
+        ],
+    )
+    end = status["ended"]
+    ended = (
+        "" if end is None else f"<p><b>the job ended at round {end['round']}</b>; {escape(end['writer'])} saves it</p>"
     )
     q = status["quorum"]
     current = (
@@ -86,7 +95,7 @@ def render_html(status: Mapping[str, Any]) -> str:
 td,th{{border:1px solid #bbb;padding:.2em .6em;text-align:left}}th{{background:#eee}}</style></head>
 <body><h1>lighthouse: job {job}</h1>
 <p>model signature {escape(str(status["model_signature"]))}; at {_clock(status["now"])}</p>
-<h2>groups</h2>{groups}<h2>current quorum</h2>{current}<h2>recent quorums</h2>{history}
+{ended}<h2>groups</h2>{groups}<h2>current quorum</h2>{current}<h2>recent quorums</h2>{history}
 <h2>rules</h2>{rules}<p>JSON: <a href="/status">/status</a></p></body></html>
 """
 

@@ -187,7 +187,7 @@ class _Deadline:
     def post(self, op: Callable[[], dist.Work], step: str) -> dist.Work:
         try:
             return op()
-        except Exception as error:  # gloo raises RuntimeError / DistBackendError subclasses
+        except RuntimeError as error:  # how Gloo reports a lost peer or a broken lane
             raise TransferError(f"{self.what}: {step}: peer gone or lane broken: {error}") from error
 
     def wait(self, work: dist.Work, step: str) -> None:
@@ -196,7 +196,7 @@ class _Deadline:
             raise TransferError(f"{self.what}: {step}: timed out after {self.timeout_s:g} s")
         try:
             work.wait(timedelta(seconds=left))
-        except Exception as error:
+        except RuntimeError as error:  # how Gloo reports a lost peer, a broken lane or a timeout
             expired = self.end - time.monotonic() < 0.05  # Gloo rounds the wait down to whole milliseconds
             why = f"timed out after {self.timeout_s:g} s" if expired else "peer gone"
             raise TransferError(f"{self.what}: {step}: {why}: {error}") from error

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
+import random
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from diloco.launcher import JobFailed
+from diloco.launcher import JobFailed, serving_pid
 from diloco.run_local import launch
 from diloco.summary import read_jsonl
 from diloco.worker import RunPaths
@@ -44,6 +49,29 @@ CHAOS = [
     "faults.nan_every=60",
     "faults.break_lane_every=0",
     "faults.restart_lighthouse_every=0",
+]
+
+
+STREAMING_CHAOS = [
+    "logger=none",
+    "cluster.groups=3",
+    "cluster.workers_per_group=2",
+    "cluster.device=cpu",
+    "algo=streaming",
+    "algo.sync_every=10",
+    "algo.fragments=2",
+    "algo.delay=1",
+    "algo.quantize=fp4",
+    "trainer.max_steps=400",
+    "trainer.seq_len=64",
+    "trainer.batch_size=4",
+    "trainer.eval_every=0",
+    "trainer.log_every=20",
+    "cluster.timeouts.collective=5",
+    "cluster.timeouts.heartbeat=2",
+    "cluster.timeouts.end=30",
+    "cluster.max_restarts=100",
+    "cluster.restart_backoff=0.2",
 ]
 
 
@@ -134,3 +162,97 @@ def test_a_group_that_keeps_crashing_fails_the_job_with_its_last_lines(tmp_path)
     assert "no such file or folder" in str(failure.value)
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     assert [e["kind"] for e in events if e["group"] == 0].count("crash") >= 1
+
+
+def _job_processes(run_dir: Path, lighthouse_url: str) -> dict[str, list[int]]:
+    """The job's processes by role: the lighthouse (forked or exec'd: the pid its /status names),
+    the fork server, and the workers it forked."""
+    lighthouse = serving_pid(lighthouse_url)
+    roles: dict[str, list[int]] = {"lighthouse": [], "forkserver": [], "worker": []}
+    pids = _processes_mentioning(str(run_dir))
+    servers = set()
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if pid == lighthouse:
+            roles["lighthouse"].append(pid)
+        elif "diloco.forkserver" in cmdline:
+            servers.add(pid)
+    for pid in servers - {lighthouse}:
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        roles["worker" if parent in servers else "forkserver"].append(pid)
+    return roles
+
+
+def _job_ended(status_url: str) -> bool:
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(status_url, timeout=1.0) as r:
+            return json.loads(r.read()).get("ended") is not None
+    except (OSError, ValueError):
+        return False
+
+
+def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_exit_0(tmp_path):
+    """Not a planned fault plan: SIGKILL of any process of a running job (the lighthouse, the
+    fork server, any worker of 3 groups x 2 workers) and SIGSTOP of random workers, at random
+    times, from outside the launcher, on streaming DiLoCo. The job must still end honestly."""
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "run.py", *STREAMING_CHAOS, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True)
+    reader.start()
+    rng = random.Random(7)
+    done: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any("status page" in line for line in output):
+            assert time.monotonic() < deadline and launcher.poll() is None, "".join(output)
+            time.sleep(0.2)
+        first_line = next(line for line in output if "status page" in line)
+        lighthouse_url = re.search(r"(http://\S+?)/?$", first_line.strip()).group(1)
+        status_url = lighthouse_url + "/status"
+        time.sleep(8)  # let every group start and commit
+        action = "kill lighthouse"  # the first fault hits the lighthouse, the rest are drawn
+        while launcher.poll() is None and not _job_ended(status_url):
+            roles = _job_processes(run_dir, lighthouse_url)
+            targets = {"kill lighthouse": roles["lighthouse"], "kill forkserver": roles["forkserver"]}
+            targets |= {"kill worker": roles["worker"], "stop worker": roles["worker"]}
+            if targets[action] and not _job_ended(status_url):
+                pid = rng.choice(targets[action])
+                done.append(action)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP if action == "stop worker" else signal.SIGKILL)
+                if action == "stop worker":
+                    threading.Timer(rng.uniform(1.0, 8.0), _resume, args=(pid,)).start()
+            time.sleep(rng.uniform(2.0, 5.0))
+            action = rng.choices(list(targets), weights=[1, 1, 5, 3])[0]
+        launcher.wait(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        reader.join(5)
+    log = "".join(output)
+    assert launcher.returncode == 0, log
+    assert done.count("kill lighthouse") >= 1 and done.count("kill worker") >= 3 and "stop worker" in done, done
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ok"] and summary["groups_missing_results"] == [], summary["failure"]
+    assert len({r["digest"] for r in summary["per_group"]}) == 1 and summary["final_round"] > 0
+    assert summary["lighthouse_restarts"] >= 1 and summary["final_eval_loss"] < math.log(256) - 2.0
+    time.sleep(1)
+    assert _processes_mentioning(str(run_dir)) == [], "processes left behind"
+
+
+def _resume(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)

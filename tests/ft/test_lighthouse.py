@@ -7,6 +7,7 @@ a deadline, so a regression fails a test instead of hanging the suite.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 import signal
@@ -25,14 +26,9 @@ import torch.distributed as dist
 
 from diloco.config_base import ConfigError
 from diloco.ft.client import LighthouseClient
-from diloco.ft.lighthouse import (
-    Lighthouse,
-    LighthouseConfig,
-    LighthouseRefused,
-    LighthouseUnavailable,
-    QuorumTimeout,
-)
-from diloco.ft.quorum import QuorumRules
+from diloco.ft.lighthouse import Lighthouse, LighthouseConfig
+from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable, QuorumTimeout
+from diloco.ft.quorum import JobEnd, QuorumRules
 
 JOB, SIG, TOKEN = "job-1", "sig-abc", "s3cret"
 FAST = QuorumRules(min_groups=1, join_timeout_s=0.3, heartbeat_timeout_s=1.0)
@@ -61,13 +57,17 @@ def client(lh: Lighthouse | None, group: str, url: str = "", **over) -> Lighthou
     return LighthouseClient(url or lh.url, **kw)
 
 
-def ask_all(lh: Lighthouse, steps: dict[str, int], timeout_s: float = 3.0, failed: tuple[str, ...] = ()) -> dict:
-    """Every group asks at once (in threads); group -> (Quorum, store) or the exception raised."""
+def ask_all(
+    lh: Lighthouse, steps: dict[str, int | tuple[int, int]], timeout_s: float = 3.0, failed: tuple[str, ...] = ()
+) -> dict:
+    """Every group asks at once (in threads) at a step or (step, round_step); group -> (Quorum, store) or the
+    exception raised."""
     results: dict = {}
 
-    def ask(group: str, step: int) -> None:
+    def ask(group: str, position: int | tuple[int, int]) -> None:
+        step, round_step = position if isinstance(position, tuple) else (position, 0)
         try:
-            results[group] = client(lh, group).quorum(step, group in failed, timeout_s)
+            results[group] = client(lh, group).quorum(step, group in failed, timeout_s, round_step=round_step)
         except Exception as e:  # noqa: BLE001 (the test inspects it)
             results[group] = e
 
@@ -138,6 +138,14 @@ def test_three_groups_get_one_quorum_with_healing(start):
     q = got["A"]
     assert q.participants == ("A", "B", "C") and q.max_step == 5 and q.heal_from == {"C": "A"}
     assert got["A"] == got["B"] == got["C"]
+
+
+def test_groups_level_in_rounds_at_different_inner_steps_heal_to_the_furthest(start):
+    """After an outage groups can hold one round at different inner steps (other fragments due)."""
+    lh = start(QuorumRules(min_groups=1, join_timeout_s=2.0, heartbeat_timeout_s=5.0))
+    beat(lh, "ABC", step=11)
+    got = quorums(ask_all(lh, {"A": (11, 120), "B": (11, 130), "C": (11, 130)}))
+    assert got["A"].max_step == 11 and got["A"].heal_from == {"A": "B"}
 
 
 def test_same_members_asking_again_keep_the_id_without_waiting(start):
@@ -287,6 +295,54 @@ def test_the_first_accepted_request_pins_the_model_signature(start):
         client(lh, "B", signature="other").heartbeat(0, 0)
 
 
+def test_a_group_with_another_training_config_is_refused_naming_the_keys(start):
+    lh = start()
+    job = {"algo.sync_every": 50, "algo.name": "diloco", "trainer.max_steps": 500}
+    quorums({"A": client(lh, "A", config=job).quorum(0, False, timeout_s=2.0)})
+    other = {**job, "algo.sync_every": 25, "trainer.max_steps": 400}
+    with pytest.raises(LighthouseRefused) as refused:
+        client(lh, "B", config=other).quorum(0, False, timeout_s=2.0)
+    assert refused.value.status == 409
+    assert "differs from the job's in 2 key(s): algo.sync_every: job 50, this group 25; " in str(refused.value)
+    assert "trainer.max_steps: job 500, this group 400" in str(refused.value)
+    assert [g["id"] for g in status(lh)["groups"]] == ["A"]  # B left no trace
+
+
+def test_after_the_end_finished_groups_learn_it_and_late_groups_are_refused(start):
+    lh = start(QuorumRules(min_groups=1, join_timeout_s=0.3, heartbeat_timeout_s=5.0, expected_groups=2))
+    quorums(ask_all(lh, {"A": 0, "B": 0}))
+    ends: dict = {}
+
+    def finish(group: str, step: int) -> None:
+        ends[group] = client(lh, group).quorum(step, False, timeout_s=3.0, finished=True, digest=f"d{step}")
+
+    first = threading.Thread(target=finish, args=("A", 4), daemon=True)
+    first.start()
+    time.sleep(0.3)
+    assert lh.ended is None and not ends  # A waits for B to finish
+    finish("B", 4)
+    first.join(3.0)
+    assert ends["A"] == ends["B"] == JobEnd(round=4, writer="A", digest="d4")
+    assert status(lh)["ended"] == {"round": 4, "writer": "A", "digest": "d4"} and lh.served_end()
+    with pytest.raises(LighthouseRefused, match="the job ended at round 4 .* group 'C' did not finish"):
+        client(lh, "C").quorum(0, False, timeout_s=1.0)
+
+
+def test_a_restarted_group_heals_from_finished_groups_that_wait_for_it(start):
+    lh = start(QuorumRules(min_groups=1, join_timeout_s=0.3, heartbeat_timeout_s=5.0, expected_groups=2))
+    quorums(ask_all(lh, {"A": 0, "B": 0}))
+    got: dict = {}
+    waiting = threading.Thread(
+        target=lambda: got.update(A=client(lh, "A").quorum(6, False, timeout_s=3.0, finished=True, digest="d6")),
+        daemon=True,
+    )
+    waiting.start()
+    quorum, _ = client(lh, "B").quorum(0, False, timeout_s=3.0)  # B was killed: its new process asks at 0
+    waiting.join(3.0)
+    assert quorum.closing and quorum.heal_from == {"B": "A"} and got["A"][0] == quorum
+    assert lh.ended is None
+
+
 def test_an_empty_token_means_none_is_required(start):
     lh = start(token="")
     client(lh, "A", token="").heartbeat(0, 0)
@@ -329,7 +385,7 @@ def test_status_json_and_html_page(start):
     beat(lh, ["A"], step=8, quorum_id=1)
     s = status(lh)
     assert s["job"] == JOB and s["model_signature"] == SIG and "token" not in json.dumps(s)
-    assert s["rules"] == {"min_groups": 1, "join_timeout_s": 0.3, "heartbeat_timeout_s": 1.0}
+    assert s["rules"] == dataclasses.asdict(FAST) and s["ended"] is None
     groups = {g["id"]: g for g in s["groups"]}
     assert set(groups) == {"A", evil}
     assert groups["A"]["step"] == 8 and groups[evil]["step"] == 6
@@ -462,7 +518,7 @@ def test_no_pickle_anywhere_in_diloco_ft():
 def test_serve_forever_prints_its_address_and_stops_on_sigterm():
     code = (
         "from diloco.ft.lighthouse import LighthouseConfig, serve_forever; "
-        "from diloco.ft.quorum import QuorumRules; "
+        "from diloco.ft.quorum import JobEnd, QuorumRules; "
         "serve_forever(LighthouseConfig(port=0), QuorumRules(), 'solo', 'sig')"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)

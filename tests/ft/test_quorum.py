@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diloco.ft.quorum import (
+    JobEnd,
     Quorum,
     QuorumBook,
     QuorumRequest,
@@ -54,9 +55,9 @@ def test_fast_path_when_the_previous_quorum_asks_again_in_full():
 
 
 def test_healing_sources_are_up_to_date_peers_spread_evenly():
-    heal = assign_healing({"a": 10, "b": 10, "c": 7, "d": 0, "e": 9, "f": 10})
+    heal = assign_healing({g: (s, 0) for g, s in {"a": 10, "b": 10, "c": 7, "d": 0, "e": 9, "f": 10}.items()})
     assert heal == {"c": "a", "d": "b", "e": "f"}
-    assert assign_healing({"a": 3, "b": 3}) == {}
+    assert assign_healing({"a": (3, 40), "b": (3, 40)}) == {}
 
 
 def test_quorum_id_changes_exactly_on_membership_change_or_when_fresh_lanes_are_needed():
@@ -119,6 +120,18 @@ class TestBook:
         q = book.decide(now=2.0)
         assert q.participants == first.participants and q.heal_from == {"g2": "g0"}
         assert q.quorum_id == first.quorum_id + 1
+
+    def test_groups_level_in_rounds_but_at_different_inner_steps_never_reduce_together(self):
+        """After a lighthouse outage each group skipped its own number of windows: same θ_g,
+        different launch steps, hence different fragments due. Reducing them together would
+        sum one fragment's Δ into another's; the groups behind heal to the furthest instead."""
+        book = self._book()
+        book.ask(QuorumRequest("g0", step=11, round_step=120), now=1.0)
+        book.ask(QuorumRequest("g1", step=11, round_step=130), now=1.0)
+        book.ask(QuorumRequest("g2", step=11, round_step=130), now=1.0)
+        q = book.decide(now=1.0)
+        assert q.participants == ("g0", "g1", "g2") and q.max_step == 11
+        assert q.heal_from == {"g0": "g1"}
 
     def test_an_asker_that_stops_heartbeating_is_dropped_from_pending(self):
         book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=60.0, heartbeat_timeout_s=2.0))
@@ -209,3 +222,156 @@ def test_rules_validation_names_the_key(field, value):
 
     with pytest.raises(ConfigError, match="cluster"):
         QuorumRules(**{field: value}).validate()
+
+
+class TestStartAndEnd:
+    """A job's first quorum, a restarted lighthouse, and the end of the job (DESIGN invariant 7)."""
+
+    RULES = QuorumRules(
+        min_groups=1,
+        join_timeout_s=1.0,
+        heartbeat_timeout_s=3.0,
+        expected_groups=3,
+        start_timeout_s=20.0,
+        end_timeout_s=60.0,
+    )
+
+    def _book(self, steps: dict[str, int], now: float = 0.0) -> QuorumBook:
+        """A running job whose groups have committed ``steps`` (a quorum already formed)."""
+        book = QuorumBook(self.RULES)
+        for g in steps:
+            book.ask(QuorumRequest(g, step=0), now=now)
+        assert book.decide(now=now) is not None
+        for g, step in steps.items():
+            book.heartbeat(g, now=now, step=step)
+        return book
+
+    def _finish(self, book: QuorumBook, group: str, step: int, now: float) -> None:
+        book.ask(QuorumRequest(group, step=step, finished=True, digest=f"d{step}"), now=now)
+
+    def test_a_fresh_jobs_first_quorum_waits_for_every_configured_group(self):
+        book = QuorumBook(self.RULES)
+        book.ask(QuorumRequest("g0", step=0), now=0.0)
+        book.ask(QuorumRequest("g1", step=0), now=2.0)
+        assert book.decide(now=2.5) is None  # the join timeout alone would have let two go
+        book.ask(QuorumRequest("g2", step=0), now=2.8)
+        assert book.decide(now=2.8).participants == ("g0", "g1", "g2")
+
+    def test_a_missing_group_delays_the_first_quorum_only_up_to_the_start_timeout(self):
+        book = QuorumBook(self.RULES)
+        for t in (0.0, 10.0, 19.9):
+            book.ask(QuorumRequest("g0", step=0), now=t)
+            book.ask(QuorumRequest("g1", step=0), now=t)
+            assert book.decide(now=t) is None
+        assert book.decide(now=20.0).participants == ("g0", "g1")
+
+    def test_a_restarted_lighthouse_hears_every_group_before_forming_a_quorum(self):
+        """A new process asks first; without the wait it would form a quorum alone and commit
+        a round 1 unlike the job's (the holders of round 9 had not spoken yet)."""
+        book = QuorumBook(self.RULES, started_at=100.0)
+        book.ask(QuorumRequest("g2", step=0), now=100.1)
+        book.heartbeat("g2", now=100.1, quorum_id_seen=4)
+        assert book.decide(now=100.2) is None
+        book.heartbeat("g0", now=100.5, quorum_id_seen=4, step=9)
+        book.ask(QuorumRequest("g0", step=9), now=100.6)
+        assert book.decide(now=100.6) is None  # g1 not heard yet
+        book.heartbeat("g1", now=100.7, quorum_id_seen=4, step=9)
+        book.ask(QuorumRequest("g1", step=9), now=100.7)
+        q = book.decide(now=100.7)
+        assert q.participants == ("g0", "g1", "g2") and q.heal_from == {"g2": "g0"} and q.quorum_id == 5
+
+    def test_a_restarted_lighthouse_waits_at_most_a_heartbeat_timeout_for_a_dead_group(self):
+        book = QuorumBook(self.RULES, started_at=0.0)
+        for t in (0.5, 2.9, 3.0):
+            for g in ("g0", "g1"):
+                book.heartbeat(g, now=t, quorum_id_seen=4, step=9)
+                book.ask(QuorumRequest(g, step=9), now=t)
+        assert book.decide(now=2.9) is None
+        assert book.decide(now=3.0).participants == ("g0", "g1")
+
+    def test_a_straggler_heals_from_a_finished_group_in_a_closing_round(self):
+        book = self._book({"g0": 10, "g1": 10, "g2": 7})
+        self._finish(book, "g0", 10, now=1.0)
+        self._finish(book, "g1", 10, now=1.0)
+        assert book.decide(now=1.0) is None  # nobody behind asks: finished groups just wait
+        book.ask(QuorumRequest("g2", step=7), now=2.0)
+        q = book.decide(now=2.0)
+        assert q.closing and q.participants == ("g0", "g1", "g2") and q.heal_from == {"g2": "g0"}
+        assert q.max_step == 10 and q.round_floor == 0
+
+    def test_a_restarted_group_heals_from_finished_groups_long_after_they_finished(self):
+        book = self._book({"g0": 10, "g1": 10, "g2": 10})
+        self._finish(book, "g2", 10, now=0.0)
+        for t in range(1, 50):  # finished groups heartbeat and keep asking: they are not lost
+            for g in ("g0", "g1", "g2"):
+                book.heartbeat(g, now=float(t), step=10, finished=True)
+            self._finish(book, "g0", 10, now=float(t))
+            book.ask(QuorumRequest("g1", step=0), now=float(t))  # g1 was killed and restarted
+            q = book.decide(now=float(t))
+            if q is not None:
+                break
+        assert q.closing and q.heal_from == {"g1": "g0"} and t == 1
+
+    def test_no_solo_round_for_a_group_level_with_finished_ones(self):
+        """A group at the job's step that has not finished must not commit new rounds alone."""
+        book = self._book({"g0": 10, "g1": 10, "g2": 10})
+        self._finish(book, "g0", 10, now=1.0)
+        self._finish(book, "g1", 10, now=1.0)
+        book.ask(QuorumRequest("g2", step=10), now=1.0)
+        assert book.decide(now=1.0) is None
+        assert "finished" in book.turned_away["g2"] and "g2" not in book.pending
+        for t in (10.0, 100.0):  # not even once the finished groups' state looks lost
+            for g in ("g0", "g1"):
+                book.heartbeat(g, now=t, step=10, finished=True)
+            book.ask(QuorumRequest("g2", step=10), now=t)
+            assert book.decide(now=t) is None
+
+    def test_a_finished_group_behind_the_job_heals_before_the_end(self):
+        """g1 had no quorum for the last round and finished one behind: it takes the final state."""
+        book = self._book({"g0": 10, "g1": 9, "g2": 10})
+        for g, step in (("g0", 10), ("g1", 9), ("g2", 10)):
+            self._finish(book, g, step, now=1.0)
+        assert book.end_of_job(now=1.0) is None  # not level yet
+        q = book.decide(now=1.0)
+        assert q.closing and q.heal_from == {"g1": "g0"}
+        self._finish(book, "g1", 10, now=2.0)
+        end = book.end_of_job(now=2.0)
+        assert end is not None and (end.round, end.writer, end.digest) == (10, "g0", "d10")
+
+    def test_the_job_ends_only_once_every_group_finished(self):
+        book = self._book({"g0": 10, "g1": 10, "g2": 4})
+        self._finish(book, "g0", 10, now=1.0)
+        self._finish(book, "g1", 10, now=1.0)
+        book.heartbeat("g2", now=1.0, step=4)
+        assert book.end_of_job(now=1.0) is None  # g2 is alive and still training
+        for t in (10.0, 60.9, 61.0):  # g2 is silent (dead), but it is expected: wait, up to end_timeout
+            for g in ("g0", "g1"):
+                book.heartbeat(g, now=t, step=10, finished=True)
+            if t < 61.0:
+                assert book.end_of_job(now=t) is None, t
+        end = book.end_of_job(now=61.0)  # end_timeout after the first finish
+        assert end.round == 10 and end.writer == "g0"
+        book.ask(QuorumRequest("g2", step=0), now=62.0)  # too late: nothing forms after the end
+        assert book.decide(now=62.0) is None and book.end_of_job(now=62.0) is end
+
+    def test_a_restarted_process_of_a_finished_group_trains_again(self):
+        book = self._book({"g0": 10, "g1": 10, "g2": 10})
+        self._finish(book, "g0", 10, now=1.0)
+        book.heartbeat("g0", now=2.0, step=0)  # its new process says it is not finished
+        assert "g0" not in book.finished
+
+    def test_finished_holders_lost_then_the_best_finished_state_ends_the_job(self):
+        """The only holder of round 10 died; the others finished at 9 (they missed the last
+        round). After a heartbeat timeout without a holder, 9 is the job's state: the holder's
+        new process heals to it, and the job ends there."""
+        book = self._book({"g0": 10, "g1": 9, "g2": 9})  # g0 is never heard of again
+        for t in (1.0, 3.5, 6.4):  # g0 unhealthy from 3.0: noticed at 3.5, its state given up at 6.5
+            for g in ("g1", "g2"):
+                self._finish(book, g, 9, now=t)
+            assert book.decide(now=t) is None and book.end_of_job(now=t) is None
+        book.ask(QuorumRequest("g0", step=0), now=7.0)  # restarted
+        q = book.decide(now=7.0)
+        assert q.closing and q.max_step == 9 and q.heal_from == {"g0": "g1"}
+        for g in ("g0", "g1", "g2"):
+            self._finish(book, g, 9, now=7.5)
+        assert book.end_of_job(now=7.5) == JobEnd(round=9, writer="g0", digest="d9")

@@ -1,0 +1,64 @@
+"""Which groups belong to a job: its id, its model signature and its training configuration.
+
+A lighthouse serves one job. What the launcher did not pin when it started the lighthouse,
+the first accepted group pins (the model signature, the training configuration); a later
+group that differs is refused with what differs. Two groups with different settings could
+otherwise train "one" model that each holds differently, and both would report success.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MAX_DIFFERENCES_SHOWN = 8
+_UNSET = object()
+
+
+class NotThisJob(ValueError):
+    """A group that does not belong to the lighthouse's job; the message says what differs."""
+
+
+def config_differences(job: Mapping[str, Any], group: Mapping[str, Any]) -> list[str]:
+    """``key: job X, this group Y`` for every flat key whose value differs, sorted by key."""
+    lines = []
+    for key in sorted(set(job) | set(group)):
+        ours, theirs = job.get(key, _UNSET), group.get(key, _UNSET)
+        if ours != theirs:
+            shown = ["(unset)" if v is _UNSET else repr(v) for v in (ours, theirs)]
+            lines.append(f"{key}: job {shown[0]}, this group {shown[1]}")
+    return lines
+
+
+@dataclass
+class JobIdentity:
+    """The job a lighthouse serves; ``None`` fields are pinned by the first group admitted."""
+
+    job_id: str
+    signature: str | None = None
+    config: dict[str, Any] | None = None
+
+    def admit(self, job: str, signature: str, config: Mapping[str, Any] | None) -> None:
+        """Raise ``NotThisJob`` unless the group belongs to this job; pins what is still open."""
+        if job != self.job_id:
+            raise NotThisJob(
+                f"job id {job!r} differs from this lighthouse's job {self.job_id!r}: the group belongs to "
+                "another job (each job needs its own lighthouse and its own name)"
+            )
+        if self.signature is not None and signature != self.signature:
+            raise NotThisJob(
+                f"model signature {signature} differs from the job's {self.signature}: "
+                "the group runs a different model config"
+            )
+        if config and self.config is not None and (differences := config_differences(self.config, config)):
+            shown = "; ".join(differences[:MAX_DIFFERENCES_SHOWN])
+            more = len(differences) - MAX_DIFFERENCES_SHOWN
+            raise NotThisJob(
+                f"the group's training configuration differs from the job's in {len(differences)} key(s): {shown}"
+                + (f" (and {more} more)" if more > 0 else "")
+                + "; every group of a job must run the same configuration"
+            )
+        self.signature = signature
+        if config and self.config is None:
+            self.config = dict(config)

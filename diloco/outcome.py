@@ -1,0 +1,77 @@
+"""An honest outcome: is the saved model the trained global model every group agrees on?
+
+DESIGN invariant 6. Pure functions over the result records the groups' leaders write (see
+``worker.run_worker``): the local launcher judges the whole job, a multi-host group judges
+its own part. Any problem is a one-line reason; a job with a reason exits non-zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SHOWN_DIGEST_CHARS = 12
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The job's verdict; ``final_round`` and ``writer`` are those of the model the job saved."""
+
+    failure: str | None
+    final_round: int | None = None
+    writer: int | None = None  # the group whose leader saved model.pt
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+def job_outcome(results: list[dict[str, Any]], groups: int, algo: str, model_saved: bool) -> Outcome:
+    """Judge a whole local job from its groups' results."""
+    problems = []
+    missing = sorted(set(range(groups)) - {r["group"] for r in results})
+    if missing:
+        problems.append(f"group(s) {_ids(missing)} wrote no result (died, stopped or refused before the job's end)")
+    if not model_saved:
+        problems.append("no group saved model.pt")
+    problems += [p for r in results if (p := group_outcome(r, algo)) is not None]
+    if algo == "local":  # groups never sync: each one's model is its own, by design
+        return Outcome("; ".join(problems) or None)
+    digests = {r.get("digest") for r in results}
+    if len(digests) > 1:
+        held = ", ".join(f"group {r['group']} round {r.get('rounds')} {_short(r.get('digest'))}" for r in results)
+        problems.append(f"the groups' final global states differ: {held}")
+    ends = [r["end"] for r in results if r.get("end")]
+    end = ends[0] if ends else None
+    writer = next((r["group"] for r in results if end and f"group{r['group']}" == end["writer"]), None)
+    return Outcome("; ".join(problems) or None, final_round=end["round"] if end else None, writer=writer)
+
+
+def group_outcome(result: dict[str, Any], algo: str) -> str | None:
+    """What is wrong with one group's result, if anything (also what a multi-host group checks alone)."""
+    group = result["group"]
+    loss = result.get("final_eval_loss")
+    if loss is not None and not math.isfinite(loss):
+        return f"group {group}'s final model evaluates to a loss of {loss}: training diverged"
+    if algo == "local":
+        return None
+    if not result.get("rounds"):
+        return f"group {group} never committed an outer round: its model is not the product of any sync"
+    end = result.get("end")
+    if end is None:
+        return f"group {group} did not learn the job's end from the lighthouse"
+    if end["digest"] != result.get("digest"):
+        return (
+            f"group {group} ends with global state {_short(result.get('digest'))} at round {result.get('rounds')}, "
+            f"but the job's final state (round {end['round']}, saved by {end['writer']}) is {_short(end['digest'])}"
+        )
+    return None
+
+
+def _ids(groups: list[int]) -> str:
+    return ", ".join(map(str, groups))
+
+
+def _short(digest: str | None) -> str:
+    return "(none)" if not digest else digest[:SHOWN_DIGEST_CHARS]

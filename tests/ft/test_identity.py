@@ -1,0 +1,47 @@
+"""Which groups belong to a job: pure checks of job id, model signature and training configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.config import training_config
+from diloco.ft.identity import JobIdentity, NotThisJob, config_differences
+from tests.conftest import compose_job
+
+
+def test_differences_name_each_key_with_both_values():
+    job = {"algo.sync_every": 50, "algo.delay": 0, "model.dim": 64}
+    group = {"algo.sync_every": 25, "model.dim": 64, "data.path": "/x"}
+    assert config_differences(job, group) == [
+        "algo.delay: job 0, this group (unset)",
+        "algo.sync_every: job 50, this group 25",
+        "data.path: job (unset), this group '/x'",
+    ]
+    assert config_differences(job, dict(job)) == []
+
+
+def test_the_first_admitted_group_pins_what_the_launcher_left_open():
+    identity = JobIdentity("job")
+    with pytest.raises(NotThisJob, match="job id 'other' differs from this lighthouse's job 'job'"):
+        identity.admit("other", "sig", {"a": 1})
+    assert identity.signature is None and identity.config is None  # a refusal pins nothing
+    identity.admit("job", "sig", {"a": 1})
+    identity.admit("job", "sig", None)  # heartbeats carry no configuration
+    with pytest.raises(NotThisJob, match="a: job 1, this group 2"):
+        identity.admit("job", "sig", {"a": 2})
+    with pytest.raises(NotThisJob, match="model signature other differs"):
+        identity.admit("job", "other", {"a": 1})
+
+
+def test_a_long_list_of_differences_is_cut_short():
+    job = {f"k{i:02d}": i for i in range(20)}
+    with pytest.raises(NotThisJob, match=r"in 20 key\(s\): .* \(and 12 more\)"):
+        JobIdentity("job", config=job).admit("job", "sig", {k: -1 for k in job})
+
+
+def test_the_training_config_holds_what_groups_must_share_and_nothing_per_group():
+    one = training_config(compose_job(["cluster.groups=3", "group.id=0"]))
+    assert one == training_config(compose_job(["cluster.groups=3", "group.id=2", "logger=none", "faults=chaos"]))
+    other = training_config(compose_job(["cluster.groups=3", "algo.sync_every=25", "trainer.max_steps=500"]))
+    assert config_differences(one, other) == ["algo.sync_every: job 50, this group 25"]
+    assert one["inner_opt.betas"] == [0.9, 0.95]  # JSON-friendly: what the lighthouse receives compares equal

@@ -1,0 +1,43 @@
+"""The fault plan and where a kill lands: pure functions of plain numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.config_base import ConfigError
+from diloco.faults import FaultsConfig, kill_target, plan_faults
+
+
+def test_the_same_seed_gives_the_same_plan_in_time_order():
+    cfg = FaultsConfig(seed=4, start_after=10.0, kill_every=5.0, hang_every=7.0, nan_every=11.0)
+    plan = plan_faults(cfg, groups=4, horizon_s=60.0)
+    assert plan == plan_faults(cfg, groups=4, horizon_s=60.0)
+    assert [e.at for e in plan] == sorted(e.at for e in plan)
+    kills = [e.group for e in plan if e.kind == "kill"]
+    assert len(kills) == 11 and all(a != b for a, b in zip(kills, kills[1:]))  # never the same group twice in a row
+
+
+def test_no_faults_after_stop_after():
+    plan = plan_faults(FaultsConfig(start_after=1.0, stop_after=20.0, kill_every=2.0), groups=3, horizon_s=1000.0)
+    assert plan and max(e.at for e in plan) <= 20.0
+
+
+def test_a_kill_hits_the_planned_group_when_it_may():
+    assert kill_target(2, up={0, 1, 2, 3}, holders={0, 1, 2, 3}, min_alive=2, groups=4) == 2
+
+
+def test_a_kill_goes_to_the_next_group_when_the_planned_one_is_down():
+    assert kill_target(1, up={0, 2, 3}, holders={0, 2, 3}, min_alive=0, groups=4) == 2
+    assert kill_target(3, up={0, 1, 2}, holders={0, 1, 2}, min_alive=0, groups=4) == 0  # wraps around
+
+
+def test_a_kill_never_leaves_fewer_than_min_alive_other_groups_holding_the_state():
+    # Groups 2 and 3 are restarting (up, but they have not healed yet): only 0 and 1 hold the state.
+    assert kill_target(0, up={0, 1, 2, 3}, holders={0, 1}, min_alive=2, groups=4) == 2
+    assert kill_target(0, up={0, 1}, holders={0, 1}, min_alive=2, groups=4) is None
+    assert kill_target(0, up={0, 1, 2}, holders={0, 1, 2}, min_alive=2, groups=4) == 0
+
+
+def test_min_alive_must_not_be_negative():
+    with pytest.raises(ConfigError, match="faults.min_alive=-1"):
+        FaultsConfig(min_alive=-1).validate()

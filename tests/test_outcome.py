@@ -1,0 +1,63 @@
+"""The honest outcome (DESIGN invariant 6): each way a job can end badly has its one-line reason."""
+
+from __future__ import annotations
+
+from diloco.outcome import group_outcome, job_outcome
+
+END = {"round": 12, "writer": "group0", "digest": "aaaa" * 16}
+
+
+def result(group: int, rounds: int = 12, digest: str = END["digest"], end: dict | None = END) -> dict:
+    return {"group": group, "rounds": rounds, "digest": digest, "end": end}
+
+
+def test_every_group_holding_the_saved_final_state_is_a_success():
+    outcome = job_outcome([result(0), result(1), result(2)], groups=3, algo="streaming", model_saved=True)
+    assert outcome.ok and outcome.failure is None
+    assert (outcome.final_round, outcome.writer) == (12, 0)
+
+
+def test_a_group_without_a_result_fails_the_job():
+    outcome = job_outcome([result(0), result(2)], groups=3, algo="diloco", model_saved=True)
+    assert outcome.failure == "group(s) 1 wrote no result (died, stopped or refused before the job's end)"
+
+
+def test_a_model_no_round_produced_fails_the_job():
+    never = result(1, rounds=0, digest="b" * 64, end=None)
+    outcome = job_outcome([result(0), never], groups=2, algo="diloco", model_saved=True)
+    assert "group 1 never committed an outer round: its model is not the product of any sync" in outcome.failure
+    assert "the groups' final global states differ: group 0 round 12 aaaaaaaaaaaa, group 1 round 0 bbbbbbbbbbbb" in (
+        outcome.failure
+    )
+    assert "\n" not in outcome.failure
+
+
+def test_final_digests_that_disagree_fail_the_job():
+    fork = result(2, rounds=14, digest="c" * 64)
+    outcome = job_outcome([result(0), result(1), fork], groups=3, algo="ddp", model_saved=True)
+    assert not outcome.ok
+    assert "group 2 ends with global state cccccccccccc at round 14, but the job's final state (round 12" in (
+        outcome.failure
+    )
+
+
+def test_no_saved_model_fails_the_job():
+    assert job_outcome([result(0)], groups=1, algo="diloco", model_saved=False).failure == "no group saved model.pt"
+
+
+def test_groups_that_never_sync_by_design_are_judged_only_on_their_results():
+    alone = [result(0, rounds=0, digest=None, end=None), result(1, rounds=0, digest=None, end=None)]
+    assert job_outcome(alone, groups=2, algo="local", model_saved=True).ok
+    assert group_outcome(alone[0], "local") is None
+
+
+def test_a_diverged_final_model_fails_the_job_whatever_the_algorithm():
+    for algo in ("local", "diloco"):
+        diverged = result(0) | {"final_eval_loss": float("nan")}
+        outcome = job_outcome([diverged], groups=1, algo=algo, model_saved=True)
+        assert outcome.failure == "group 0's final model evaluates to a loss of nan: training diverged"
+
+
+def test_a_multi_host_group_judges_its_own_part():
+    assert group_outcome(result(1), "diloco") is None
+    assert "did not learn the job's end" in group_outcome(result(1, end=None), "diloco")

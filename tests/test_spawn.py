@@ -1,0 +1,251 @@
+"""Starting workers: forked from the fork server or exec'd, their exit codes, and the launcher's lifeline."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco.config_base import ConfigError, to_dict
+from diloco.distributed import WorkerEnv
+from diloco.launcher import LocalCluster, log_tail
+from diloco.lifeline import Lifeline
+from diloco.run_local import launch
+from diloco.spawn import ForkedProcess, ForkServer, WorkerSpec, become_subreaper
+from diloco.summary import read_jsonl
+from diloco.worker import RunPaths, preflight
+from tests.conftest import FAST, REPO, compose_job
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="cluster.spawn=fork needs Linux")
+
+
+def test_cluster_spawn_names_the_allowed_values():
+    with pytest.raises(ConfigError, match=r"cluster\.spawn='clone': must be one of fork, exec"):
+        compose_job(["cluster.spawn=clone"])
+    assert compose_job([]).cluster.spawn == "fork"
+
+
+def committed(paths: RunPaths, group: int) -> list[dict]:
+    return [r for r in read_jsonl(paths.commits(group)) if r["committed"]]
+
+
+@linux_only
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # FSDP2 over Gloo inside forked children; min_groups=2: every round has both groups,
+        # whichever starts or runs faster, so both runs sync the same rounds
+        ["cluster.groups=2", "cluster.workers_per_group=2", "cluster.min_groups=2"],
+        ["cluster.groups=1", "cluster.workers_per_group=1"],  # one worker: every core, torch.set_num_threads > 1
+    ],
+    ids=["2x2", "1x1"],
+)
+def test_forked_and_execd_workers_train_the_same_model(tmp_path, shape):
+    """Same job, both ways of starting workers: same commits, same θ_g digests, same loss."""
+    outcomes = {}
+    for spawn in ("fork", "exec"):
+        job = compose_job(FAST + shape + ["cluster.device=cpu", f"cluster.spawn={spawn}"])
+        summary = launch(job, tmp_path / spawn, out=io.StringIO())
+        paths = RunPaths(tmp_path / spawn)
+        rounds = [[(r["round"], r["digest"]) for r in committed(paths, g)] for g in range(job.cluster.groups)]
+        assert all(rounds), f"spawn={spawn}: some group committed no round: {rounds}"
+        outcomes[spawn] = (rounds, summary["final_eval_loss"])
+    assert (tmp_path / "fork" / "logs" / "forkserver.log").exists()
+    assert not (tmp_path / "exec" / "logs" / "forkserver.log").exists()
+    assert outcomes["fork"] == outcomes["exec"]
+
+
+# The real fork server, except that its workers, instead of training, say they wait and
+# exit with code 3 on SIGUSR1: the exit-code plumbing without the seconds a real worker takes.
+WAITING_SERVER = """
+import os, signal, sys
+import diloco.forkserver as server
+
+def wait_then_exit_3(paths, group, env, started_at):
+    signal.signal(signal.SIGUSR1, lambda *_: os._exit(3))
+    print("waiting", flush=True)
+    while True:
+        signal.pause()
+
+server.run_launched_worker = wait_then_exit_3
+server.main(sys.argv[1:])
+"""
+
+
+@pytest.fixture
+def waiting_server(tmp_path):
+    """A ForkServer (the real server loop, workers that wait) and a function that forks a ready worker."""
+    paths = RunPaths(tmp_path)
+    paths.logs.mkdir()
+    paths.job.write_text(json.dumps(to_dict(compose_job(FAST + ["cluster.device=cpu"]))))
+    script = tmp_path / "waiting_server.py"
+    script.write_text(WAITING_SERVER)
+    lifeline = Lifeline()
+    become_subreaper()
+    with (paths.logs / "forkserver.log").open("ab") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, str(script), "--run-dir", str(tmp_path), *lifeline.argv()],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            pass_fds=(lifeline.read_fd,),
+        )
+    server = ForkServer(process)
+    env = WorkerEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=1)
+    logs = iter(paths.logs / f"worker{i}.log" for i in range(1000))
+
+    def fork() -> ForkedProcess:
+        log = next(logs)
+        worker = server.spawn(WorkerSpec(0, env, 1, log, time.time()), timeout_s=60)
+        deadline = time.monotonic() + 30
+        while not (log.exists() and "waiting" in log.read_text()):  # its SIGUSR1 handler is in place
+            assert time.monotonic() < deadline and worker.poll() is None, log_tail(log)
+            time.sleep(0.05)
+        return worker
+
+    yield server, fork
+    process.kill()
+    process.wait()
+    lifeline.cut()  # every worker still waiting dies with it
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie: /proc/<pid>/stat's state field."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@linux_only
+@pytest.mark.slow
+def test_forked_process_reports_exit_codes_from_the_server_and_after_it_died(waiting_server):
+    server, fork = waiting_server
+    first, second = fork(), fork()
+    assert first.poll() is None and second.poll() is None
+    first.send_signal(signal.SIGUSR1)
+    second.kill()
+    assert first.wait(timeout=30) == 3
+    assert second.wait(timeout=30) == -signal.SIGKILL
+
+    third, fourth = fork(), fork()
+    with pytest.raises(subprocess.TimeoutExpired):
+        third.wait(timeout=0.2)
+    server.process.kill()
+    server.process.wait()
+    for orphan in (third, fourth):  # re-parented to this process, still running
+        assert orphan.poll() is None and is_running(orphan.pid)
+    third.send_signal(signal.SIGUSR1)
+    fourth.kill()
+    assert third.wait(timeout=30) == 3
+    assert fourth.wait(timeout=30) == -signal.SIGKILL
+    assert not is_running(third.pid) and not is_running(fourth.pid), "reaped, not left as zombies"
+
+
+FT = FAST + [
+    "cluster.device=cpu",
+    "cluster.groups=2",
+    "cluster.workers_per_group=1",
+    "trainer.max_steps=100000",
+    "trainer.seq_len=64",
+    "trainer.batch_size=4",
+    "cluster.timeouts.heartbeat=2",
+    "cluster.timeouts.join=1",
+    "cluster.timeouts.collective=8",
+]
+
+
+def wait_for(condition, timeout_s: float, what: str, cluster: LocalCluster) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        failed = cluster.failed_worker()
+        assert failed is None, f"group {failed.group} died: {failed.log_path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.2)
+
+
+@linux_only
+@pytest.mark.slow
+def test_killing_the_fork_server_leaves_its_workers_running(tmp_path):
+    job = compose_job(FT)
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    cluster = LocalCluster(job, paths, preflight(job)[1])
+    try:
+        cluster.start_lighthouse()
+        for g in range(2):
+            cluster.start_group(g)
+        wait_for(lambda: all(committed(paths, g) for g in range(2)), 120, "both groups to commit", cluster)
+        first_server = cluster.fork_server
+        first_server.process.kill()
+        first_server.process.wait()
+        leader = cluster.groups[0][0].process
+        assert leader.poll() is None and is_running(leader.pid)
+        before = committed(paths, 0)[-1]["round"]
+        wait_for(lambda: committed(paths, 0)[-1]["round"] > before + 1, 60, "group 0 to go on committing", cluster)
+
+        cluster.signal_group(1, signal.SIGKILL)
+        cluster.start_group(1)  # starts a new fork server
+        assert cluster.fork_server is not first_server and cluster.fork_server.alive()
+        restarted = cluster.groups[1][0].process.pid
+        wait_for(
+            lambda: any(r["pid"] == restarted for r in committed(paths, 1)), 120, "restarted group 1 to commit", cluster
+        )
+        leader.terminate()
+        assert leader.wait(timeout=30) == -signal.SIGTERM, "the orphan's exit code is read after its server died"
+    finally:
+        cluster.stop()
+    assert not any(is_running(w.process.pid) for ws in cluster.groups.values() for w in ws)
+
+
+def job_processes(run_dir: Path) -> list[int]:
+    """Live processes whose command line names ``run_dir``: the lighthouse, the fork server, its
+    forked workers (they keep the server's command line) and exec'd workers. Zombies have none."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if str(run_dir).encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@linux_only
+@pytest.mark.slow
+@pytest.mark.parametrize("spawn", ["fork", "exec"])
+def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path, spawn):
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "run.py", "logger=none", "trainer.max_steps=100000", "algo.sync_every=10"]
+        + [f"cluster.spawn={spawn}", f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "commits" / "group0.jsonl").exists():
+            assert time.monotonic() < deadline and launcher.poll() is None, "the job did not start"
+            time.sleep(0.5)
+        expected = 5 + (spawn == "fork")  # lighthouse (+ fork server) + 2 groups x 2 workers
+        assert len(job_processes(run_dir)) >= expected
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while job_processes(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert job_processes(run_dir) == [], "processes outlived their launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
