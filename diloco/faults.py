@@ -104,9 +104,15 @@ def plan_faults(cfg: FaultsConfig, groups: int, horizon_s: float) -> list[FaultE
 
 def kill_target(planned: int, up: set[int], holders: set[int], min_alive: int, groups: int) -> int | None:
     """The group a kill hits: the planned one or, failing it, the next one (by id) that is up
-    and whose death leaves ``min_alive`` other groups holding the job's state; None if none."""
+    and whose death leaves ``min_alive`` other groups holding the job's state; None if none.
+
+    Groups holding the state come first: killing one tests a recovery, while killing a
+    group still taking the state after a restart tests only the restart again. Such a group
+    is hit only when no holder may be.
+    """
     allowed = [g for g in up if len(holders - {g}) >= min_alive]
-    return min(allowed, key=lambda g: (g - planned) % groups, default=None)
+    candidates = [g for g in allowed if g in holders] or allowed
+    return min(candidates, key=lambda g: (g - planned) % groups, default=None)
 
 
 def request_fault(path: Path, fault: str) -> None:

@@ -31,6 +31,11 @@ def test_a_kill_goes_to_the_next_group_when_the_planned_one_is_down():
     assert kill_target(3, up={0, 1, 2}, holders={0, 1, 2}, min_alive=0, groups=4) == 0  # wraps around
 
 
+def test_a_kill_hits_a_group_holding_the_state_before_one_still_taking_it():
+    assert kill_target(1, up={0, 1, 2, 3}, holders={0, 2, 3}, min_alive=2, groups=4) == 2
+    assert kill_target(1, up={0, 1, 2}, holders={0, 2}, min_alive=2, groups=4) == 1  # no holder may die: 1 is hit
+
+
 def test_a_kill_never_leaves_fewer_than_min_alive_other_groups_holding_the_state():
     # Groups 2 and 3 are restarting (up, but they have not healed yet): only 0 and 1 hold the state.
     assert kill_target(0, up={0, 1, 2, 3}, holders={0, 1}, min_alive=2, groups=4) == 2
