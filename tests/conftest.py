@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,30 @@ from diloco.config import JobConfig, job_config_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
+
+
+def run_experiment(script: str, args: list[str], timeout_s: float) -> tuple[str, str]:
+    """Run ``experiments/<script>`` with ``args``; its (stdout, stderr), the test failing if it
+    fails or outlasts ``timeout_s``.
+
+    Popen, not run: on a timeout the script gets SIGTERM, which stops the job's processes too.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "experiments" / script), *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"{script} took over {timeout_s}s:\n{out}\n{err[-4000:]}")
+    assert proc.returncode == 0, f"{script} failed:\n{out}\n{err[-4000:]}"
+    return out, err
+
 
 # Small enough that a multi-process run takes seconds on two cores.
 FAST = [

@@ -9,34 +9,18 @@ counts those as ``late_failures``; with a kill every 10 s at most the last one c
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import run_experiment
 
 TIMEOUT_S = 300
 
 
 @pytest.mark.slow
 def test_fault_tolerance_quick(tmp_path):
-    # Popen, not run: on a timeout the script gets SIGTERM, which stops the job's processes too.
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "experiments" / "fault_tolerance.py"), "--quick", "--minutes", "0.5"]
-        + ["--kill-every", "8", "--results", str(tmp_path)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        out, err = proc.communicate(timeout=60)
-        pytest.fail(f"fault_tolerance.py --quick took over {TIMEOUT_S}s:\n{out}\n{err[-4000:]}")
-    assert proc.returncode == 0, f"fault_tolerance.py failed:\n{out}\n{err[-4000:]}"
+    args = ["--quick", "--minutes", "0.5", "--kill-every", "8", "--results", str(tmp_path)]
+    run_experiment("fault_tolerance.py", args, TIMEOUT_S)
     table = (tmp_path / "fault_tolerance.md").read_text()
     assert "| kills injected |" in table and "every killed group recovers:" in table, table
     faulty = json.loads((tmp_path / "fault_tolerance.json").read_text())["faulty"]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import yaml
 from experiments.common import compose_job
 from experiments.fault_tolerance import load_run
 from experiments.soak import EXPERIMENT, digest_mismatches, numbers, table, targets
-from tests.conftest import REPO
+from tests.conftest import REPO, run_experiment
 from tests.conftest import compose_job as compose_like_run_py
 
 TIMEOUT_S = 480
@@ -133,21 +131,7 @@ def test_soak_counts_on_a_canned_run(tmp_path):
 
 @pytest.mark.slow
 def test_soak_quick(tmp_path):
-    # Popen, not run: on a timeout the script gets SIGTERM, which stops the job's processes too.
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "experiments" / "soak.py"), "--quick", "--results", str(tmp_path)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        out, err = proc.communicate(timeout=60)
-        pytest.fail(f"soak.py --quick took over {TIMEOUT_S}s:\n{out}\n{err[-4000:]}")
-    assert proc.returncode == 0, f"soak.py failed:\n{out}\n{err[-4000:]}"
+    out, err = run_experiment("soak.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S)
     text = (tmp_path / "soak.md").read_text()
     assert text.strip() == out.strip()
     for label in ROW_LABELS:
