@@ -32,6 +32,7 @@ from diloco.spawn import (
     ForkedProcess,
     ForkServer,
     ForkServerError,
+    ForkServerGone,
     ProcessHandle,
     WorkerSpec,
     exec_lighthouse,
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.5
 TERMINATE_GRACE_S = 10.0
 LOG_TAIL_LINES = 20
+FORK_ATTEMPTS = 3  # fork servers asked for one process before the job fails
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the lighthouse is never behind a proxy
 
 
@@ -198,14 +200,25 @@ class LocalCluster:
         return self._fork(lambda server: server.spawn(spec, timeout_s=self.job.cluster.timeouts.connect))
 
     def _fork(self, request: Callable[[ForkServer], ForkedProcess]) -> ForkedProcess:
-        """``request`` a process from the fork server, starting one first if none is alive."""
+        """``request`` a process from the fork server, starting one first if none is alive.
+
+        A server killed between the liveness check and its answer is replaced and asked again
+        (a few times: one that keeps dying at once is a failure of the job, not a fault to ride).
+        """
         log_path = self.paths.logs / "forkserver.log"
-        try:
-            if self.fork_server is None or not self.fork_server.alive():
-                self.fork_server = ForkServer.start(self.paths.root, self._lifeline(), log_path)
-            return request(self.fork_server)
-        except ForkServerError as error:
-            raise JobFailed(f"{error}; last lines of {log_path}:\n{log_tail(log_path)}") from error
+        for attempt in range(FORK_ATTEMPTS):
+            try:
+                if self.fork_server is None or not self.fork_server.alive():
+                    self.fork_server = ForkServer.start(self.paths.root, self._lifeline(), log_path)
+                return request(self.fork_server)
+            except ForkServerGone as error:
+                self.fork_server = None
+                if attempt + 1 == FORK_ATTEMPTS:
+                    raise JobFailed(
+                        f"{error} ({FORK_ATTEMPTS} times); last lines of {log_path}:\n{log_tail(log_path)}"
+                    ) from error
+            except ForkServerError as error:
+                raise JobFailed(f"{error}; last lines of {log_path}:\n{log_tail(log_path)}") from error
 
     def signal_group(self, group: int, signum: int) -> None:
         """Send ``signum`` to every worker of ``group`` (SIGKILL, SIGSTOP, SIGCONT, SIGUSR1...).

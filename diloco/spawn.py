@@ -33,6 +33,10 @@ class ForkServerError(RuntimeError):
     """The fork server could not start a worker or the lighthouse; the message says why."""
 
 
+class ForkServerGone(ForkServerError):
+    """The fork server exited (killed, say) before it answered: a fresh one may be asked again."""
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """One worker to start: its place in its group, its share of the cores, its log."""
@@ -198,7 +202,7 @@ class ForkServer:
         deadline = time.monotonic() + timeout_s
         while request_id not in self._started:
             if self.gone:
-                raise ForkServerError(f"the fork server exited before it started {what}")
+                raise ForkServerGone(f"the fork server exited before it started {what}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ForkServerError(

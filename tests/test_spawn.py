@@ -200,6 +200,19 @@ def test_killing_the_fork_server_leaves_its_workers_running(tmp_path):
         wait_for(
             lambda: any(r["pid"] == restarted for r in committed(paths, 1)), 120, "restarted group 1 to commit", cluster
         )
+
+        # killed after the launcher found it alive, before it answered: a fresh one is asked
+        cluster.signal_group(1, signal.SIGKILL)
+        second_server = cluster.fork_server
+        second_server.process.kill()
+        second_server.process.wait()
+        second_server.alive = lambda: True
+        cluster.start_group(1)
+        assert cluster.fork_server is not second_server and cluster.fork_server.alive()
+        restarted = cluster.groups[1][0].process.pid
+        wait_for(
+            lambda: any(r["pid"] == restarted for r in committed(paths, 1)), 120, "group 1 to commit again", cluster
+        )
         leader.terminate()
         assert leader.wait(timeout=30) == -signal.SIGTERM, "the orphan's exit code is read after its server died"
     finally:
