@@ -28,6 +28,7 @@ from diloco.ft.lanes import LaneError
 from diloco.ft.manager import Round, wait_work
 from diloco.outer_reduce import launch_reduce
 from diloco.sync import OuterOutcome, Synchronizer
+from outer_opt import MomentumWarmup
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class Fragment:
     local: list[torch.Tensor]
     global_: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
+    momentum_warmup: MomentumWarmup | None = None  # None: the optimizer's own constant momentum
     tokens_since_sync: int = 0
 
 
@@ -278,7 +280,7 @@ class OuterSync(Synchronizer):
         committed = self.manager.commit(flight.round, average is not None)
         tokens = 0.0
         if committed:
-            self._outer_step(fragment, average)
+            self._outer_step(fragment, average, flight.launch_step)
             self.bytes_sent += flight.bytes_sent[i]
             if flight.weights[i] > 0:  # each fragment carries 1/P of the window's inner work
                 tokens = fragment.tokens_since_sync / self.algo.fragments
@@ -289,8 +291,10 @@ class OuterSync(Synchronizer):
         return self._record(flight.round, committed, step, sync_ms, tokens)
 
     @torch.no_grad()
-    def _outer_step(self, fragment: Fragment, average: torch.Tensor) -> None:
+    def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int) -> None:
         """θ_g,p ← OuterOpt(θ_g,p, Δ̄_p); then θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p."""
+        if fragment.momentum_warmup is not None:
+            fragment.momentum_warmup.apply(launch_step)
         offset = 0
         for g in fragment.global_:
             g.grad = average[offset : offset + g.numel()].view_as(g).clone()

@@ -22,7 +22,7 @@ from diloco.ft.manager import Manager
 from diloco.ft.state import HealState, local_tensor
 from diloco.outer import Fragment, OuterSync
 from diloco.sync import Synchronizer
-from outer_opt import build_outer_optimizer
+from outer_opt import MomentumWarmup, build_outer_optimizer
 
 HEARTBEATS_PER_TIMEOUT = 4
 
@@ -48,7 +48,11 @@ def build_fragments(job: JobConfig, model: nn.Module, device: torch.device) -> l
             copy = tensor.float().cpu().clone()
             global_.append(nn.Parameter(copy.pin_memory() if device.type == "cuda" else copy))
         optimizer = build_outer_optimizer(global_, job.outer_opt)
-        fragments.append(Fragment(index=index, local=local, global_=global_, optimizer=optimizer))
+        warmup_steps = job.outer_opt.momentum_warmup_steps
+        warmup = MomentumWarmup(optimizer, warmup_steps) if warmup_steps else None
+        fragments.append(
+            Fragment(index=index, local=local, global_=global_, optimizer=optimizer, momentum_warmup=warmup)
+        )
     return fragments
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.common import (  # noqa: E402
+    add_output_arguments,
     compose_job,
     markdown_table,
     median,
@@ -191,8 +192,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="timing repeats (default 5; --quick: 1)")
     parser.add_argument("--steps", type=int, help="inner steps, a multiple of 100 (default 200; --quick: 100)")
     parser.add_argument("--ddp-steps", type=int, help="steps of the DDP run (default 20; --quick: 10)")
-    parser.add_argument("--results", metavar="DIR", help="folder of the results table (default experiments/results)")
-    parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR (default: a temp dir)")
+    add_output_arguments(parser)
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 5)
     steps = args.steps or (100 if args.quick else 200)

@@ -35,7 +35,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.common import ClusterRun, compose_job, markdown_table, median, runs_root, write_result  # noqa: E402
+from experiments.common import (  # noqa: E402
+    ClusterRun,
+    add_output_arguments,
+    compose_job,
+    markdown_table,
+    median,
+    runs_root,
+    write_result,
+)
 
 HEADERS = [
     "spawn",
@@ -151,8 +159,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 kills per mode: a smoke test")
     parser.add_argument("--kills", type=int, help="restarts timed per mode (default 5; --quick: 2)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds any one wait may take")
-    parser.add_argument("--results", metavar="DIR", help="folder of the results table (default experiments/results)")
-    parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR (default: a temp dir)")
+    add_output_arguments(parser)
     args = parser.parse_args()
     kills = args.kills or (2 if args.quick else 5)
 

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.common import (  # noqa: E402
     ClusterRun,
+    add_output_arguments,
     compose_job,
     markdown_table,
     median,
@@ -162,8 +163,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", help="group counts (default 2 3 4; --quick: 2)")
     parser.add_argument("--steps", type=int, help="timed inner steps per group (default 100; --quick: 40)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any one wait may take")
-    parser.add_argument("--results", metavar="DIR", help="folder of the results table (default experiments/results)")
-    parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR (default: a temp dir)")
+    add_output_arguments(parser)
     args = parser.parse_args()
     groups = args.groups or ([2] if args.quick else [2, 3, 4])
     steps = args.steps or (40 if args.quick else 100)

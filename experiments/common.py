@@ -8,6 +8,7 @@ restart groups). Nothing here forks the training code.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -86,6 +87,12 @@ def run_job(job: JobConfig, run_dir: Path, keep_failure: bool = False) -> dict[s
         return json.loads((run_dir / "summary.json").read_text())
 
 
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--results DIR`` and ``--keep-runs DIR``: where a script's table goes and whether its runs stay."""
+    parser.add_argument("--results", metavar="DIR", help="folder of the results (default experiments/results)")
+    parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR (default: a temp dir)")
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM (a test's timeout, a scheduler) unwinds like Ctrl-C: the with-blocks stop every process of the job."""
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -140,6 +147,32 @@ def write_result(name: str, text: str, folder: str | None = None) -> Path:
     path = root / name
     path.write_text(text if text.endswith("\n") else text + "\n")
     return path
+
+
+NO_MATPLOTLIB = "PNG skipped: matplotlib is not installed (pip install -e .[experiments])"
+
+
+def pyplot() -> Any | None:
+    """matplotlib.pyplot drawing to files (the Agg backend), or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> str:
+    """Write ``fig`` as a PNG at ``path``, free it, and say where it went."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"plot written to {path}"
 
 
 class ClusterRun:

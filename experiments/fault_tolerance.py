@@ -42,13 +42,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.common import (  # noqa: E402
+    NO_MATPLOTLIB,
     RESULTS,
     ClusterRun,
+    add_output_arguments,
     compose_job,
     markdown_table,
+    pyplot,
     read_jsonl,
     run_job,
     runs_root,
+    save_figure,
     stop_on_sigterm,
     verdict,
     write_result,
@@ -376,13 +380,9 @@ def mean_curve(per_group: dict[int, tuple[list[float], list[float]]], bin_s: flo
 
 def plot(runs: dict[str, Run], path: Path, bin_s: float) -> str:
     """Train loss against wall time, one panel per run; returns what was written or why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "PNG skipped: matplotlib is not installed (pip install -e .[experiments])"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     fig, axes = plt.subplots(len(runs), 1, figsize=(13, 4.3 * len(runs)), sharex=True, sharey=True)
     reference = mean_curve(curves(runs[FAULT_FREE], "train/loss"), bin_s)
     losses = sorted(v for run in runs.values() for _, values in curves(run, "train/loss").values() for v in values)
@@ -407,11 +407,7 @@ def plot(runs: dict[str, Run], path: Path, bin_s: float) -> str:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     axes[-1].set_xlabel("seconds since launch")
     fig.suptitle("DiLoCo, 4 groups, H=20: train loss vs wall time (red: SIGKILL of group gN, green: it healed)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot written to {path}"
+    return save_figure(fig, path)
 
 
 def _mark_faults(ax: Any, run: Run, top: float) -> None:
@@ -441,8 +437,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, help="least wall time of each run (default 5; --quick: 0.75)")
     parser.add_argument("--kill-every", type=float, help="seconds between kills (default 15; --quick: 10)")
     parser.add_argument("--steps", type=int, help="inner steps per run, a multiple of H (default: from a calibration)")
-    parser.add_argument("--results", metavar="DIR", help="folder of the table and plot (default experiments/results)")
-    parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR (default: a temp dir)")
+    add_output_arguments(parser)
     return parser.parse_args()
 
 

@@ -42,11 +42,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.common import (
+    NO_MATPLOTLIB,
     RESULTS,
+    add_output_arguments,
     compose_job,
     markdown_table,
+    pyplot,
     read_jsonl,
     runs_root,
+    save_figure,
     stop_on_sigterm,
     verdict,
     write_result,
@@ -249,13 +253,9 @@ class Progress:
 
 def plot(runs: dict[str, Run], path: Path, bin_s: float, hist_s: float) -> str:
     """Loss against wall time for both runs, the faulty run's faults as a strip per kind and kills per minute."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "PNG skipped: matplotlib is not installed (pip install -e .[experiments])"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     faulty = runs[FAULTY]
     fig, (ax, strip, hist) = plt.subplots(
         3, 1, figsize=(13, 8.5), sharex=True, gridspec_kw={"height_ratios": [3.2, 1.1, 1.3]}
@@ -291,11 +291,7 @@ def plot(runs: dict[str, Run], path: Path, bin_s: float, hist_s: float) -> str:
     hist.set_ylabel(f"per {hist_s:g} s")
     hist.legend(loc="upper right", fontsize=8)
     hist.set_xlabel("minutes since launch")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot written to {path}"
+    return save_figure(fig, path)
 
 
 def parse_args() -> argparse.Namespace:
@@ -305,8 +301,7 @@ def parse_args() -> argparse.Namespace:
         "--kill-every", type=float, help="seconds between kills (default faults/soak.yaml's; --quick: 3)"
     )
     parser.add_argument("--steps", type=int, help="inner steps per run, a multiple of H (default: from a calibration)")
-    parser.add_argument("--results", metavar="DIR", help="folder of the table and plot (default experiments/results)")
-    parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR (default: a temp dir)")
+    add_output_arguments(parser)
     return parser.parse_args()
 
 

@@ -9,8 +9,10 @@ from outer_opt import optimizers as _builtins  # noqa: F401  (registers the buil
 from outer_opt.config import OuterOptConfig
 from outer_opt.registry import available, build_outer_optimizer, initialize_state, register
 from outer_opt.state import load_optimizer_state_tensors, optimizer_state_tensors
+from outer_opt.warmup import MomentumWarmup
 
 __all__ = [
+    "MomentumWarmup",
     "OuterOptConfig",
     "available",
     "build_outer_optimizer",

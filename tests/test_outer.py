@@ -80,34 +80,43 @@ def mock_inner_step(model: torch.nn.Module, step: int, scale: float) -> None:
             p.sub_(scale * 0.01 * (step + i) * torch.ones_like(p))
 
 
-def reference_streaming(theta0, names_by_fragment, steps, H, P, tau, alpha, lr, momentum, scale):
-    """Closed-form Streaming DiLoCo for one group, written from the paper's update rule."""
+def reference_streaming(theta0, names_by_fragment, steps, H, P, tau, alpha, lr, momentum, scale, warmup=0):
+    """Closed-form Streaming DiLoCo for one group, written from the paper's update rule.
+
+    With ``warmup`` > 0 the momentum of a round launched after inner step s is μ·min(1, s/warmup).
+    """
     local = {n: t.clone() for n, t in theta0.items()}
     global_ = {n: t.clone() for n, t in theta0.items()}
-    buffers = {n: None for n in theta0}
-    in_flight: dict[int, dict[str, torch.Tensor]] = {}
+    buffers = {n: torch.zeros_like(t) for n, t in theta0.items()}
+    in_flight: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
     order = list(theta0)
     for step in range(1, steps + 1):
         for i, n in enumerate(order):
             local[n] -= scale * 0.01 * (step + i) * torch.ones_like(local[n])
         for p in fragments_to_launch(step, H, P, tau):
-            in_flight[p] = {n: global_[n] - local[n] for n in names_by_fragment[p]}  # Δ = θ_g − θ_l
+            in_flight[p] = step, {n: global_[n] - local[n] for n in names_by_fragment[p]}  # Δ = θ_g − θ_l
         for p in fragments_to_apply(step, H, P, tau):
-            for n, delta in in_flight.pop(p).items():
-                buf = delta.clone() if buffers[n] is None else momentum * buffers[n] + delta
+            launch_step, deltas = in_flight.pop(p)
+            mu = momentum * min(1.0, launch_step / warmup) if warmup else momentum
+            for n, delta in deltas.items():
+                buf = mu * buffers[n] + delta
                 buffers[n] = buf
-                global_[n] = global_[n] - lr * (delta + momentum * buf)  # Nesterov SGD
+                global_[n] = global_[n] - lr * (delta + mu * buf)  # Nesterov SGD
                 local[n] = alpha * local[n] + (1 - alpha) * global_[n]
     return local, global_
 
 
-@pytest.mark.parametrize(("P", "tau", "alpha"), [(1, 0, 0.0), (2, 0, 0.0), (2, 1, 0.5), (2, 2, 0.25)])
-def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P, tau, alpha):
+@pytest.mark.parametrize(
+    ("P", "tau", "alpha", "warmup"),
+    [(1, 0, 0.0, 0), (2, 0, 0.0, 0), (2, 1, 0.5, 0), (2, 2, 0.25, 0), (1, 0, 0.0, 20), (2, 1, 0.5, 12)],
+)
+def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P, tau, alpha, warmup):
     H, steps = 8, 24
     job = compose_job(
         BASE
         + ["cluster.groups=1", "algo=streaming", f"algo.sync_every={H}", f"algo.fragments={P}"]
         + [f"algo.delay={tau}", f"algo.alpha={alpha}", "algo.quantize=none", f"trainer.max_steps={steps}"]
+        + [f"outer_opt.momentum_warmup_steps={warmup}"]
     )
     torch.manual_seed(0)
     model = Transformer(job.model)
@@ -121,7 +130,8 @@ def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P
             mock_inner_step(model, step, scale=1.0)
             outer.after_inner_step(step, tokens=1)
         outer.manager.stop()
-    local, global_ = reference_streaming(theta0, names, steps, H, P, tau, alpha, 0.7, 0.9, scale=1.0)
+    local, global_ = reference_streaming(theta0, names, steps, H, P, tau, alpha, 0.7, 0.9, scale=1.0, warmup=warmup)
+    assert all((f.momentum_warmup is None) == (warmup == 0) for f in outer.fragments)
     got_global = {n: t for f in outer.fragments for n, t in zip(names[f.index], f.global_)}
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), local[n], rtol=0, atol=1e-5, msg=f"θ_l {n}")

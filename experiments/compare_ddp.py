@@ -1,0 +1,251 @@
+"""Does DiLoCo train as well as data parallel? Every algorithm at equal tokens, side by side, one table.
+
+``python experiments/compare_ddp.py [--model mini|midi] [--steps N] [--only NAME ...] [--quick]``
+
+Each configuration is a whole job (``conf/experiment/compare_ddp.yaml`` plus its overrides) run
+through the launcher, one after the other on this machine: ``ddp`` (gradients all-reduced
+every step: the quality DiLoCo aims for), ``local`` (groups that never communicate: the floor
+DiLoCo must beat), DiLoCo at several H and M, the paper's exact outer settings, and Streaming
+DiLoCo (P=4, τ=1, fp4; mixing α on and off). Every group reads its own shard and takes the same
+inner steps, so at M groups every configuration sees the same tokens.
+
+The table gives the final eval loss of the job's global model, its ratio to ddp with as many
+groups, the gap closed, (local − x)/(local − ddp), and bytes sent per token; the PNG draws eval
+loss against the job's tokens (group 0's model at each evaluation: with ``trainer.eval_every`` a
+multiple of H it is evaluated right after a sync, so for DiLoCo it is the global model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from diloco.worker import RunPaths  # noqa: E402
+from experiments.common import (  # noqa: E402
+    NO_MATPLOTLIB,
+    RESULTS,
+    add_output_arguments,
+    compose_job,
+    markdown_table,
+    pyplot,
+    read_jsonl,
+    run_job,
+    runs_root,
+    save_figure,
+    stop_on_sigterm,
+    write_result,
+)
+
+EXPERIMENT = "compare_ddp"
+EVAL_EVERY = 100  # a multiple of every H below: DiLoCo is evaluated right after a sync
+
+
+@dataclass(frozen=True)
+class Config:
+    """One row: a job with ``groups`` groups and these overrides."""
+
+    name: str
+    groups: int
+    overrides: tuple[str, ...]
+
+    @property
+    def algo(self) -> str:
+        return next(o.split("=", 1)[1] for o in self.overrides if o.startswith("algo="))
+
+
+def _diloco(h: int, groups: int = 2, *extra: str, name: str = "") -> Config:
+    return Config(name or f"diloco H={h}", groups, ("algo=diloco", f"algo.sync_every={h}", *extra))
+
+
+STREAMING = ("algo=streaming", "algo.sync_every=100", "algo.fragments=4", "algo.delay=1", "algo.quantize=fp4")
+CONFIGS = [
+    Config("ddp", 2, ("algo=ddp",)),
+    Config("local", 2, ("algo=local",)),
+    _diloco(10),
+    _diloco(50),
+    _diloco(100),
+    _diloco(50, 2, "outer_opt.momentum_warmup_steps=0", name="diloco H=50, paper's outer settings"),
+    Config("streaming H=100 P=4 τ=1 fp4", 2, STREAMING),
+    Config("streaming H=100 P=4 τ=1 fp4, α=0", 2, (*STREAMING, "algo.alpha=0")),
+    Config("streaming H=100 P=4 τ=1 fp32", 2, (*STREAMING, "algo.quantize=none")),
+    Config("streaming H=100 P=4 τ=0 fp32, α=0", 2, (*STREAMING, "algo.quantize=none", "algo.delay=0", "algo.alpha=0")),
+    Config("ddp", 4, ("algo=ddp",)),
+    Config("local", 4, ("algo=local",)),
+    _diloco(50, 4),
+]
+QUICK_STEPS = 100
+
+
+@dataclass
+class RunResult:
+    """What the table and the plot need from one finished job's run directory."""
+
+    config: Config
+    summary: dict[str, Any]
+    curve: list[tuple[float, float]]  # (job tokens, eval loss of group 0's model)
+
+    @property
+    def loss(self) -> float:
+        return self.summary["final_eval_loss"] if self.summary.get("ok") else float("nan")
+
+
+def collect(config: Config, run_dir: Path) -> RunResult:
+    """Read a finished job's summary.json and group 0's evaluations."""
+    paths = RunPaths(run_dir)
+    summary = json.loads(paths.summary.read_text())
+    tokens_per_step = summary["tokens_seen"] / max(summary["steps"], 1)  # the whole job's, every group
+    curve = [(r["step"] * tokens_per_step, r["eval/loss"]) for r in read_jsonl(paths.metrics(0)) if "eval/loss" in r]
+    curve.append((summary["tokens_seen"], summary["final_eval_loss"]))
+    return RunResult(config, summary, sorted(dict(curve).items()))
+
+
+def baseline(results: list[RunResult], algo: str, groups: int) -> float | None:
+    found = [r.loss for r in results if r.config.algo == algo and r.config.groups == groups]
+    return found[0] if found else None
+
+
+def rows(results: list[RunResult]) -> list[list[str]]:
+    """One row per run: loss, ratio to ddp and gap closed (both against the baselines with as many groups)."""
+    out = []
+    for r in results:
+        ddp, local = baseline(results, "ddp", r.config.groups), baseline(results, "local", r.config.groups)
+        known = math.isfinite(r.loss)
+        ratio = f"{100 * (r.loss / ddp - 1):+.1f}%" if known and ddp else "–"
+        closed = f"{100 * (local - r.loss) / (local - ddp):.0f}%" if known and ddp and local and local != ddp else "–"
+        outcome = "" if r.summary.get("ok") else f" (failed: {r.summary.get('failure')})"
+        out.append(
+            [
+                r.config.name + outcome,
+                str(r.config.groups),
+                f"{r.loss:.4f}",
+                ratio,
+                closed,
+                f"{r.summary['bytes_per_token']:.1f}",
+                f"{r.summary['wall_seconds'] / 60:.1f}",
+            ]
+        )
+    return out
+
+
+def table(results: list[RunResult]) -> str:
+    headers = ["config", "M", "final eval loss", "vs ddp", "gap closed", "bytes/token", "wall min"]
+    return markdown_table(headers, rows(results))
+
+
+def targets(results: list[RunResult]) -> list[str]:
+    """Issue 10's targets that this table can decide."""
+    lines = []
+    local2, ddp2 = baseline(results, "local", 2), baseline(results, "ddp", 2)
+    default = next((r for r in results if r.config == _diloco(50)), None)
+    if default and local2 and ddp2:
+        closed = (local2 - default.loss) / (local2 - ddp2)
+        lines.append(f"- gap closed by DiLoCo M=2 H=50 with the defaults: {100 * closed:.0f}%")
+    if local2:
+        worse = [
+            r.config.name for r in results if r.config.algo == "diloco" and r.config.groups == 2 and r.loss > local2
+        ]
+        lines.append(f"- DiLoCo worse than local: {', '.join(worse) if worse else 'none'}")
+    stream = next((r for r in results if r.config.name == "streaming H=100 P=4 τ=1 fp4"), None)
+    same_h = next((r for r in results if r.config == _diloco(100)), None)
+    if stream and same_h:
+        lines.append(f"- streaming vs DiLoCo at H=100: {100 * (stream.loss / same_h.loss - 1):+.2f}%")
+    return lines
+
+
+def plot(results: list[RunResult], path: Path, title: str) -> str:
+    """Eval loss against the job's tokens, one panel per M."""
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    group_counts = sorted({r.config.groups for r in results})
+    fig, axes = plt.subplots(1, len(group_counts), figsize=(6.5 * len(group_counts), 4.8), squeeze=False)
+    for ax, groups in zip(axes[0], group_counts):
+        for r in (r for r in results if r.config.groups == groups):
+            tokens, losses = zip(*r.curve)
+            style = {"ls": "--", "color": "black"} if r.config.algo in ("ddp", "local") else {}
+            if r.config.algo == "local":
+                style["color"] = "grey"
+            ax.plot([t / 1e6 for t in tokens], losses, lw=1.3, label=r.config.name, **style)
+        losses = sorted(v for r in results if r.config.groups == groups for _, v in r.curve)
+        if losses:
+            ax.set_ylim(0.97 * losses[0], losses[int(0.9 * (len(losses) - 1))])
+        ax.set_title(f"M={groups} groups", loc="left")
+        ax.set_xlabel("tokens (millions, all groups)")
+        ax.set_ylabel("eval loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mini", help="conf/model preset (mini: 0.8M, midi: 4.6M parameters)")
+    parser.add_argument("--steps", type=int, default=1000, help="inner steps of every job, a multiple of 100")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", help="run only these configurations (names as in the table)"
+    )
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps, ddp/local/diloco M=2: a smoke test")
+    add_output_arguments(parser)
+    return parser.parse_args()
+
+
+def chosen(args: argparse.Namespace) -> list[Config]:
+    if args.quick:
+        return [c for c in CONFIGS if c.groups == 2 and c.name in ("ddp", "local", "diloco H=50")]
+    if not args.only:
+        return CONFIGS
+    unknown = set(args.only) - {c.name for c in CONFIGS}
+    if unknown:
+        sys.exit(f"--only: unknown configuration(s) {sorted(unknown)}; known: {sorted({c.name for c in CONFIGS})}")
+    return [c for c in CONFIGS if c.name in args.only]
+
+
+def main() -> None:
+    args = parse_args()
+    stop_on_sigterm()
+    steps = QUICK_STEPS if args.quick else args.steps
+    if steps < EVAL_EVERY or steps % EVAL_EVERY:
+        sys.exit(f"--steps={steps}: must be a positive multiple of {EVAL_EVERY} (every H divides it)")
+    began = time.monotonic()
+    shared = [f"model={args.model}", f"trainer.max_steps={steps}", f"trainer.eval_every={EVAL_EVERY}"]
+    results = []
+    with runs_root(args.keep_runs, EXPERIMENT) as root:
+        for i, config in enumerate(chosen(args)):
+            job = compose_job([*shared, f"cluster.groups={config.groups}", *config.overrides], EXPERIMENT)
+            run_dir = root / f"run{i}"
+            started = time.monotonic()
+            run_job(job, run_dir, keep_failure=True)
+            results.append(collect(config, run_dir))
+            print(
+                f"{config.name} M={config.groups}: eval {results[-1].loss:.4f} "
+                f"in {(time.monotonic() - started) / 60:.1f} min",
+                file=sys.stderr,
+                flush=True,
+            )
+    n_params = results[0].summary["parameters"] if results else 0
+    setup = (
+        f"model={args.model} ({n_params / 1e6:.2f}M parameters), {steps} inner steps per group, "
+        f"1 CPU process per group, trainer batch as conf/experiment/{EXPERIMENT}.yaml; equal tokens at each M."
+    )
+    folder = Path(args.results) if args.results else RESULTS
+    stem = f"compare_ddp_{args.model}_{steps}"
+    drawn = plot(results, folder / f"{stem}.png", setup)
+    text = "\n".join([setup, "", table(results), "", *targets(results), "", drawn])
+    print(text)
+    print(f"table written to {write_result(f'{stem}.md', text, args.results)}", file=sys.stderr)
+    curves = {f"{r.config.name} M={r.config.groups}": r.curve for r in results}
+    write_result(f"{stem}.json", json.dumps(curves, indent=2), args.results)
+    print(f"total wall time {(time.monotonic() - began) / 60:.1f} min", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

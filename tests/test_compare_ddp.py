@@ -1,0 +1,103 @@
+"""experiments/compare_ddp.py: its presets compose, its table is right on canned run directories,
+and ``--quick`` runs every algorithm it names end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from diloco.model import Transformer, count_parameters
+from diloco.worker import RunPaths
+from experiments.common import compose_job
+from experiments.compare_ddp import CONFIGS, EXPERIMENT, Config, collect, table, targets
+from tests.conftest import compose_job as compose_like_run_py
+from tests.conftest import run_experiment
+
+TIMEOUT_S = 300
+
+
+def by_name(name: str, groups: int = 2) -> Config:
+    return next(c for c in CONFIGS if c.name == name and c.groups == groups)
+
+
+def test_every_configuration_composes_with_its_preset_and_both_models():
+    for config in CONFIGS:
+        job = compose_job([f"cluster.groups={config.groups}", *config.overrides], EXPERIMENT)
+        assert job.algo.name == config.algo and job.cluster.groups == config.groups
+        assert job.cluster.min_groups == config.groups, "fault-free: every round has every group"
+    sizes = {
+        name: count_parameters(Transformer(compose_job([f"model={name}"], EXPERIMENT).model))
+        for name in ("mini", "midi")
+    }
+    assert 0.75e6 < sizes["mini"] < 0.85e6 and 4e6 < sizes["midi"] < 6e6, sizes
+
+
+def test_the_paper_preset_is_the_published_outer_step():
+    job = compose_like_run_py(["+experiment=diloco_paper"])
+    opt = job.outer_opt
+    assert (opt.name, opt.lr, opt.momentum, opt.momentum_warmup_steps) == ("nesterov", 0.7, 0.9, 0)
+    assert compose_like_run_py([]).outer_opt.momentum_warmup_steps > 0, "the default recipe warms the momentum up"
+
+
+def canned_run(root: Path, loss: float, curve: list[float], ok: bool = True, bytes_per_token: float = 0.0) -> Path:
+    """A run directory as a finished job leaves it: summary.json and group 0's metrics."""
+    paths = RunPaths(root)
+    paths.metrics(0).parent.mkdir(parents=True)
+    steps = 100 * len(curve)
+    summary = {
+        "ok": ok,
+        "failure": None if ok else "group 1 never committed a round",
+        "final_eval_loss": loss,
+        "tokens_seen": steps * 2048,
+        "steps": steps,
+        "bytes_per_token": bytes_per_token,
+        "wall_seconds": 90.0,
+        "parameters": 800_000,
+    }
+    paths.summary.write_text(json.dumps(summary))
+    lines = [{"step": 100 * (i + 1), "train/loss": 9.0} for i in range(len(curve))]
+    lines += [{"step": 100 * (i + 1), "eval/loss": v} for i, v in enumerate(curve)]
+    paths.metrics(0).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return root
+
+
+def test_table_gives_ratio_to_ddp_and_gap_closed_against_the_same_group_count(tmp_path):
+    results = [
+        collect(by_name("ddp"), canned_run(tmp_path / "a", 1.30, [2.0, 1.30])),
+        collect(by_name("local"), canned_run(tmp_path / "b", 1.50, [2.1, 1.50])),
+        collect(by_name("diloco H=50"), canned_run(tmp_path / "c", 1.35, [2.2, 1.36], bytes_per_token=12.5)),
+        collect(by_name("diloco H=10"), canned_run(tmp_path / "d", 1.55, [2.2, 1.55])),
+        collect(by_name("ddp", 4), canned_run(tmp_path / "e", 1.20, [1.9, 1.20])),
+        collect(by_name("diloco H=50", 4), canned_run(tmp_path / "f", 9.99, [2.3], ok=False)),
+    ]
+    lines = table(results).splitlines()
+    assert lines[0] == "| config | M | final eval loss | vs ddp | gap closed | bytes/token | wall min |"
+    assert lines[2] == "| ddp | 2 | 1.3000 | +0.0% | 100% | 0.0 | 1.5 |"
+    assert lines[3] == "| local | 2 | 1.5000 | +15.4% | 0% | 0.0 | 1.5 |"
+    assert lines[4] == "| diloco H=50 | 2 | 1.3500 | +3.8% | 75% | 12.5 | 1.5 |"
+    assert lines[5] == "| diloco H=10 | 2 | 1.5500 | +19.2% | -25% | 0.0 | 1.5 |"
+    assert lines[6] == "| ddp | 4 | 1.2000 | +0.0% | – | 0.0 | 1.5 |", "no local run at M=4: no gap"
+    assert lines[7].startswith("| diloco H=50 (failed: group 1 never committed a round) | 4 | nan | – | – |")
+    assert targets(results) == [
+        "- gap closed by DiLoCo M=2 H=50 with the defaults: 75%",
+        "- DiLoCo worse than local: diloco H=10",
+    ]
+    # the curve: job tokens at each evaluation; the last point is the final (global) model's loss
+    assert results[2].curve == [(100 * 2048, 2.2), (200 * 2048, 1.35)]
+    assert [v for _, v in results[0].curve] == [2.0, 1.30]
+    assert math.isnan(results[5].loss)
+
+
+@pytest.mark.slow
+def test_compare_ddp_quick(tmp_path):
+    out, _ = run_experiment("compare_ddp.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S)
+    rows = re.findall(r"^\| (ddp|local|diloco H=50) \| 2 \| ([\d.]+) \| ([-+\d.]+)% \| (-?\d+)% \|", out, re.MULTILINE)
+    assert [r[0] for r in rows] == ["ddp", "local", "diloco H=50"], out
+    assert all(float(r[1]) < 5.0 for r in rows), f"every run trained below the untrained ln 256 = 5.55:\n{out}"
+    assert "gap closed by DiLoCo M=2 H=50 with the defaults" in out
+    assert (tmp_path / "compare_ddp_mini_100.md").read_text().strip() == out.strip()
+    assert (tmp_path / "compare_ddp_mini_100.png").stat().st_size > 0
