@@ -186,37 +186,41 @@ def plot(results: list[RunResult], path: Path, title: str) -> str:
     return save_figure(fig, path)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mini", help="conf/model preset (mini: 0.8M, midi: 4.6M parameters)")
     parser.add_argument("--steps", type=int, default=1000, help="inner steps of every job, a multiple of 100")
     parser.add_argument(
         "--only", nargs="+", metavar="NAME", help="run only these configurations (names as in the table)"
     )
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps, ddp/local/diloco M=2: a smoke test")
+    parser.add_argument("--groups", type=int, nargs="+", metavar="M", help="run only the configurations with M groups")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"tiny model, {QUICK_STEPS} steps, ddp/local/diloco M=2: a smoke test"
+    )
     add_output_arguments(parser)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def chosen(args: argparse.Namespace) -> list[Config]:
     if args.quick:
         return [c for c in CONFIGS if c.groups == 2 and c.name in ("ddp", "local", "diloco H=50")]
-    if not args.only:
-        return CONFIGS
-    unknown = set(args.only) - {c.name for c in CONFIGS}
+    unknown = set(args.only or []) - {c.name for c in CONFIGS}
     if unknown:
         sys.exit(f"--only: unknown configuration(s) {sorted(unknown)}; known: {sorted({c.name for c in CONFIGS})}")
-    return [c for c in CONFIGS if c.name in args.only]
+    return [
+        c for c in CONFIGS if (not args.only or c.name in args.only) and (not args.groups or c.groups in args.groups)
+    ]
 
 
 def main() -> None:
     args = parse_args()
     stop_on_sigterm()
     steps = QUICK_STEPS if args.quick else args.steps
+    model = "tiny" if args.quick else args.model
     if steps < EVAL_EVERY or steps % EVAL_EVERY:
         sys.exit(f"--steps={steps}: must be a positive multiple of {EVAL_EVERY} (every H divides it)")
     began = time.monotonic()
-    shared = [f"model={args.model}", f"trainer.max_steps={steps}", f"trainer.eval_every={EVAL_EVERY}"]
+    shared = [f"model={model}", f"trainer.max_steps={steps}", f"trainer.eval_every={EVAL_EVERY}"]
     results = []
     with runs_root(args.keep_runs, EXPERIMENT) as root:
         for i, config in enumerate(chosen(args)):
@@ -233,11 +237,11 @@ def main() -> None:
             )
     n_params = results[0].summary["parameters"] if results else 0
     setup = (
-        f"model={args.model} ({n_params / 1e6:.2f}M parameters), {steps} inner steps per group, "
+        f"model={model} ({n_params / 1e6:.2f}M parameters), {steps} inner steps per group, "
         f"1 CPU process per group, trainer batch as conf/experiment/{EXPERIMENT}.yaml; equal tokens at each M."
     )
     folder = Path(args.results) if args.results else RESULTS
-    stem = f"compare_ddp_{args.model}_{steps}"
+    stem = f"compare_ddp_{model}_{steps}"
     drawn = plot(results, folder / f"{stem}.png", setup)
     text = "\n".join([setup, "", table(results), "", *targets(results), "", drawn])
     print(text)
