@@ -117,3 +117,13 @@ def test_compare_ddp_quick(tmp_path):
         assert NO_MATPLOTLIB in out
     else:
         assert (tmp_path / "compare_ddp_tiny_100.png").stat().st_size > 0
+
+
+def test_a_failed_baseline_gives_no_ratio_instead_of_nan(tmp_path):
+    results = [
+        collect(by_name("ddp"), canned_run(tmp_path / "a", 1.30, [1.30], ok=False)),
+        collect(by_name("local"), canned_run(tmp_path / "b", 1.50, [1.50])),
+        collect(by_name("diloco H=50"), canned_run(tmp_path / "c", 1.35, [1.35])),
+    ]
+    assert table(results).splitlines()[4] == "| diloco H=50 | 2 | 1.3500 | – | – | 0.0 | 1.5 |"
+    assert targets(results) == ["- DiLoCo worse than local: none"]
