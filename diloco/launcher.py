@@ -211,14 +211,13 @@ class LocalCluster:
                 if self.fork_server is None or not self.fork_server.alive():
                     self.fork_server = ForkServer.start(self.paths.root, self._lifeline(), log_path)
                 return request(self.fork_server)
-            except ForkServerGone as error:
-                self.fork_server = None
-                if attempt + 1 == FORK_ATTEMPTS:
-                    raise JobFailed(
-                        f"{error} ({FORK_ATTEMPTS} times); last lines of {log_path}:\n{log_tail(log_path)}"
-                    ) from error
             except ForkServerError as error:
-                raise JobFailed(f"{error}; last lines of {log_path}:\n{log_tail(log_path)}") from error
+                gone = isinstance(error, ForkServerGone)
+                if gone and attempt + 1 < FORK_ATTEMPTS:
+                    self.fork_server = None
+                    continue
+                times = f" ({FORK_ATTEMPTS} times)" if gone else ""
+                raise JobFailed(f"{error}{times}; last lines of {log_path}:\n{log_tail(log_path)}") from error
 
     def signal_group(self, group: int, signum: int) -> None:
         """Send ``signum`` to every worker of ``group`` (SIGKILL, SIGSTOP, SIGCONT, SIGUSR1...).
