@@ -22,15 +22,11 @@ from diloco.distributed import WorkerEnv
 from diloco.files import OutputError
 from diloco.ft.lighthouse import serve_forever
 from diloco.ft.manager import MembershipError
-from diloco.launcher import JobFailed
+from diloco.launcher import launch, refuse_reused_run_dir
+from diloco.local_cluster import JobFailed
 from diloco.outcome import group_outcome
-from diloco.run_local import launch, refuse_reused_run_dir
-from diloco.worker import (
-    RunPaths,
-    exit_without_teardown,
-    refuse_finished_group,
-    run_worker,
-)
+from diloco.run_paths import RunPaths
+from diloco.worker import exit_without_teardown, refuse_finished_group, run_worker
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

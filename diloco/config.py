@@ -5,15 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from diloco.algo import AlgoConfig
 from diloco.cluster import ClusterConfig
 from diloco.config_base import check, from_dict, to_dict
 from diloco.data import DataConfig
 from diloco.faults import FaultsConfig
-from diloco.fragments import validate_schedule
-from diloco.metrics import LoggerConfig
+from diloco.inner_opt import InnerOptConfig
+from diloco.logger import LoggerConfig
 from diloco.model import ModelConfig
-from diloco.optim import InnerOptConfig
-from diloco.outer import AlgoConfig
 from diloco.trainer import TrainerConfig
 from outer_opt import OuterOptConfig
 
@@ -55,13 +54,7 @@ class JobConfig:
             self.faults,
         ):
             part.validate()
-        validate_schedule(
-            sync_every=self.algo.sync_every,
-            fragments=self.algo.fragments,
-            delay=self.algo.delay,
-            alpha=self.algo.alpha,
-            n_blocks=self.model.n_layers,
-        )
+        self.algo.check_fits(n_blocks=self.model.n_layers, max_steps=self.trainer.max_steps)
         check(
             self.model.vocab_size == self.data.vocab_size,
             "model.vocab_size",
@@ -74,13 +67,6 @@ class JobConfig:
             "trainer.seq_len",
             self.trainer.seq_len,
             f"exceeds model.max_seq_len={self.model.max_seq_len}; lower it or raise model.max_seq_len",
-        )
-        check(
-            self.algo.name == "local" or self.trainer.max_steps % self.algo.sync_every == 0,
-            "trainer.max_steps",
-            self.trainer.max_steps,
-            f"is not a multiple of algo.sync_every={self.algo.sync_every}; the inner steps after the last "
-            "sync would never reach the global model, so round max_steps to a multiple of sync_every",
         )
         check(
             0 <= self.group.id < self.cluster.groups,

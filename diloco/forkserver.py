@@ -41,8 +41,9 @@ from diloco import lifeline
 from diloco.data import DataError, load_corpus
 from diloco.distributed import WorkerEnv
 from diloco.ft.__main__ import run_lighthouse
+from diloco.run_paths import RunPaths
 from diloco.spawn import become_subreaper
-from diloco.worker import RunPaths, load_job, run_launched_worker
+from diloco.worker import load_job, run_launched_worker
 
 REAP_INTERVAL_S = 0.05  # how soon a child's exit is reported when no request wakes the server
 

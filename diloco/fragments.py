@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-from diloco.config_base import ConfigError, check
-
 Pattern = Literal["strided", "sequential"]
 
 # Components that wrappers insert into parameter names without changing the model
@@ -127,46 +125,3 @@ def fragments_to_launch(step: int, H: int, P: int, tau: int) -> list[int]:
     if step < 1:
         raise ValueError(f"step counts completed inner steps and must be >= 1, got {step}")
     return [p for p in range(P) if (step + tau) % H == fragment_offset(p, H, P)]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def validate_schedule(*, sync_every: int, fragments: int, delay: int, alpha: float, n_blocks: int) -> None:
-    """Raise ``ConfigError`` naming the ``algo.*`` key whose value breaks the schedule, and the fix."""
-    H, P, tau = sync_every, fragments, delay
-    check(_is_int(H) and H >= 1, "algo.sync_every", H, "must be an integer >= 1 (inner steps per outer window H)")
-    check(_is_int(P) and P >= 1, "algo.fragments", P, "must be an integer >= 1 (1 is plain DiLoCo)")
-    check(
-        P <= n_blocks,
-        "algo.fragments",
-        P,
-        f"is larger than the model's {n_blocks} transformer blocks (model.n_layers); every fragment needs "
-        f"at least one block, so pick fragments <= {n_blocks}",
-    )
-    if H % P != 0:
-        choices = [d for d in _divisors(H) if d <= n_blocks]
-        limit = f" (the divisors of {H} up to model.n_layers={n_blocks})" if max(_divisors(H)) > n_blocks else ""
-        raise ConfigError(
-            f"algo.sync_every={H} is not divisible by algo.fragments={P}; pick fragments in "
-            f"{{{', '.join(map(str, choices))}}}{limit} or change algo.sync_every"
-        )
-    check(_is_int(tau) and tau >= 0, "algo.delay", tau, "must be an integer >= 0 (0: apply right after launch)")
-    check(
-        tau < H // P,
-        "algo.delay",
-        tau,
-        f"must be < algo.sync_every / algo.fragments = {H // P}, so each fragment's all-reduce is applied "
-        "before the next fragment's is launched; lower algo.delay or use fewer fragments",
-    )
-    check(
-        isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 <= alpha <= 1,
-        "algo.alpha",
-        alpha,
-        "must be in [0, 1] (θ_l ← α·θ_l + (1−α)·θ_g after a fragment's outer step; 0 is DiLoCo's reset)",
-    )

@@ -1,260 +1,98 @@
-"""The embedded launcher: a lighthouse plus M replica groups x N worker processes on this machine.
-
-Each worker is a real process with torchrun's environment, so what runs here is what runs
-under torchrun or Slurm on many hosts; only the spawning differs (diloco.spawn: workers and
-the lighthouse forked from a warm fork server, or exec'd). ``LocalCluster`` owns the processes, so a test or a fault
-injector can kill, stop and restart any part of the job, and every one of them watches the
-launcher's lifeline (diloco.lifeline): none outlives the launcher, however it ends.
-"""
+"""``python run.py`` on one machine: the lighthouse, every group, the supervisor, planned faults, progress."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
-import os
-import secrets
 import signal
-import socket
-import subprocess
+import sys
 import time
-import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TextIO
 
 from diloco.config import JobConfig
-from diloco.config_base import to_dict
-from diloco.distributed import WorkerEnv
-from diloco.faults import request_fault
-from diloco.lifeline import Lifeline
-from diloco.spawn import (
-    ForkedProcess,
-    ForkServer,
-    ForkServerError,
-    ForkServerGone,
-    ProcessHandle,
-    WorkerSpec,
-    exec_lighthouse,
-    exec_worker,
-)
-from diloco.worker import RunPaths
+from diloco.config_base import ConfigError
+from diloco.faults import plan_faults
+from diloco.files import write_json_atomically
+from diloco.local_cluster import POLL_INTERVAL_S, JobFailed, LocalCluster
+from diloco.progress import ProgressView
+from diloco.run_paths import RunPaths
+from diloco.summary import build_summary
+from diloco.supervisor import EventLog, FaultInjector, Supervisor
+from diloco.worker import preflight
 
-log = logging.getLogger(__name__)
-
-POLL_INTERVAL_S = 0.5
-TERMINATE_GRACE_S = 10.0
-LOG_TAIL_LINES = 20
-FORK_ATTEMPTS = 3  # fork servers asked for one process before the job fails
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the lighthouse is never behind a proxy
+FAULT_HORIZON_S = 7 * 24 * 3600.0  # the plan outlasts any local run; firing stops when the job ends
 
 
-class JobFailed(RuntimeError):
-    """A process of the job failed; the message carries the end of its log."""
+def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str, Any]:
+    """Run the whole job on this machine; returns (and writes) the summary.
 
-
-@dataclass
-class WorkerProcess:
-    group: int
-    rank: int
-    process: ProcessHandle
-    log_path: Path
-
-
-def free_port(host: str) -> int:
-    """A port the OS says is free now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def threads_per_worker(total_workers: int) -> int:
-    """Split this machine's cores between its workers so they do not oversubscribe them."""
-    return max(1, (os.cpu_count() or 1) // total_workers)
-
-
-def resolve_lighthouse(job: JobConfig) -> JobConfig:
-    """Fill in what a local job leaves open: a free port and a fresh secret token."""
-    lighthouse = job.cluster.lighthouse
-    lighthouse = dataclasses.replace(
-        lighthouse,
-        port=lighthouse.port or free_port(lighthouse.host),
-        token=lighthouse.token or secrets.token_hex(16),
+    The summary's ``ok`` says whether model.pt is the final global model every group holds
+    (``failure`` says why not). A job the supervisor gave up on raises ``JobFailed`` after
+    writing its summary. Ctrl-C or SIGTERM stops every process of the job before returning
+    (KeyboardInterrupt).
+    """
+    paths = RunPaths(run_dir)
+    refuse_reused_run_dir(paths)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    n_params, signature = preflight(job)
+    cluster = LocalCluster(job, paths, signature)
+    print(
+        f"model: {n_params:,} parameters; {job.cluster.groups} group(s) x {job.cluster.workers_per_group} "
+        f"worker(s); lighthouse status page {cluster.lighthouse_url}/",
+        file=out,
+        flush=True,
     )
-    return dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, lighthouse=lighthouse))
-
-
-def serving_pid(url: str) -> int | None:
-    """The pid the lighthouse at ``url`` reports on /status (None: nothing there answers as a lighthouse)."""
+    start = time.monotonic()
+    events = EventLog(paths.events, time.time())
+    supervisor = Supervisor(
+        cluster,
+        events,
+        max_restarts=job.cluster.max_restarts,
+        backoff_s=job.cluster.restart_backoff,
+        end_grace_s=job.cluster.timeouts.quorum,
+    )
+    injector = FaultInjector(
+        cluster,
+        plan_faults(job.faults, job.cluster.groups, FAULT_HORIZON_S),
+        events,
+        hang_s=job.faults.hang_seconds,
+        down_s=job.faults.lighthouse_down_seconds,
+        min_alive=job.faults.min_alive,
+    )
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        with _NO_PROXY.open(url + "/status", timeout=1.0) as response:
-            return int(json.loads(response.read())["pid"])
-    except (OSError, ValueError, KeyError, TypeError):  # refused, reset, timeout, not a lighthouse
-        return None
+        if job.algo.name != "local":
+            cluster.start_lighthouse()
+        for group in range(job.cluster.groups):
+            cluster.start_group(group)
+        view = ProgressView([paths.metrics(g) for g in range(job.cluster.groups)], job.trainer.max_steps, out=out)
+        while not supervisor.done():
+            elapsed = time.monotonic() - start
+            injector.fire_due(elapsed, new_faults=not supervisor.finished_groups)
+            supervisor.check(elapsed)
+            view.update(elapsed)
+            time.sleep(POLL_INTERVAL_S)
+        view.update(time.monotonic() - start, final=True)
+    except JobFailed as failure:
+        cluster.stop()
+        summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
+        write_json_atomically(paths.summary, summary | {"ok": False, "failure": str(failure).splitlines()[0]})
+        raise
+    finally:
+        cluster.stop()
+        signal.signal(signal.SIGTERM, previous_sigterm)
+    summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
+    write_json_atomically(paths.summary, summary)
+    return summary
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def stop_processes(processes: list[ProcessHandle]) -> None:
-    """SIGTERM (and SIGCONT, in case one is stopped), then SIGKILL what is left after a grace period."""
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-            process.send_signal(signal.SIGCONT)
-    deadline = time.monotonic() + TERMINATE_GRACE_S
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-class LocalCluster:
-    """The processes of one job on this machine: a lighthouse and every group's workers."""
-
-    def __init__(self, job: JobConfig, paths: RunPaths, signature: str) -> None:
-        self.job = resolve_lighthouse(job)
-        self.paths = paths
-        self.signature = signature
-        self.lighthouse: ProcessHandle | None = None
-        self.groups: dict[int, list[WorkerProcess]] = {}
-        self.lifeline: Lifeline | None = None  # made when the first process starts, cut by stop()
-        self.fork_server: ForkServer | None = None  # started by the first process started with cluster.spawn=fork
-        paths.logs.mkdir(parents=True, exist_ok=True)
-        paths.job.touch(mode=0o600)  # it holds the token: only its owner may read it
-        paths.job.write_text(json.dumps(to_dict(self.job), indent=2))
-
-    @property
-    def lighthouse_url(self) -> str:
-        return f"http://{self.job.cluster.lighthouse.host}:{self.job.cluster.lighthouse.port}"
-
-    def _lifeline(self) -> Lifeline:
-        if self.lifeline is None:
-            self.lifeline = Lifeline()
-        return self.lifeline
-
-    def start_lighthouse(self) -> None:
-        """Start the lighthouse and wait (bounded by the connect timeout) until it serves.
-
-        Its /status must name its own pid: another process already listening on a fixed port
-        (a lighthouse left from another job, say) is never taken for this job's. With
-        ``cluster.spawn=fork`` it is forked from the fork server (a restart costs a fork, not
-        seconds of imports while no group has a quorum); the first call starts that server.
-        """
-        log_path = self.paths.logs / "lighthouse.log"
-        if self.job.cluster.spawn == "exec":
-            self.lighthouse = exec_lighthouse(self.paths.root, self.signature, log_path, self._lifeline())
-        else:
-            timeout_s = self.job.cluster.timeouts.connect
-            self.lighthouse = self._fork(lambda server: server.spawn_lighthouse(self.signature, log_path, timeout_s))
-        deadline = time.monotonic() + self.job.cluster.timeouts.connect
-        while time.monotonic() < deadline:
-            if self.lighthouse.poll() is not None:
-                if self.lighthouse.returncode < 0:
-                    return  # killed by a signal, not unable to start: the supervisor sees it dead and restarts it
-                last = log_tail(log_path, 1)
-                raise JobFailed(f"the lighthouse could not start at {self.lighthouse_url}: {last}")
-            if serving_pid(self.lighthouse_url) == self.lighthouse.pid:
-                return
-            time.sleep(0.1)
-        raise JobFailed(
-            f"the lighthouse did not serve at {self.lighthouse_url} within "
-            f"cluster.timeouts.connect={self.job.cluster.timeouts.connect:g}s"
+def refuse_reused_run_dir(paths: RunPaths) -> None:
+    """A run directory holds one run: appending a second one's logs would mix and double-count both."""
+    if found := paths.outputs_present():
+        raise ConfigError(
+            f"hydra.run.dir={paths.root}: already holds a run ({', '.join(found)}); "
+            "pick a new hydra.run.dir (or remove the old run)"
         )
 
-    def kill_lighthouse(self) -> None:
-        """A planned outage: the lighthouse is forgotten (not a crash to restart) until started again."""
-        if self.lighthouse is not None:
-            self.lighthouse.kill()
-            self.lighthouse.wait()
-            self.lighthouse = None
 
-    def start_group(self, group: int) -> None:
-        """Start the N workers of one replica group, each logging to its own file.
-
-        With ``cluster.spawn=fork`` the first call starts the fork server (it imports
-        everything once, so this call waits for it), and a call after it died starts another.
-        """
-        n = self.job.cluster.workers_per_group
-        port = free_port(self.job.cluster.master_addr)
-        threads = threads_per_worker(self.job.cluster.groups * n)
-        started_at = time.time()
-        workers = []
-        for rank in range(n):
-            env = WorkerEnv(
-                rank=rank, world_size=n, local_rank=rank, master_addr=self.job.cluster.master_addr, master_port=port
-            )
-            spec = WorkerSpec(group, env, threads, self.paths.logs / f"group{group}_rank{rank}.log", started_at)
-            workers.append(WorkerProcess(group, rank, self._spawn(spec), spec.log_path))
-        self.groups[group] = workers
-
-    def _spawn(self, spec: WorkerSpec) -> ProcessHandle:
-        if self.job.cluster.spawn == "exec":
-            return exec_worker(spec, self.paths.root, self._lifeline())
-        return self._fork(lambda server: server.spawn(spec, timeout_s=self.job.cluster.timeouts.connect))
-
-    def _fork(self, request: Callable[[ForkServer], ForkedProcess]) -> ForkedProcess:
-        """``request`` a process from the fork server, starting one first if none is alive.
-
-        A server killed between the liveness check and its answer is replaced and asked again
-        (a few times: one that keeps dying at once is a failure of the job, not a fault to ride).
-        """
-        log_path = self.paths.logs / "forkserver.log"
-        for attempt in range(FORK_ATTEMPTS):
-            try:
-                if self.fork_server is None or not self.fork_server.alive():
-                    self.fork_server = ForkServer.start(self.paths.root, self._lifeline(), log_path)
-                return request(self.fork_server)
-            except ForkServerError as error:
-                gone = isinstance(error, ForkServerGone)
-                if gone and attempt + 1 < FORK_ATTEMPTS:
-                    self.fork_server = None
-                    continue
-                times = f" ({FORK_ATTEMPTS} times)" if gone else ""
-                raise JobFailed(f"{error}{times}; last lines of {log_path}:\n{log_tail(log_path)}") from error
-
-    def signal_group(self, group: int, signum: int) -> None:
-        """Send ``signum`` to every worker of ``group`` (SIGKILL, SIGSTOP, SIGCONT, SIGUSR1...).
-
-        A killed group is forgotten (it is not a failure of the job) until it is started again.
-        """
-        for w in self.groups[group]:
-            if w.process.poll() is None:
-                w.process.send_signal(signum)
-        if signum == signal.SIGKILL:
-            for w in self.groups.pop(group):
-                w.process.wait()
-
-    def request_fault(self, group: int, fault: str) -> None:
-        """Make ``group`` inject ``fault`` into its next round (see Synchronizer.inject)."""
-        request_fault(self.paths.fault_requests(group), fault)
-
-    def failed_worker(self) -> WorkerProcess | None:
-        """A worker that exited with an error, if any."""
-        for workers in self.groups.values():
-            for w in workers:
-                if w.process.poll() not in (None, 0):
-                    return w
-        return None
-
-    def finished(self) -> bool:
-        return all(w.process.poll() == 0 for workers in self.groups.values() for w in workers)
-
-    def stop(self) -> None:
-        """Stop every process of the job; nothing is left behind.
-
-        Cutting the lifeline last also ends any process a failed start left unrecorded.
-        """
-        processes = [w.process for workers in self.groups.values() for w in workers]
-        stop_processes(processes + ([self.lighthouse] if self.lighthouse else []))
-        if self.fork_server is not None:
-            self.fork_server.stop(TERMINATE_GRACE_S)
-        if self.lifeline is not None:
-            self.lifeline.cut()
-            self.lifeline = None
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

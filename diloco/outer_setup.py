@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 from diloco.config import JobConfig, training_config
-from diloco.ddp import GradientSync
 from diloco.distributed import WorkerEnv
 from diloco.faults import FaultRequests
 from diloco.fragments import fragment_parameter_names
@@ -20,8 +19,9 @@ from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import Lanes
 from diloco.ft.manager import Manager
 from diloco.ft.state import HealState, local_tensor
-from diloco.outer import Fragment, OuterSync
-from diloco.sync import Synchronizer
+from diloco.gradient_sync import GradientSync
+from diloco.outer_sync import Fragment, OuterSync
+from diloco.synchronizer import Synchronizer
 from outer_opt import MomentumWarmup, build_outer_optimizer
 
 HEARTBEATS_PER_TIMEOUT = 4

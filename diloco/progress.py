@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from diloco.metrics import read_jsonl_tail
+from diloco.logger import read_jsonl_tail
 
 
 def format_duration(seconds: float) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from diloco.config import JobConfig
 from diloco.outcome import job_outcome
-from diloco.worker import RunPaths
+from diloco.run_paths import RunPaths
 
 FAILURES = ("kill", "hang", "crash")
 
@@ -90,7 +90,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
     tokens = sum(r["tokens_seen"] for r in results)
     train_seconds = max((r["train_seconds"] for r in results), default=0.0)
     eval_loss = statistics.fmean(r["final_eval_loss"] for r in current) if current else math.nan
-    events = read_jsonl(paths.root / "events.jsonl")
+    events = read_jsonl(paths.events)
     commits = {g: read_jsonl(paths.commits(g)) for g in range(job.cluster.groups)}
     # Counted from the commit logs, which every process of a group appends to (restarts included).
     rounds = [r for records in commits.values() for r in records if not r.get("closing")]

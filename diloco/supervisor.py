@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from diloco.faults import FaultEvent, kill_target
-from diloco.launcher import JobFailed, LocalCluster, log_tail
-from diloco.metrics import read_jsonl_tail
+from diloco.local_cluster import JobFailed, LocalCluster, log_tail
+from diloco.logger import read_jsonl_tail
 
 log = logging.getLogger(__name__)
 

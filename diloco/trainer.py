@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from diloco.config_base import check
 from diloco.data import ShardedBatches
-from diloco.sync import OuterOutcome, Synchronizer
+from diloco.synchronizer import OuterOutcome, Synchronizer
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -26,54 +25,13 @@ from diloco.data import ShardedBatches, eval_batches, load_corpus
 from diloco.distributed import WorkerEnv, check_device, init_group, select_device, shard_model
 from diloco.faults import FaultRequests
 from diloco.files import write_atomically, write_json_atomically
-from diloco.metrics import MetricsLogger, start_wandb
+from diloco.inner_opt import build_inner_optimizer
+from diloco.logger import MetricsLogger, start_wandb
 from diloco.model import Transformer, count_parameters, param_signature
-from diloco.optim import build_inner_optimizer
 from diloco.outer_setup import build_outer_sync, group_name
 from diloco.process_logging import setup_process_logging
+from diloco.run_paths import RunPaths
 from diloco.trainer import Trainer, TrainResult
-
-JOB_FILE = "job.json"
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    """Files a run writes, all under one directory."""
-
-    root: Path
-
-    @property
-    def job(self) -> Path:
-        return self.root / JOB_FILE
-
-    @property
-    def summary(self) -> Path:
-        return self.root / "summary.json"
-
-    @property
-    def weights(self) -> Path:
-        return self.root / "model.pt"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    def metrics(self, group: int) -> Path:
-        return self.root / "metrics" / f"group{group}.jsonl"
-
-    def result(self, group: int) -> Path:
-        return self.root / "results" / f"group{group}.json"
-
-    def commits(self, group: int) -> Path:
-        return self.root / "commits" / f"group{group}.jsonl"
-
-    def fault_requests(self, group: int) -> Path:
-        return self.root / "faults" / f"group{group}.requests"
-
-    def outputs_present(self) -> list[str]:
-        """What an earlier run left here (the launcher refuses to run a second job on top of it)."""
-        names = [JOB_FILE, "summary.json", "model.pt", "events.jsonl", "results", "commits", "metrics", "logs"]
-        return [name for name in names if (self.root / name).exists()]
 
 
 def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tuple[ShardedBatches, list]:

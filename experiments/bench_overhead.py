@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diloco.run_paths import RunPaths  # noqa: E402
 from experiments.common import (  # noqa: E402
     add_output_arguments,
     compose_job,
@@ -102,7 +103,7 @@ def run_config(overrides: list[str], run_dir: Path) -> Run:
     summary = run_job(job, run_dir)
     loops, excess = [], []
     for g in range(job.cluster.groups):
-        records = read_jsonl(run_dir / "metrics" / f"group{g}.jsonl")
+        records = read_jsonl(RunPaths(run_dir).metrics(g))
         loops.append(sum(r["train/step_ms"] for r in records if r.get("train/step_ms") is not None) / 1e3)
         excess.append(outer_excess_pct(records, job.algo.delay))
     return Run(

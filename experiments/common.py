@@ -2,7 +2,7 @@
 
 The scripts use the library one way (STYLE rule 7): a job is composed from ``conf/`` with
 hydra exactly as ``python run.py`` would compose it, turned into a ``JobConfig`` once, and
-run through ``diloco.launcher`` (``launch`` for a whole job, ``LocalCluster`` to kill and
+run through ``diloco.local_cluster`` (``launch`` for a whole job, ``LocalCluster`` to kill and
 restart groups). Nothing here forks the training code.
 """
 
@@ -28,9 +28,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # python experiments/<script>.py from a checkout, installed or not
 
 from diloco.config import JobConfig, job_config_from_dict  # noqa: E402
-from diloco.launcher import JobFailed, LocalCluster, log_tail  # noqa: E402
-from diloco.run_local import launch  # noqa: E402
-from diloco.worker import RunPaths, preflight  # noqa: E402
+from diloco.launcher import launch  # noqa: E402
+from diloco.local_cluster import JobFailed, LocalCluster, log_tail  # noqa: E402
+from diloco.run_paths import RunPaths  # noqa: E402
+from diloco.worker import preflight  # noqa: E402
 
 CONF_DIR = REPO / "conf"
 RESULTS = REPO / "experiments" / "results"
@@ -84,7 +85,7 @@ def run_job(job: JobConfig, run_dir: Path, keep_failure: bool = False) -> dict[s
     except JobFailed:
         if not keep_failure:
             raise
-        return json.loads((run_dir / "summary.json").read_text())
+        return json.loads(RunPaths(run_dir).summary.read_text())
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco.worker import RunPaths  # noqa: E402
+from diloco.run_paths import RunPaths  # noqa: E402
 from experiments.common import (  # noqa: E402
     NO_MATPLOTLIB,
     RESULTS,

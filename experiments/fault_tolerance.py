@@ -1,4 +1,5 @@
-"""The fault-tolerant Llama experiment at CPU scale: one DiLoCo job, without faults and with a group SIGKILLed every 15 s.
+"""The fault-tolerant Llama experiment at CPU scale: one DiLoCo job, without faults and with a
+group SIGKILLed every 15 s.
 
 Four replica groups of one CPU process each train the tiny model with DiLoCo, H=20
 (``conf/experiment/fault_tolerance.yaml``). The same job runs twice, one after the other:
@@ -41,6 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diloco.run_paths import RunPaths  # noqa: E402
 from experiments.common import (  # noqa: E402
     NO_MATPLOTLIB,
     RESULTS,
@@ -225,16 +227,17 @@ def run_one(
 
 def load_run(name: str, run_dir: Path, h: int, start: float) -> Run:
     """A finished job's records read back from its run directory (``start``: time.time() at its launch)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
+    paths = RunPaths(run_dir)
+    summary = json.loads(paths.summary.read_text())
     groups = range(summary["groups"])
     return Run(
         name=name,
         h=h,
         summary=summary,
         start=start,
-        events=read_jsonl(run_dir / "events.jsonl"),
-        commits={g: read_jsonl(run_dir / "commits" / f"group{g}.jsonl") for g in groups},
-        metrics={g: read_jsonl(run_dir / "metrics" / f"group{g}.jsonl") for g in groups},
+        events=read_jsonl(paths.events),
+        commits={g: read_jsonl(paths.commits(g)) for g in groups},
+        metrics={g: read_jsonl(paths.metrics(g)) for g in groups},
     )
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diloco.run_paths import RunPaths  # noqa: E402
 from experiments.common import (
     NO_MATPLOTLIB,
     RESULTS,
@@ -240,11 +241,11 @@ class Progress:
             print(self.line(), file=sys.stderr, flush=True)
 
     def line(self) -> str:
-        events = read_jsonl(self.run_dir / "events.jsonl")
+        events = read_jsonl(RunPaths(self.run_dir).events)
         counts = {kind: sum(e["kind"] == kind for e in events) for kind, _ in SHOWN}
         faults = ", ".join(f"{counts[kind]} {label}" for kind, label in SHOWN)
         step = max(
-            (r.get("step", 0) for p in (self.run_dir / "metrics").glob("group*.jsonl") for r in read_jsonl(p)[-5:]),
+            (r.get("step", 0) for p in RunPaths(self.run_dir).all_metrics() for r in read_jsonl(p)[-5:]),
             default=0,
         )
         elapsed = (time.monotonic() - self.start) / 60

@@ -75,5 +75,6 @@ class OuterOptConfig:
             self.name not in ("nesterov", "sgd") or not self.nesterov or self.momentum > 0,
             "outer_opt.momentum",
             self.momentum,
-            "Nesterov momentum needs outer_opt.momentum > 0; raise it or use outer_opt=sgd with outer_opt.nesterov=false",
+            "Nesterov momentum needs outer_opt.momentum > 0; raise it "
+            "or use outer_opt=sgd with outer_opt.nesterov=false",
         )

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from diloco.model import Transformer, count_parameters
-from diloco.worker import RunPaths
+from diloco.run_paths import RunPaths
 from experiments.common import NO_MATPLOTLIB, compose_job
 from experiments.compare_ddp import CONFIGS, EXPERIMENT, Config, chosen, collect, parse_args, table, targets
 from tests.conftest import compose_job as compose_like_run_py

@@ -11,7 +11,7 @@ import torch
 
 from diloco.config import JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
-from diloco.launcher import free_port
+from diloco.local_cluster import free_port
 from tests.conftest import CONF_DIR, REPO, compose_job, compose_raw
 
 

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from diloco.algo import validate_schedule
 from diloco.config_base import ConfigError
 from diloco.fragments import (
     fragment_of_parameter,
@@ -14,7 +15,6 @@ from diloco.fragments import (
     fragments_to_apply,
     fragments_to_launch,
     partition_blocks,
-    validate_schedule,
 )
 from diloco.model import ModelConfig, Transformer
 

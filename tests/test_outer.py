@@ -18,10 +18,10 @@ from diloco.config import GroupConfig, JobConfig
 from diloco.distributed import WorkerEnv
 from diloco.fragments import fragment_parameter_names, fragments_to_apply, fragments_to_launch
 from diloco.ft.lighthouse import Lighthouse, LighthouseConfig
+from diloco.inner_opt import build_inner_optimizer
 from diloco.model import Transformer, param_signature
-from diloco.optim import build_inner_optimizer
-from diloco.outer import OuterSync
 from diloco.outer_setup import build_outer_sync
+from diloco.outer_sync import OuterSync
 from diloco.trainer import Trainer
 from diloco.worker import build_trainer
 from tests.conftest import compose_job
@@ -208,9 +208,9 @@ def test_one_group_sync_every_step_with_sgd_and_averaging_is_plain_sgd(tmp_path)
     plain.fit()
     diloco = _sgd_trainer(job, 0, 1)
     with lighthouse_for(job) as job:
-        diloco.outer = outer_for(job, 0, diloco.model, diloco.optimizer, tmp_path)
+        diloco.outer_sync = outer_for(job, 0, diloco.model, diloco.optimizer, tmp_path)
         diloco.fit()
-        diloco.outer.manager.stop()
+        diloco.outer_sync.manager.stop()
     for a, b in zip(plain.model.parameters(), diloco.model.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=1e-6)
 
@@ -336,8 +336,8 @@ def test_a_bug_inside_a_round_stops_the_worker_instead_of_failing_the_round(tmp_
     def buggy(*args, **kwargs):
         raise RuntimeError("deliberate bug in a round: shapes [3] and [4] differ")
 
-    monkeypatch.setattr("diloco.outer.launch_reduce", buggy)
-    monkeypatch.setattr("diloco.ddp.launch_reduce", buggy)
+    monkeypatch.setattr("diloco.outer_sync.launch_reduce", buggy)
+    monkeypatch.setattr("diloco.gradient_sync.launch_reduce", buggy)
     job = compose_job(
         BASE + ["cluster.groups=1", "algo.sync_every=4", "trainer.max_steps=8", "trainer.seq_len=32"] + algo
     )

@@ -173,9 +173,9 @@ def test_single_group_sgd_lr1_outer_step_is_identity_on_the_inner_model():
     theta_g = make_params(0)
     theta_l = make_params(7)
     opt = build_outer_optimizer(theta_g, OuterOptConfig(name="sgd", lr=1.0, momentum=0.0, nesterov=False))
-    step(opt, theta_g, [g.detach() - l for g, l in zip(theta_g, theta_l)])
-    for g, l in zip(theta_g, theta_l):
-        torch.testing.assert_close(g.detach(), l, rtol=0, atol=1e-6)
+    step(opt, theta_g, [g.detach() - local for g, local in zip(theta_g, theta_l)])
+    for g, local in zip(theta_g, theta_l):
+        torch.testing.assert_close(g.detach(), local, rtol=0, atol=1e-6)
 
 
 # --- momentum warm-up ------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from diloco.metrics import MetricsLogger, read_jsonl_tail
+from diloco.logger import MetricsLogger, read_jsonl_tail
 from diloco.progress import ProgressView, render_progress
 
 

@@ -15,12 +15,13 @@ import pytest
 
 from diloco.config_base import ConfigError, to_dict
 from diloco.distributed import WorkerEnv
-from diloco.launcher import LocalCluster, log_tail
+from diloco.launcher import launch
 from diloco.lifeline import Lifeline
-from diloco.run_local import launch
+from diloco.local_cluster import LocalCluster, log_tail
+from diloco.run_paths import RunPaths
 from diloco.spawn import ForkedProcess, ForkServer, WorkerSpec, become_subreaper
 from diloco.summary import read_jsonl
-from diloco.worker import RunPaths, preflight
+from diloco.worker import preflight
 from tests.conftest import FAST, REPO, compose_job
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="cluster.spawn=fork needs Linux")

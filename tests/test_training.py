@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from diloco.metrics import read_jsonl_tail
+from diloco.launcher import launch
+from diloco.logger import read_jsonl_tail
 from diloco.model import Transformer
-from diloco.run_local import launch
-from diloco.worker import RunPaths
+from diloco.run_paths import RunPaths
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from diloco.launcher import JobFailed, serving_pid
-from diloco.run_local import launch
+from diloco.launcher import launch
+from diloco.local_cluster import JobFailed, serving_pid
+from diloco.run_paths import RunPaths
 from diloco.summary import read_jsonl
-from diloco.worker import RunPaths
 from tests.conftest import REPO, compose_job
 
 pytestmark = pytest.mark.slow

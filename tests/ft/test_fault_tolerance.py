@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from diloco.launcher import LocalCluster, log_tail
+from diloco.local_cluster import LocalCluster, log_tail
+from diloco.run_paths import RunPaths
 from diloco.summary import read_jsonl
-from diloco.worker import RunPaths, preflight
+from diloco.worker import preflight
 from tests.conftest import compose_job
 
 pytestmark = pytest.mark.slow

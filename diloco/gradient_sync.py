@@ -17,7 +17,7 @@ from diloco.ft.lanes import LaneError
 from diloco.ft.manager import wait_work
 from diloco.ft.state import local_tensor
 from diloco.outer_reduce import launch_reduce
-from diloco.sync import OuterOutcome, Synchronizer
+from diloco.synchronizer import OuterOutcome, Synchronizer
 
 log = logging.getLogger(__name__)
 

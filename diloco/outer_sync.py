@@ -17,46 +17,20 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from diloco.config_base import check
+from diloco.algo import AlgoConfig
 from diloco.fragments import fragments_to_apply, fragments_to_launch
 from diloco.ft.lanes import LaneError
 from diloco.ft.manager import Round, wait_work
 from diloco.outer_reduce import launch_reduce
-from diloco.sync import OuterOutcome, Synchronizer
+from diloco.synchronizer import OuterOutcome, Synchronizer
 from outer_opt import MomentumWarmup
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AlgoConfig:
-    """H inner steps per window, P fragments, overlap τ, mixing α, payload format (DESIGN section 2).
-
-    ``ddp`` all-reduces gradients across every worker of every group each step (the
-    data-parallel baseline); ``local`` trains every group alone with no outer sync at all:
-    the no-communication baseline that benchmarks measure the cost of syncing against.
-    """
-
-    name: Literal["diloco", "streaming", "ddp", "local"] = "diloco"
-    sync_every: int = 50
-    fragments: int = 1
-    pattern: Literal["strided", "sequential"] = "strided"
-    delay: int = 0
-    alpha: float = 0.0
-    quantize: Literal["none", "bf16", "fp8", "int8", "fp4"] = "none"
-    weighting: Literal["uniform", "tokens"] = "uniform"
-
-    def validate(self) -> None:
-        if self.name == "diloco":
-            check(
-                self.fragments == 1, "algo.fragments", self.fragments, "must be 1 for algo=diloco; use algo=streaming"
-            )
-            check(self.delay == 0, "algo.delay", self.delay, "must be 0 for algo=diloco; use algo=streaming")
 
 
 @dataclass

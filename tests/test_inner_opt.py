@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diloco.optim import InnerOptConfig, build_inner_optimizer, lr_multiplier
+from diloco.inner_opt import InnerOptConfig, build_inner_optimizer, lr_multiplier
 
 
 def test_warmup_is_linear_and_starts_above_zero():

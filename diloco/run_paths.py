@@ -1,0 +1,56 @@
+"""The run directory's layout: every file a job writes, named once for its writers and readers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+JOB_FILE = "job.json"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Files a run writes, all under one directory."""
+
+    root: Path
+
+    @property
+    def job(self) -> Path:
+        return self.root / JOB_FILE
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "model.pt"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def metrics(self, group: int) -> Path:
+        return self.root / "metrics" / f"group{group}.jsonl"
+
+    def all_metrics(self) -> list[Path]:
+        """Every group's metrics file written so far."""
+        return sorted((self.root / "metrics").glob("group*.jsonl"))
+
+    def result(self, group: int) -> Path:
+        return self.root / "results" / f"group{group}.json"
+
+    def commits(self, group: int) -> Path:
+        return self.root / "commits" / f"group{group}.jsonl"
+
+    def fault_requests(self, group: int) -> Path:
+        return self.root / "faults" / f"group{group}.requests"
+
+    def outputs_present(self) -> list[str]:
+        """What an earlier run left here (the launcher refuses to run a second job on top of it)."""
+        names = [JOB_FILE, "summary.json", "model.pt", "events.jsonl", "results", "commits", "metrics", "logs"]
+        return [name for name in names if (self.root / name).exists()]
