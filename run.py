@@ -1,7 +1,8 @@
 """Hydra entry point: ``python run.py [key=value ...]``, ``python run.py -m key=a,b`` for sweeps.
 
-The composed config becomes a typed, validated ``JobConfig`` here, once; nothing below this
-file sees hydra. Invalid values stop the run before any process starts.
+``conf/`` presets are composed onto the dataclass defaults (``base_config``); the result
+becomes a typed, validated ``JobConfig`` here, once; nothing below this file sees hydra.
+Invalid values stop the run before any process starts.
 """
 
 from __future__ import annotations
@@ -9,14 +10,15 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from diloco.config import JobConfig, job_config_from_dict
-from diloco.config_base import ConfigError
+from diloco.config_base import ConfigError, to_dict
 from diloco.data import DataError
 from diloco.distributed import WorkerEnv
 from diloco.files import OutputError
@@ -27,6 +29,31 @@ from diloco.local_cluster import JobFailed
 from diloco.outcome import group_outcome
 from diloco.run_paths import RunPaths
 from diloco.worker import exit_without_teardown, refuse_finished_group, run_worker
+
+BASE_CONFIG = "base_config"
+
+# Keys left out of the base: absent, they follow another key. ``model.vocab_size`` is the
+# data's (``job_config_from_dict``); a user sets it with ``+model.vocab_size=N``.
+DERIVED_KEYS = (("model", "vocab_size"),)
+
+
+def base_config() -> dict[str, Any]:
+    """Every default of ``JobConfig``: the node ``conf/config.yaml`` lists first, so a preset
+    holds only its deltas, a default is written once (in its dataclass, lingua's habit), and
+    ``algo.sync_every=10`` overrides a key no preset mentions while an unknown key is refused.
+
+    A plain dict, not the dataclass: OmegaConf cannot type ``Literal`` fields, and
+    ``job_config_from_dict`` checks every type with messages that name the key and the fix.
+    """
+    base = to_dict(JobConfig())
+    for section, key in DERIVED_KEYS:
+        del base[section][key]
+    return base
+
+
+def store_base_config() -> None:
+    """Register ``base_config`` with hydra's ConfigStore; call before composing ``conf/``."""
+    ConfigStore.instance().store(name=BASE_CONFIG, node=base_config())
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
@@ -73,4 +100,5 @@ def run_group(job: JobConfig, paths: RunPaths) -> NoReturn:
 
 
 if __name__ == "__main__":
+    store_base_config()
     main()

@@ -6,8 +6,37 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from diloco.config_base import check
-from diloco.ft.lighthouse import LighthouseConfig
 from diloco.ft.quorum import QuorumRules
+
+
+@dataclass(frozen=True)
+class LighthouseConfig:
+    """Where the lighthouse listens; ``token`` is the job's secret (empty: none required).
+
+    Here with the rest of ``cluster.*`` rather than in the server module, so a group's
+    processes, which read this config, never import the lighthouse server.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 picks a free port; a multi-host job sets a fixed one
+    token: str = ""
+    store_port: int = 0  # the TCPStore it hosts; 0 picks a free port
+    history: int = 50  # quorums kept for /status
+
+    def validate(self) -> None:
+        check(bool(self.host), "cluster.lighthouse.host", self.host, "must be an address to bind, e.g. 127.0.0.1")
+        for key in ("port", "store_port"):
+            value = getattr(self, key)
+            check(
+                0 <= value <= 65535, f"cluster.lighthouse.{key}", value, "must be in [0, 65535] (0 picks a free port)"
+            )
+        check(
+            self.port == 0 or self.port != self.store_port,
+            "cluster.lighthouse.store_port",
+            self.store_port,
+            f"must differ from cluster.lighthouse.port={self.port} (or be 0 to pick a free port)",
+        )
+        check(self.history >= 1, "cluster.lighthouse.history", self.history, "must be >= 1 (quorums kept for /status)")
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,13 @@
 The launcher fires the plan against real processes (SIGKILL, SIGSTOP/SIGCONT, a killed
 lighthouse, and requests the workers pick up at their next round: a broken lane, a NaN
 update, a failed round); the same seed gives the same plan, so a failing chaos run can be
-replayed.
+replayed. A worker takes requests through a ``FaultHook``, composed in only when the job
+asks for faults inside workers.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -15,7 +17,11 @@ from pathlib import Path
 
 from diloco.config_base import check
 
+log = logging.getLogger(__name__)
+
 FAULT_KINDS = ("kill", "hang", "break_lane", "nan", "restart_lighthouse")
+WORKER_KINDS = ("break_lane", "nan")  # the planned kinds a worker injects itself, at its next round
+INJECTABLE_FAULTS = ("fail_round", "break_lane", "nan")  # what a request may ask of a worker
 KIND_STAGGER_S = 1.0
 
 
@@ -37,6 +43,7 @@ class FaultsConfig:
     nan_every: float = 0.0
     restart_lighthouse_every: float = 0.0
     lighthouse_down_seconds: float = 2.0
+    accept_requests: bool = False  # workers take faults requested by hand too (LocalCluster.request_fault)
 
     def validate(self) -> None:
         for key in ("start_after", "stop_after", "kill_every", "hang_every", "break_lane_every", "nan_every"):
@@ -58,8 +65,9 @@ class FaultsConfig:
         )
 
     @property
-    def enabled(self) -> bool:
-        return any(self.period(kind) > 0 for kind in FAULT_KINDS)
+    def in_workers(self) -> bool:
+        """Whether workers watch for fault requests: the plan holds kinds they inject, or requests come by hand."""
+        return self.accept_requests or any(self.period(kind) > 0 for kind in WORKER_KINDS)
 
     def period(self, kind: str) -> float:
         return getattr(self, f"{kind}_every")
@@ -122,23 +130,49 @@ def request_fault(path: Path, fault: str) -> None:
         fh.write(f"{fault} {time.time()}\n")
 
 
-class FaultRequests:
-    """The faults queued for one group; every worker of the group reads the same file.
+class FaultHook:
+    """The faults requested for one group, injected by its synchronizer at the next round they apply to.
 
-    Polled at the start of each round rather than signalled, so a request can never reach a
+    ``fail_round``: this worker's all-reduce is treated as failed after it completes (the
+    peers commit, this group does not and heals next round). ``break_lane``: the lane is
+    aborted while the all-reduce is in flight (nobody commits that round). ``nan``: this
+    group's update becomes non-finite (the guard leaves it out; it heals).
+
+    Composed in by the worker only when the job injects faults into workers: without a hook
+    the synchronizer reads no file. Every worker of the group reads the same request file,
+    polled at the start of each round rather than signalled, so a request can never reach a
     process before it is ready for it. Requests older than ``since`` (when this process of
     the group was started) targeted an earlier process, before a restart.
     """
 
-    def __init__(self, path: Path, since: float) -> None:
+    def __init__(self, path: Path, *, since: float, group: str) -> None:
         self.path = path
         self.since = since
-        self.seen = 0
+        self.group = group
+        self._seen = 0
+        self._pending: set[str] = set()
 
-    def take(self) -> list[str]:
+    def poll(self) -> None:
+        """At the start of a round: queue the faults requested since the last poll."""
         lines = self._lines()
-        new, self.seen = lines[self.seen :], len(lines)
-        return [fault for fault, at in (line.split() for line in new) if float(at) >= self.since]
+        new, self._seen = lines[self._seen :], len(lines)
+        for fault, at in (line.split() for line in new):
+            if float(at) >= self.since:
+                self.inject(fault)
+
+    def inject(self, fault: str) -> None:
+        """Queue ``fault`` for the next round it applies to."""
+        if fault not in INJECTABLE_FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; one of {', '.join(INJECTABLE_FAULTS)}")
+        self._pending.add(fault)
+
+    def take(self, fault: str) -> bool:
+        """True once per queued ``fault``: the round asking injects it now."""
+        if fault not in self._pending:
+            return False
+        self._pending.discard(fault)
+        log.warning("group %s: injected fault %s", self.group, fault)
+        return True
 
     def _lines(self) -> list[str]:
         try:

@@ -38,7 +38,7 @@ class GradientSync(Synchronizer):
         """
         started = time.perf_counter()
         outcome = OuterOutcome(skip_step=True)
-        self._poll_fault_requests()
+        self._round_starts()
         round_ = self.manager.start_round(step - 1)
         if round_ is None:  # no quorum: no step, so no group drifts from the others
             outcome.metrics.update(self._no_quorum_metrics())
@@ -54,7 +54,7 @@ class GradientSync(Synchronizer):
         average = None
         if ok:
             average = self._reduce(round_, contribute=healed is None)
-        if average is not None and self._take_injected("fail_round"):
+        if average is not None and self._injects("fail_round"):
             average = None
         self.attempted += 1
         committed = self.manager.commit(round_, average is not None)
@@ -84,8 +84,8 @@ class GradientSync(Synchronizer):
             grads.zero_()
             contribute = False
         pending = launch_reduce(round_.lane, grads, 1.0 if contribute else 0.0, "none", round_.size)
-        if self._take_injected("break_lane"):
-            self.manager.lanes.drop()  # mid all-reduce: this round fails everywhere
+        if self._injects("break_lane"):
+            self.manager.abandon_round()  # mid all-reduce: this round fails everywhere
         try:  # only the wait is guarded: that is where Gloo reports a lost peer; anything else is a bug
             average = pending.result(lambda work: wait_work(work, self.collective_timeout_s))
         except LaneError as error:

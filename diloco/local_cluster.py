@@ -100,6 +100,26 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
+def wait_until(
+    condition: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    poll_s: float = 0.2,
+    gone: Callable[[], str | None] = lambda: None,
+) -> float:
+    """Poll until ``condition()`` holds; the seconds it took. For whoever drives a job from outside
+    (a test, a benchmark): ``gone()`` names why the condition can no longer come (a process died),
+    ending the wait at once instead of after the whole timeout."""
+    start = time.monotonic()
+    while not condition():
+        if (reason := gone()) is not None:
+            raise JobFailed(f"while waiting for {what}: {reason}")
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(poll_s)
+    return time.monotonic() - start
+
+
 def stop_processes(processes: list[ProcessHandle]) -> None:
     """SIGTERM (and SIGCONT, in case one is stopped), then SIGKILL what is left after a grace period."""
     for process in processes:
@@ -232,7 +252,7 @@ class LocalCluster:
                 w.process.wait()
 
     def request_fault(self, group: int, fault: str) -> None:
-        """Make ``group`` inject ``fault`` into its next round (see Synchronizer.inject)."""
+        """Make ``group`` inject ``fault`` into its next round (see FaultHook; needs ``faults.in_workers``)."""
         request_fault(self.paths.fault_requests(group), fault)
 
     def failed_worker(self) -> WorkerProcess | None:
@@ -242,6 +262,19 @@ class LocalCluster:
                 if w.process.poll() not in (None, 0):
                     return w
         return None
+
+    def wait_for(self, condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.2) -> float:
+        """``wait_until`` ``condition`` holds, failing at once if a worker fails; the seconds it took.
+        A timeout's error ends with the tail of every log of the job."""
+        try:
+            return wait_until(condition, timeout_s, what, poll_s, self._failed_worker_tail)
+        except TimeoutError as error:
+            logs = "\n".join(f"--- {p.name}\n{log_tail(p, 15)}" for p in sorted(self.paths.logs.glob("*.log")))
+            raise TimeoutError(f"{error}\n{logs}") from None
+
+    def _failed_worker_tail(self) -> str | None:
+        failed = self.failed_worker()
+        return None if failed is None else f"group {failed.group} died:\n{log_tail(failed.log_path, 40)}"
 
     def finished(self) -> bool:
         return all(w.process.poll() == 0 for workers in self.groups.values() for w in workers)

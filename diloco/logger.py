@@ -71,6 +71,17 @@ def start_wandb(
     )
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete record of a JSON-lines file ([] if there is none yet); a line a live process
+    is still writing is left out."""
+    return read_jsonl_tail(path, 0)[0]
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), clamped: math.exp raises past ~709, and a diverged run must still report its numbers."""
+    return math.exp(min(loss, 50.0))
+
+
 def read_jsonl_tail(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     """Complete records appended to ``path`` since byte ``offset``, and the new offset."""
     try:

@@ -13,7 +13,7 @@ from torch import nn
 
 from diloco.config import JobConfig, training_config
 from diloco.distributed import WorkerEnv
-from diloco.faults import FaultRequests
+from diloco.faults import FaultHook
 from diloco.fragments import fragment_parameter_names
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import Lanes
@@ -65,9 +65,12 @@ def build_outer_sync(
     signature: str,
     device: torch.device,
     commits_path: Path,
-    fault_requests: FaultRequests | None = None,
+    faults: FaultHook | None = None,
 ) -> Synchronizer:
-    """Everything the trainer needs to take part in outer rounds; the leader also talks to the lighthouse."""
+    """Everything the trainer needs to take part in outer rounds; the leader also talks to the lighthouse.
+
+    Not started: ``start()`` it before the first round and ``close()`` it at the end.
+    """
     group = group_name(job.group.id)
     timeouts = job.cluster.timeouts
     client = None
@@ -94,7 +97,7 @@ def build_outer_sync(
         collective_timeout_s=timeouts.collective,
         end_wait_s=timeouts.end + timeouts.quorum,
         commit_log=_commit_logger(commits_path) if env.rank == 0 else _ignore,
-        fault_requests=fault_requests,
+        faults=faults,
     )
     if job.algo.name == "ddp":
         params = list(model.parameters())

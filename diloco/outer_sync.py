@@ -86,7 +86,7 @@ class OuterSync(Synchronizer):
         """A starting group's first round: take the live state from a peer if the job is ahead."""
         outcome = OuterOutcome()
         started = time.perf_counter()
-        self._poll_fault_requests()
+        self._round_starts()
         flight = Flight(launch_step=0, fragments=[], deltas=[], weights=[], round=self.manager.start_round(0))
         flight.held_ms = 1000 * (time.perf_counter() - started)
         self._land(flight, 0, outcome)
@@ -123,7 +123,7 @@ class OuterSync(Synchronizer):
     def _launch(self, step: int, due: list[int]) -> None:
         """Snapshot Δ_p = θ_g,p − θ_l,p of the due fragments and start their round in the background."""
         started = time.perf_counter()
-        self._poll_fault_requests()
+        self._round_starts()
         fragments = [self.fragments[p] for p in due]
         with torch.no_grad():
             deltas = [
@@ -167,8 +167,8 @@ class OuterSync(Synchronizer):
                 launch_reduce(round_.lane, delta, weight if finite else 0.0, self.algo.quantize, round_.size)
             )
             local_ok.append(finite)
-        if self._take_injected("break_lane"):
-            self.manager.lanes.drop()  # mid all-reduce: this round fails everywhere
+        if self._injects("break_lane"):
+            self.manager.abandon_round()  # mid all-reduce: this round fails everywhere
         flight.averages = []
         for ok, reduce in zip(local_ok, pending):
             average = None
@@ -236,7 +236,7 @@ class OuterSync(Synchronizer):
 
     def _wait_background(self, flight: Flight) -> None:
         """Wait for the round's background part; every wait in it has its own timeout, this is a backstop."""
-        timeout_s = self.manager.quorum_timeout_s + self.manager.lanes.connect_timeout_s + 4 * self.collective_timeout_s
+        timeout_s = self.manager.start_round_timeout_s + 4 * self.collective_timeout_s
         try:
             flight.done.result(timeout=timeout_s)
         except FutureTimeout:
@@ -249,7 +249,7 @@ class OuterSync(Synchronizer):
         """Commit the flight's i-th fragment iff every rank has its average: then the outer step, else reset θ_l."""
         fragment, average = flight.fragments[i], flight.averages[i]
         self.attempted += 1
-        if average is not None and self._take_injected("fail_round"):
+        if average is not None and self._injects("fail_round"):
             average = None
         committed = self.manager.commit(flight.round, average is not None)
         tokens = 0.0

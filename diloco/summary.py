@@ -9,20 +9,14 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from pathlib import Path
 from typing import Any
 
 from diloco.config import JobConfig
+from diloco.logger import perplexity, read_jsonl
 from diloco.outcome import job_outcome
 from diloco.run_paths import RunPaths
 
-FAILURES = ("kill", "hang", "crash")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+FAILURES = ("kill", "hang", "crash")  # event kinds that take a group out: what stalls and recoveries follow
 
 
 def times_to_heal(events: list[dict], commits: dict[int, list[dict]]) -> list[float]:
@@ -109,7 +103,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "steps": min((r["steps"] for r in results), default=0),
         "final_train_loss": statistics.fmean(r["final_train_loss"] for r in current) if current else math.nan,
         "final_eval_loss": eval_loss,
-        "final_eval_ppl": math.exp(min(eval_loss, 50.0)),
+        "final_eval_ppl": perplexity(eval_loss),
         "tokens_seen": tokens,
         "wall_seconds": wall_seconds,
         "train_seconds": train_seconds,

@@ -18,14 +18,13 @@ from typing import Any
 import torch
 
 from diloco.byte_view import as_bytes_tensor, byte_view
-from diloco.faults import FaultRequests
+from diloco.faults import FaultHook
 from diloco.ft.manager import Manager, MembershipError, Round
 from diloco.ft.quorum import JobEnd
 from diloco.ft.state import HealState, Position
 
 log = logging.getLogger(__name__)
 
-INJECTABLE_FAULTS = ("fail_round", "break_lane", "nan")
 NO_QUORUM_PAUSE_S = 0.2  # between a finished group's asks while the lighthouse is unreachable
 
 
@@ -39,7 +38,11 @@ class OuterOutcome:
 
 
 class Synchronizer:
-    """Bookkeeping and healing shared by the synchronizers; subclasses add the all-reduce."""
+    """Bookkeeping and healing shared by the synchronizers; subclasses add the all-reduce.
+
+    ``faults`` is composed in only when the job injects faults into workers (see ``FaultHook``);
+    without it a round costs no fault bookkeeping at all.
+    """
 
     def __init__(
         self,
@@ -49,10 +52,10 @@ class Synchronizer:
         collective_timeout_s: float,
         end_wait_s: float,
         commit_log: Callable[[dict], None],
-        fault_requests: FaultRequests | None = None,
+        faults: FaultHook | None = None,
     ) -> None:
         self.manager = manager
-        self.fault_requests = fault_requests
+        self.faults = faults
         self.heal_state = heal_state
         self.collective_timeout_s = collective_timeout_s
         self.end_wait_s = end_wait_s
@@ -64,21 +67,16 @@ class Synchronizer:
         self.tokens = 0
         self.tokens_committed = 0.0  # tokens whose inner steps reached a committed global model
         self.recoveries = 0
-        self._injected: set[str] = set()
         self._recoveries_recorded = 0
         self._fragment_digests: dict[int, bytes] = {}
 
-    def inject(self, fault: str) -> None:
-        """Fault injection for the next round.
+    def start(self) -> None:
+        """Join the job: the leader reaches the lighthouse and heartbeats from now on."""
+        self.manager.start()
 
-        ``fail_round``: this worker's all-reduce is treated as failed after it completes (the
-        peers commit, this group does not and heals next round). ``break_lane``: the lane is
-        aborted while the all-reduce is in flight (nobody commits that round). ``nan``: this
-        group's update becomes non-finite (the guard leaves it out; it heals).
-        """
-        if fault not in INJECTABLE_FAULTS:
-            raise ValueError(f"unknown fault {fault!r}; one of {', '.join(INJECTABLE_FAULTS)}")
-        self._injected.add(fault)
+    def close(self) -> None:
+        """Leave the job: stop heartbeating and abort the lane (also after a failure)."""
+        self.manager.stop()
 
     def join(self) -> OuterOutcome:
         """A starting group's first round: take the live state from a peer if the job is ahead."""
@@ -104,7 +102,7 @@ class Synchronizer:
         declares the end. Raises ``MembershipError`` when the end is not confirmed within
         ``end_wait_s`` (the lighthouse gone for good): this group cannot know its state is the job's.
         """
-        self.manager.finished = True
+        self.manager.finish()
         deadline = time.monotonic() + self.end_wait_s
         while True:
             answer = self.manager.closing_round(step, self.group_digest())
@@ -126,18 +124,14 @@ class Synchronizer:
     def _after_heal(self) -> None:
         """Called once a peer's state has been applied."""
 
-    def _poll_fault_requests(self) -> None:
-        """Pick up faults the launcher queued for this group since the last round."""
-        if self.fault_requests is not None:
-            for fault in self.fault_requests.take():
-                self.inject(fault)
+    def _round_starts(self) -> None:
+        """Pick up the faults requested for this group since the last round (with a fault hook only)."""
+        if self.faults is not None:
+            self.faults.poll()
 
-    def _take_injected(self, fault: str) -> bool:
-        if fault not in self._injected:
-            return False
-        self._injected.discard(fault)
-        log.warning("group %s: injected fault %s", self.manager.group, fault)
-        return True
+    def _injects(self, fault: str) -> bool:
+        """Whether this round injects ``fault`` (see ``FaultHook``)."""
+        return self.faults is not None and self.faults.take(fault)
 
     def _all_finite(self, update: torch.Tensor) -> bool:
         """Non-finite guard: true only if this update is finite on every rank of the group.
@@ -145,7 +139,7 @@ class Synchronizer:
         A group whose update holds NaN or Inf contributes nothing (the others' average is
         untouched), does not commit, and heals from a peer at the next round.
         """
-        if self._take_injected("nan"):
+        if self._injects("nan"):
             update[: min(1, update.numel())] = float("nan")
         finite = self.manager.all_ranks(bool(torch.isfinite(update).all()))
         if not finite:
@@ -172,13 +166,13 @@ class Synchronizer:
             staged = self.heal_state.receive(round_.lane, source, self.collective_timeout_s)
         transfers_ok = self.manager.all_ranks(sent and (source is None or staged is not None))
         if not transfers_ok:
-            self.manager.lanes.drop()
+            self.manager.abandon_round()
             return False, None
         if staged is None:
             return True, None
         healed = self.heal_state.apply(staged)
         self._state_changed()
-        self.manager.committed = healed.committed
+        self.manager.adopt(healed.committed)
         self._after_heal()
         self.recoveries += 1
         log.info("group %s healed: round %d, inner step %d", self.manager.group, healed.committed, healed.inner_step)

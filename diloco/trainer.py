@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from diloco.config_base import check
 from diloco.data import ShardedBatches
+from diloco.logger import perplexity as _perplexity
 from diloco.synchronizer import OuterOutcome, Synchronizer
 
 
@@ -233,7 +234,3 @@ def _group_mean(sums: torch.Tensor) -> float:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums)
     return (sums[0] / sums[1]).item()
-
-
-def _perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))

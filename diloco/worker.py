@@ -23,7 +23,7 @@ from diloco.config import JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
 from diloco.data import ShardedBatches, eval_batches, load_corpus
 from diloco.distributed import WorkerEnv, check_device, init_group, select_device, shard_model
-from diloco.faults import FaultRequests
+from diloco.faults import FaultHook
 from diloco.files import write_atomically, write_json_atomically
 from diloco.inner_opt import build_inner_optimizer
 from diloco.logger import MetricsLogger, start_wandb
@@ -31,7 +31,8 @@ from diloco.model import Transformer, count_parameters, param_signature
 from diloco.outer_setup import build_outer_sync, group_name
 from diloco.process_logging import setup_process_logging
 from diloco.run_paths import RunPaths
-from diloco.trainer import Trainer, TrainResult
+from diloco.synchronizer import Synchronizer
+from diloco.trainer import MetricsCallback, Trainer, TrainResult
 
 
 def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tuple[ShardedBatches, list]:
@@ -60,14 +61,33 @@ def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tup
     return batches, evals
 
 
-def build_trainer(
-    job: JobConfig, model: torch.nn.Module, *, group: int, worker: int, num_workers: int, device: torch.device
-) -> Trainer:
-    """The inner loop of one worker: optimizer, schedule and data for its place in the job.
+InnerOptimizer = tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
 
-    Sharding, the outer synchronizer and the metrics sink are attached by the caller.
+
+def build_inner(job: JobConfig, model: torch.nn.Module) -> InnerOptimizer:
+    """The inner optimizer and its lr schedule; built before the outer synchronizer, which heals its state."""
+    return build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
+
+
+def build_trainer(
+    job: JobConfig,
+    model: torch.nn.Module,
+    *,
+    group: int,
+    worker: int,
+    num_workers: int,
+    device: torch.device,
+    inner: InnerOptimizer | None = None,
+    sharded: bool = False,
+    outer: Synchronizer | None = None,
+    on_metrics: MetricsCallback | None = None,
+) -> Trainer:
+    """The inner loop of one worker, complete: optimizer, schedule and data for its place in the job.
+
+    ``inner`` is the optimizer ``outer`` was built with (``build_inner``); a new one otherwise.
+    ``outer`` is not started here: its owner starts and closes it around ``fit``.
     """
-    optimizer, scheduler = build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
+    optimizer, scheduler = inner if inner is not None else build_inner(job, model)
     batches, evals = build_data(job, group, worker, num_workers)
     return Trainer(
         model=model,
@@ -78,7 +98,9 @@ def build_trainer(
         cfg=job.trainer,
         grad_clip=job.inner_opt.grad_clip,
         device=device,
-        sharded=False,
+        sharded=sharded,
+        on_metrics=on_metrics,
+        outer=outer,
     )
 
 
@@ -131,42 +153,46 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: floa
         model = Transformer(job.model).to(device)
         n_params, signature = count_parameters(model), param_signature(job.model, model)
         sharded = shard_model(model, model.layers, mesh, device)
-        trainer = build_trainer(job, model, group=group, worker=env.rank, num_workers=env.world_size, device=device)
-        trainer.sharded = sharded
+        inner = build_inner(job, model)
+        outer = None
         if job.algo.name != "local":
             outer = build_outer_sync(
                 job,
                 env,
                 model=model,
-                inner_optimizer=trainer.optimizer,
+                inner_optimizer=inner[0],
                 signature=signature,
                 device=device,
                 commits_path=paths.commits(group),
-                fault_requests=FaultRequests(paths.fault_requests(group), since=started_at),
+                faults=_fault_hook(job, paths, started_at),
             )
-            outer.manager.start()
-            trainer.outer = outer
         logger = None
         if leader:
             print(f"group {group}: model has {n_params:,} parameters", flush=True)
-            wandb_run = start_wandb(
-                job.logger,
-                run_dir=paths.root,
-                run_name=f"{job.name}-group{group}",
-                job_name=job.name,
-                config=to_dict(job),
-            )
-            logger = MetricsLogger(paths.metrics(group), wandb_run)
-            trainer.on_metrics = logger.log
+            logger = _metrics_logger(job, paths)
+        trainer = build_trainer(
+            job,
+            model,
+            group=group,
+            worker=env.rank,
+            num_workers=env.world_size,
+            device=device,
+            inner=inner,
+            sharded=sharded,
+            outer=outer,
+            on_metrics=None if logger is None else logger.log,
+        )
         try:
+            if outer is not None:
+                outer.start()
             result = trainer.fit()
         finally:
-            if trainer.outer is not None:
-                trainer.outer.manager.stop()
+            if outer is not None:
+                outer.close()
         weights = _full_state_dict(model, sharded)
         report = _result_record(group, result, n_params)
-        if trainer.outer is not None:
-            report |= trainer.outer.report()
+        if outer is not None:
+            report |= outer.report()
         if leader:
             if saves_final_model(job, report):
                 write_atomically(paths.weights, lambda fh: torch.save(weights, fh))
@@ -175,6 +201,27 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: floa
         return report
     finally:
         dist.destroy_process_group()
+
+
+def _fault_hook(job: JobConfig, paths: RunPaths, started_at: float) -> FaultHook | None:
+    """Only a job that injects faults into workers has them read fault requests (none otherwise)."""
+    if not job.faults.in_workers:
+        return None
+    group = job.group.id
+    return FaultHook(paths.fault_requests(group), since=started_at, group=group_name(group))
+
+
+def _metrics_logger(job: JobConfig, paths: RunPaths) -> MetricsLogger:
+    """The leader's metrics sink: the group's metrics file, and wandb when the logger config asks for it."""
+    group = job.group.id
+    wandb_run = start_wandb(
+        job.logger,
+        run_dir=paths.root,
+        run_name=f"{job.name}-group{group}",
+        job_name=job.name,
+        config=to_dict(job),
+    )
+    return MetricsLogger(paths.metrics(group), wandb_run)
 
 
 def saves_final_model(job: JobConfig, report: dict[str, Any]) -> bool:

@@ -35,13 +35,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diloco.logger import read_jsonl  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
 from experiments.common import (  # noqa: E402
     add_output_arguments,
     compose_job,
     markdown_table,
     median,
-    read_jsonl,
     run_job,
     runs_root,
     verdict,
@@ -117,22 +117,6 @@ def run_config(overrides: list[str], run_dir: Path) -> Run:
     )
 
 
-def ddp_run(overrides: list[str], run_dir: Path) -> tuple[Run | None, str]:
-    """The DDP baseline's run, or None and why it could not be had (it may not exist yet)."""
-    try:
-        job_overrides = DDP + overrides
-        compose_job(job_overrides, "bench_overhead")
-    except Exception as error:  # noqa: BLE001 - any composition error means: no ddp here
-        return None, f"algo=ddp does not compose: {str(error).splitlines()[0]}"
-    try:
-        run = run_config(job_overrides, run_dir)
-    except Exception as error:  # noqa: BLE001 - report and carry on with the other rows
-        return None, f"algo=ddp run failed: {str(error).splitlines()[0]}"
-    if not run.bytes_sent:
-        return None, "algo=ddp reported no bytes sent"
-    return run, ""
-
-
 def time_table(runs: dict[str, list[Run]]) -> tuple[str, dict[str, float]]:
     """Overhead per repeat against the local run of the same repeat (neighbours in time), then the median."""
     local = runs[LOCAL]
@@ -154,23 +138,20 @@ def time_table(runs: dict[str, list[Run]]) -> tuple[str, dict[str, float]]:
     return markdown_table(TIME_HEADERS, rows), overheads
 
 
-def bytes_table(runs: dict[str, list[Run]], ddp: Run | None, why: str) -> tuple[str, dict[str, float]]:
-    rows = [["ddp (every step)", f"{ddp.bytes_sent:,}", f"{ddp.bytes_per_token:,.1f}", "1"]] if ddp else []
+def bytes_table(runs: dict[str, list[Run]], ddp: Run) -> tuple[str, dict[str, float]]:
+    """Bytes per token against DDP's (a ratio of 0 means the config sent nothing: a failure of the check)."""
+    rows = [["ddp (every step)", f"{ddp.bytes_sent:,}", f"{ddp.bytes_per_token:,.1f}", "1"]]
     ratios = {}
     for name in (DILOCO, STREAMING):
         run = runs[name][0]  # bytes are deterministic: any repeat will do
-        ratio = "ddp unavailable"
-        if ddp is not None and run.bytes_per_token > 0:
-            ratios[name] = ddp.bytes_per_token / run.bytes_per_token
-            ratio = f"{ratios[name]:,.0f}x"
-        rows.append([name, f"{run.bytes_sent:,}", f"{run.bytes_per_token:,.2f}", ratio])
-    text = markdown_table(BYTES_HEADERS, rows)
-    return (text + f"\n\nddp unavailable: {why}" if ddp is None else text), ratios
+        ratios[name] = ddp.bytes_per_token / run.bytes_per_token if run.bytes_per_token > 0 else 0.0
+        rows.append([name, f"{run.bytes_sent:,}", f"{run.bytes_per_token:,.2f}", f"{ratios[name]:,.0f}x"])
+    return markdown_table(BYTES_HEADERS, rows), ratios
 
 
-def report(setup: str, runs: dict[str, list[Run]], ddp: Run | None, why: str) -> str:
+def report(setup: str, runs: dict[str, list[Run]], ddp: Run) -> str:
     times, overheads = time_table(runs)
-    sizes, ratios = bytes_table(runs, ddp, why)
+    sizes, ratios = bytes_table(runs, ddp)
     overhead = overheads[STREAMING]
     excess = median([r.excess_pct for r in runs[STREAMING]])
     lines = [setup, "", times, "", sizes, ""]
@@ -178,12 +159,11 @@ def report(setup: str, runs: dict[str, list[Run]], ddp: Run | None, why: str) ->
         f"streaming with overlap adds at most {MAX_OVERHEAD_PCT:.0f}% wall time: "
         f"{verdict(overhead <= MAX_OVERHEAD_PCT)} (overhead {overhead:+.1f}%; outer-step excess {excess:+.1f}%)"
     )
-    target = f"streaming fp4 at H=100 sends >= {MIN_BYTES_RATIO:.0f}x fewer bytes per token than ddp"
-    if STREAMING in ratios:
-        ratio = ratios[STREAMING]
-        lines.append(f"{target}: {verdict(ratio >= MIN_BYTES_RATIO)} (ratio {ratio:.1f})")
-    else:
-        lines.append(f"{target}: ddp unavailable")
+    ratio = ratios[STREAMING]
+    lines.append(
+        f"streaming fp4 at H=100 sends >= {MIN_BYTES_RATIO:.0f}x fewer bytes per token than ddp: "
+        f"{verdict(ratio >= MIN_BYTES_RATIO)} (ratio {ratio:.1f})"
+    )
     return "\n".join(lines)
 
 
@@ -210,7 +190,8 @@ def main() -> None:
                 run_dir = root / f"{name.split()[0]}-{rep}"
                 runs[name].append(run_config(CONFIGS[name] + shared + [f"trainer.max_steps={steps}"], run_dir))
                 print(f"repeat {rep}: {name} in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
-        ddp, why = ddp_run(shared + [f"trainer.max_steps={ddp_steps}"], root / "ddp")
+        # No try: a failed DDP run ends the script with its error (the bytes check needs it).
+        ddp = run_config(DDP + shared + [f"trainer.max_steps={ddp_steps}"], root / "ddp")
 
     model = compose_job(shared, "bench_overhead").model
     setup = (
@@ -218,7 +199,7 @@ def main() -> None:
         f"{model.n_layers} blocks), {steps} steps (ddp: {ddp_steps}), {repeats} interleaved repeat(s); "
         "time = slowest group's summed per-step time (median over repeats); overhead % = with syncs / local - 1"
     )
-    text = report(setup, runs, ddp, why)
+    text = report(setup, runs, ddp)
     print(text)
     print(f"tables written to {write_result('bench_overhead.md', text, args.results)}", file=sys.stderr)
 

@@ -91,11 +91,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def committed_by(run: ClusterRun, group: int, n_participants: int, after: int = 0) -> list[dict]:
-    """The group's committed records among its log lines after the first ``after``, with exactly n participants."""
-    return [r for r in run.commits(group)[after:] if r["committed"] and len(r["participants"]) == n_participants]
-
-
 def first_commit_of(run: ClusterRun, group: int, pid: int) -> dict | None:
     return next((r for r in run.commits(group) if r["committed"] and r["pid"] == pid), None)
 
@@ -105,8 +100,8 @@ def time_restart(run: ClusterRun, groups: int, timeout_s: float) -> Restart:
     victim = groups - 1
     survivor_lines = len(run.commits(0))
     run.cluster.signal_group(victim, signal.SIGKILL)
-    run.wait(
-        lambda: committed_by(run, 0, groups - 1, survivor_lines),
+    run.cluster.wait_for(
+        lambda: run.committed_by(0, groups - 1, survivor_lines),
         timeout_s,
         f"the survivors to commit without group {victim}",
         poll_s=0.2,
@@ -114,7 +109,12 @@ def time_restart(run: ClusterRun, groups: int, timeout_s: float) -> Restart:
     started = time.monotonic()
     run.cluster.start_group(victim)
     pid = run.cluster.groups[victim][0].process.pid
-    run.wait(lambda: first_commit_of(run, victim, pid) is not None, timeout_s, f"restarted group {victim} to commit")
+    run.cluster.wait_for(
+        lambda: first_commit_of(run, victim, pid) is not None,
+        timeout_s,
+        f"restarted group {victim} to commit",
+        poll_s=0.05,
+    )
     seconds = time.monotonic() - started
     cpu_s = cpu_seconds(pid)
     return Restart(seconds, cpu_s, first_commit_of(run, victim, pid)["recoveries"] >= 1)
@@ -124,8 +124,8 @@ def measure(spawn: str, kills: int, run_dir: Path, timeout_s: float) -> Mode:
     job = compose_job([f"cluster.spawn={spawn}", f"trainer.max_steps={ENDLESS}"], "bench_restart")
     groups = job.cluster.groups
     with ClusterRun(job, run_dir) as run:
-        run.wait(
-            lambda: all(committed_by(run, g, groups) for g in range(groups)),
+        run.cluster.wait_for(
+            lambda: all(run.committed_by(g, groups) for g in range(groups)),
             timeout_s,
             f"all {groups} groups to commit a round together",
             poll_s=0.5,

@@ -99,19 +99,14 @@ def last_step(run: ClusterRun, group: int) -> int:
     return records[-1]["step"] if records else 0
 
 
-def committed_by(run: ClusterRun, group: int, n_participants: int, after: int = 0) -> list[dict]:
-    """The group's committed records after its first ``after`` log lines with exactly n participants."""
-    return [r for r in run.commits(group)[after:] if r["committed"] and len(r["participants"]) == n_participants]
-
-
 def time_restart(run: ClusterRun, groups: int, timeout_s: float) -> float:
     """Kill the last group, let the others go on without it, restart it; seconds to its first full commit."""
     victim = groups - 1
     survivor_lines = len(run.commits(0))
     run.cluster.signal_group(victim, signal.SIGKILL)
     if groups > 1:
-        run.wait(
-            lambda: committed_by(run, 0, groups - 1, survivor_lines),
+        run.cluster.wait_for(
+            lambda: run.committed_by(0, groups - 1, survivor_lines),
             timeout_s,
             f"the survivors to commit without group {victim}",
             poll_s=0.2,
@@ -119,14 +114,16 @@ def time_restart(run: ClusterRun, groups: int, timeout_s: float) -> float:
     before = len(run.commits(victim))
     started = time.monotonic()
     run.cluster.start_group(victim)
-    run.wait(lambda: committed_by(run, victim, groups, before), timeout_s, f"restarted group {victim} to commit")
+    run.cluster.wait_for(
+        lambda: run.committed_by(victim, groups, before), timeout_s, f"restarted group {victim} to commit", poll_s=0.05
+    )
     return time.monotonic() - started
 
 
 def measure(groups: int, steps: int, run_dir: Path, timeout_s: float) -> Row:
     job = compose_job(["algo=diloco", f"cluster.groups={groups}", f"trainer.max_steps={ENDLESS}"], "bench_sync")
     with ClusterRun(job, run_dir) as run:
-        run.wait(
+        run.cluster.wait_for(
             lambda: all(last_step(run, g) >= SKIP_STEPS + steps for g in range(groups)),
             timeout_s,
             f"every group to reach step {SKIP_STEPS + steps}",

@@ -17,7 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,8 @@ if str(REPO) not in sys.path:
 
 from diloco.config import JobConfig, job_config_from_dict  # noqa: E402
 from diloco.launcher import launch  # noqa: E402
-from diloco.local_cluster import JobFailed, LocalCluster, log_tail  # noqa: E402
+from diloco.local_cluster import JobFailed, LocalCluster  # noqa: E402
+from diloco.logger import read_jsonl  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
 from diloco.worker import preflight  # noqa: E402
 
@@ -51,6 +52,9 @@ def compose_raw(overrides: list[str]) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from run import store_base_config
+
+    store_base_config()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
     raw = OmegaConf.to_container(cfg, resolve=True)
@@ -115,17 +119,6 @@ def runs_root(keep: str | None, name: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete lines of a JSON-lines file a live process may still be appending to."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):  # a half-written last line
-            records.append(json.loads(line))
-    return records
-
-
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -177,7 +170,7 @@ def save_figure(fig: Any, path: Path) -> str:
 
 
 class ClusterRun:
-    """A job's processes under a ``LocalCluster``, with polling helpers; stop() leaves nothing behind."""
+    """A job's processes under a ``LocalCluster`` (``cluster.wait_for`` polls it); stop() leaves nothing behind."""
 
     def __init__(self, job: JobConfig, run_dir: Path) -> None:
         self.job = job
@@ -201,15 +194,6 @@ class ClusterRun:
     def metrics(self, group: int) -> list[dict[str, Any]]:
         return read_jsonl(self.paths.metrics(group))
 
-    def wait(self, condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.05) -> float:
-        """Poll until ``condition`` holds; returns the seconds it took. Raises with the logs' tails otherwise."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            if condition():
-                return time.monotonic() - start
-            failed = self.cluster.failed_worker()
-            if failed is not None:
-                raise RuntimeError(f"group {failed.group} died:\n{log_tail(failed.log_path, 30)}")
-            time.sleep(poll_s)
-        logs = "\n".join(f"--- {p.name}\n{log_tail(p, 10)}" for p in sorted(self.paths.logs.glob("*.log")))
-        raise RuntimeError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{logs}")
+    def committed_by(self, group: int, n_participants: int, after: int = 0) -> list[dict[str, Any]]:
+        """The group's committed records among its log lines after the first ``after``, with exactly n participants."""
+        return [r for r in self.commits(group)[after:] if r["committed"] and len(r["participants"]) == n_participants]

@@ -28,6 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diloco.logger import read_jsonl  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
 from experiments.common import (  # noqa: E402
     NO_MATPLOTLIB,
@@ -36,7 +37,6 @@ from experiments.common import (  # noqa: E402
     compose_job,
     markdown_table,
     pyplot,
-    read_jsonl,
     run_job,
     runs_root,
     save_figure,
@@ -250,6 +250,9 @@ def main() -> None:
     curves = {f"{r.config.name} M={r.config.groups}": r.curve for r in results}
     write_result(f"{stem}.json", json.dumps(curves, indent=2), args.results)
     print(f"total wall time {(time.monotonic() - began) / 60:.1f} min", file=sys.stderr)
+    failed = [f"{r.config.name} M={r.config.groups}" for r in results if not r.summary.get("ok")]
+    if failed:  # the table shows them; the exit status must too
+        sys.exit(f"{len(failed)} run(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

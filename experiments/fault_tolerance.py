@@ -42,7 +42,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diloco.logger import read_jsonl  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
+from diloco.summary import FAILURES  # noqa: E402
 from experiments.common import (  # noqa: E402
     NO_MATPLOTLIB,
     RESULTS,
@@ -51,7 +53,6 @@ from experiments.common import (  # noqa: E402
     compose_job,
     markdown_table,
     pyplot,
-    read_jsonl,
     run_job,
     runs_root,
     save_figure,
@@ -63,7 +64,6 @@ from experiments.common import (  # noqa: E402
 EXPERIMENT = "fault_tolerance"
 FAULT_FREE = "fault-free"
 FAULTY = "faulty"
-FAILURES = ("kill", "hang", "crash")  # what diloco.summary counts as a failure
 LOSS_TOLERANCE = 0.03  # final eval loss of the faulty run within 3% of the fault-free one
 MAX_STALL_S = 1.0  # survivors' median stall per failure
 MARGIN = 1.15  # calibration on a noisy machine: aim past the minimum wall time
@@ -197,7 +197,7 @@ def calibrate(root: Path, window_s: float, experiment: str = EXPERIMENT, overrid
     job = compose_job(["faults=none", f"trainer.max_steps={ENDLESS}", *overrides], experiment)
     groups = range(job.cluster.groups)
     with ClusterRun(job, root / "calibration") as run:
-        run.wait(
+        run.cluster.wait_for(
             lambda: all((r := last_record(run, g)) is not None and r["step"] >= WARMUP_STEPS for g in groups),
             timeout_s=300.0,
             what=f"every group to reach step {WARMUP_STEPS}",

@@ -41,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diloco.logger import read_jsonl  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
 from experiments.common import (
     NO_MATPLOTLIB,
@@ -49,7 +50,6 @@ from experiments.common import (
     compose_job,
     markdown_table,
     pyplot,
-    read_jsonl,
     runs_root,
     save_figure,
     stop_on_sigterm,
@@ -361,6 +361,9 @@ def main() -> None:
         print(f"table written to {write_result('soak.md', text, args.results)}", file=sys.stderr)
         write_result("soak.json", json.dumps(figures, indent=2), args.results)
     print(f"total wall time {(time.monotonic() - began) / 60:.1f} min", file=sys.stderr)
+    failed = [f"{name}: {n['failure']}" for name, n in figures.items() if not n["ok"]]
+    if failed:  # the table shows them; the exit status must too
+        sys.exit(f"run(s) failed: {'; '.join(failed)}")
 
 
 if __name__ == "__main__":

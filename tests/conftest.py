@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from diloco.config import JobConfig, job_config_from_dict
+from run import store_base_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -38,6 +40,11 @@ def run_experiment(script: str, args: list[str], timeout_s: float) -> tuple[str,
     return out, err
 
 
+def process_exited(process: subprocess.Popen, output: Callable[[], str] = lambda: "") -> Callable[[], str | None]:
+    """``wait_until``'s ``gone`` for a process started with Popen: its exit ends the wait, with ``output()``."""
+    return lambda: None if process.poll() is None else f"it exited with code {process.returncode}\n{output()}"
+
+
 # Small enough that a multi-process run takes seconds on two cores.
 FAST = [
     "logger=none",
@@ -53,6 +60,7 @@ FAST = [
 def compose_raw(overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
+    store_base_config()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
     raw = OmegaConf.to_container(cfg, resolve=True)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import yaml
+from hydra.errors import ConfigCompositionException
 
 from diloco.config import JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
@@ -25,25 +28,106 @@ def test_default_config_is_the_embedded_default():
     assert job.model.vocab_size == job.data.vocab_size == 256
 
 
-@pytest.mark.parametrize("group", ["model", "data", "inner_opt", "trainer", "algo", "outer_opt", "cluster", "logger"])
+GROUPS = sorted(path.name for path in CONF_DIR.iterdir() if path.is_dir())
+
+
+def _options(group: str) -> list[str]:
+    return [option.stem for option in sorted((CONF_DIR / group).glob("*.yaml"))]
+
+
+def _selection(group: str, option: str) -> list[str]:
+    """The overrides that pick ``option`` of ``group``, as a user would type them."""
+    if group == "experiment":
+        return [f"+experiment={option}"]  # config.yaml names no experiment: appended, as in the README
+    overrides = [f"{group}={option}"]
+    if group == "data" and option != "stdlib":
+        overrides.append(f"data.path={CONF_DIR / 'config.yaml'}")  # any existing file will do for composition
+        if option == "tokens":
+            overrides.append("data.vocab_size=512")
+    return overrides
+
+
+def test_every_group_of_conf_is_covered():
+    assert {"model", "algo", "cluster", "faults", "experiment"} <= set(GROUPS), GROUPS
+
+
+# The key that names what a preset is: a preset that leaves it to the default must still be
+# what its file is called, whatever the dataclass's default becomes.
+IDENTITY = {"algo": "name", "inner_opt": "name", "outer_opt": "name", "data": "corpus"}
+
+
+@pytest.mark.parametrize("group", GROUPS)
 def test_every_option_of_every_group_composes(group):
-    for option in sorted((CONF_DIR / group).glob("*.yaml")):
-        overrides = [f"{group}={option.stem}"]
-        if group == "data" and option.stem != "stdlib":
-            overrides.append(f"data.path={option}")  # any existing file will do for composition
-            if option.stem == "tokens":
-                overrides.append("data.vocab_size=512")
-        assert isinstance(compose_job(overrides), JobConfig)
+    for option in _options(group):
+        job = compose_job(_selection(group, option))
+        if group in IDENTITY:
+            assert getattr(getattr(job, group), IDENTITY[group]) == option, f"{group}={option}"
 
 
-def test_yaml_defaults_match_dataclass_defaults():
-    """The conf/ tree documents the defaults; it must not drift from the code's."""
-    raw = compose_raw([])
-    defaults = to_dict(JobConfig())
-    for section in ("inner_opt", "trainer", "algo", "outer_opt", "cluster", "data"):
-        for key, value in raw[section].items():
-            expected = defaults[section][key]
-            assert value == (list(expected) if isinstance(expected, tuple) else expected), f"{section}.{key}"
+def _restated_defaults(preset: dict, defaults: dict, where: str) -> list[str]:
+    restated = []
+    for key, value in preset.items():
+        default = defaults.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            restated += _restated_defaults(value, default, f"{where}.{key}")
+        elif key in defaults and value == (list(default) if isinstance(default, tuple) else default):
+            restated.append(f"{where}.{key}={value!r}")
+    return restated
+
+
+@pytest.mark.parametrize("group", [g for g in GROUPS if g != "experiment"])
+def test_presets_hold_only_deltas_over_the_dataclass_defaults(group):
+    """A default lives in its dataclass only; a preset that restates one would hide a change to it.
+
+    (Experiment presets pin what their measurement depends on, default or not.)"""
+    defaults = to_dict(JobConfig())[group]
+    for option in _options(group):
+        preset = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text()) or {}
+        preset.pop("defaults", None)
+        restated = _restated_defaults(preset, defaults, group)
+        assert not restated, f"conf/{group}/{option}.yaml restates dataclass defaults: {', '.join(restated)}"
+
+
+def test_the_default_composition_is_the_dataclass_defaults():
+    """config.yaml's presets add nothing: ``python run.py`` runs ``JobConfig()``, whose
+    model.vocab_size is left to follow data.vocab_size."""
+    expected = to_dict(JobConfig())
+    del expected["model"]["vocab_size"]
+    assert compose_raw([]) == json.loads(json.dumps(expected))  # tuples as lists
+    assert compose_job([]) == JobConfig()
+
+
+def _leaves(node: dict, where: str = "") -> list[tuple[str, object]]:
+    leaves = []
+    for key, value in node.items():
+        path = f"{where}.{key}" if where else key
+        leaves += _leaves(value, path) if isinstance(value, dict) else [(path, value)]
+    return leaves
+
+
+def _typed(value: object) -> str:
+    """``value`` as hydra's override grammar reads it back."""
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "[" + ",".join(map(_typed, value)) + "]"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if value == "" else str(value)
+
+
+def test_every_key_is_overridable_without_a_plus():
+    """Presets are deltas, yet every key exists before the command line applies: plain
+    ``key=value`` reaches each one (here every key set to its own default)."""
+    overrides = [f"{key}={_typed(value)}" for key, value in _leaves(compose_raw([]))]
+    assert len(overrides) > 80, overrides
+    assert compose_job(overrides) == JobConfig()
+
+
+def test_an_unknown_key_is_refused_at_composition():
+    """The base config makes every key known, so hydra's struct mode still catches a typo."""
+    with pytest.raises(ConfigCompositionException, match=r"Could not override 'algo\.nope'"):
+        compose_raw(["algo.nope=1"])
 
 
 @pytest.mark.parametrize(
@@ -99,6 +183,7 @@ def _run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a real python + hydra + torch start (~4 s)
 def test_run_py_rejects_an_invalid_value_before_starting_anything(tmp_path):
     result = _run(["trainer.batch_size=0"], tmp_path)
     assert result.returncode != 0
@@ -106,6 +191,7 @@ def test_run_py_rejects_an_invalid_value_before_starting_anything(tmp_path):
     assert not (tmp_path / "logs").exists()  # no worker was started
 
 
+@pytest.mark.slow  # a real python + hydra + torch start (~4 s)
 def test_run_py_names_the_allowed_presets_for_an_unknown_one(tmp_path):
     result = _run(["model=huge"], tmp_path)
     assert result.returncode != 0

@@ -1,11 +1,11 @@
-"""The fault plan and where a kill lands: pure functions of plain numbers."""
+"""The fault plan and where a kill lands: pure functions of plain numbers; a worker's fault hook."""
 
 from __future__ import annotations
 
 import pytest
 
 from diloco.config_base import ConfigError
-from diloco.faults import FaultsConfig, kill_target, plan_faults
+from diloco.faults import FaultHook, FaultsConfig, kill_target, plan_faults, request_fault
 
 
 def test_the_same_seed_gives_the_same_plan_in_time_order():
@@ -46,3 +46,31 @@ def test_a_kill_never_leaves_fewer_than_min_alive_other_groups_holding_the_state
 def test_min_alive_must_not_be_negative():
     with pytest.raises(ConfigError, match="faults.min_alive=-1"):
         FaultsConfig(min_alive=-1).validate()
+
+
+def test_workers_read_fault_requests_only_when_the_job_injects_faults_into_them():
+    assert not FaultsConfig().in_workers
+    assert not FaultsConfig(kill_every=5.0, hang_every=5.0, restart_lighthouse_every=5.0).in_workers
+    assert FaultsConfig(nan_every=5.0).in_workers and FaultsConfig(break_lane_every=5.0).in_workers
+    assert FaultsConfig(accept_requests=True).in_workers
+
+
+def test_a_requested_fault_hits_once_at_a_round_after_the_request(tmp_path):
+    path = tmp_path / "group0"
+    path.write_text("nan 100.0\n")  # before this process started (at 150): meant for an earlier one
+    hook = FaultHook(path, since=150.0, group="group0")
+    with path.open("a") as fh:
+        fh.write("fail_round 200.0\n")
+    assert not hook.take("fail_round"), "a request reaches a worker only when a round starts"
+    hook.poll()
+    assert not hook.take("nan")
+    assert hook.take("fail_round") and not hook.take("fail_round")
+    hook.poll()  # nothing new: nothing queued again
+    assert not hook.take("fail_round")
+
+
+def test_an_unknown_requested_fault_is_refused(tmp_path):
+    path = tmp_path / "group0"
+    request_fault(path, "meteor")
+    with pytest.raises(ValueError, match="unknown fault 'meteor'"):
+        FaultHook(path, since=0.0, group="group0").poll()

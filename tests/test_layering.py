@@ -1,17 +1,134 @@
-"""The library never depends on hydra: run.py is the only door from config files into it."""
+"""Layering: the library never depends on hydra, and its parts depend on each other one way only.
+
+``run.py`` is the only door from config files into the library. Inside it, the
+fault-tolerance layer (``diloco/ft``) knows nothing of the trainer, a group's processes
+never load the lighthouse server, and ``diloco`` and ``outer_opt`` import each other in no
+circle. The import graph is read from the source with ``ast`` (what ``import`` would run:
+lazy imports inside functions count, ``if TYPE_CHECKING:`` blocks do not).
+"""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
+from pathlib import Path
 
 from tests.conftest import REPO
 
 FORBIDDEN = {"hydra", "omegaconf"}
+PACKAGES = ("diloco", "outer_opt")
+
+# What diloco/ft may load: itself, the shared config helpers, the cluster config it serves
+# (``cluster.lighthouse``, ``QuorumRules``), raw tensor views for the state transfer, and the
+# outer optimizer's state tensors that a healing group receives.
+FT_MAY_LOAD = ("diloco.ft", "diloco.config_base", "diloco.byte_view", "diloco.cluster", "outer_opt")
+# The lighthouse process's entry point reads the whole job config from job.json: it is wiring,
+# like run.py, not part of the layer.
+FT_ENTRY_POINTS = {"diloco.ft.__main__"}
+LIGHTHOUSE_SERVER = "diloco.ft.lighthouse"
+# A group's processes: the worker and the groups' side of the fault-tolerance layer.
+GROUP_SIDE = (
+    "diloco.worker",
+    "diloco.ft.client",
+    "diloco.ft.manager",
+    "diloco.ft.lanes",
+    "diloco.ft.state",
+    "diloco.ft.transport",
+    "diloco.ft.protocol",
+)
+# Modules both packages load: each imports neither package, so it closes no circle (``diloco``
+# is the package's empty __init__, which every diloco module loads).
+SHARED_LEAVES = {"diloco", "diloco.config_base"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def library_modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
+
+
+def imported_names(tree: ast.AST, this: str, is_package: bool) -> Iterator[str]:
+    """Every module name an import statement names (``from a import b`` names ``a`` and ``a.b``)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from imported_names(ast.Module(body=node.orelse, type_ignores=[]), this, is_package)
+            continue
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                package = this.split(".") if is_package else this.split(".")[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
+        yield from imported_names(node, this, is_package)
+
+
+def import_graph(with_parents: bool = True) -> dict[str, set[str]]:
+    """Library module -> the library modules importing it loads.
+
+    ``with_parents``: a module loads its parent packages too (their ``__init__``). Left out to
+    look for cycles: a package's ``__init__`` importing its own modules is the usual layout.
+    """
+    modules = library_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in imported_names(ast.parse(path.read_text()), name, path.name == "__init__.py"):
+            parts = imported.split(".")
+            targets |= {".".join(parts[:i]) for i in range(1 if with_parents else len(parts), len(parts) + 1)}
+        parents = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)} if with_parents else set()
+        graph[name] = ((targets & modules.keys()) | parents) - {name}
+    return graph
+
+
+def chains_from(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
+    """Every module ``start`` loads, with one import chain that gets there."""
+    chains = {start: [start]}
+    todo = [start]
+    while todo:
+        current = todo.pop()
+        for target in sorted(graph[current]):
+            if target not in chains:
+                chains[target] = chains[current] + [target]
+                todo.append(target)
+    return chains
+
+
+def within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a list of nodes (first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
 
 
 def test_library_does_not_import_hydra_or_omegaconf():
     offenders = []
-    for package in ("diloco", "outer_opt"):
+    for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 names = []
@@ -34,3 +151,57 @@ def test_library_reads_no_environment_variables():
         if rel not in allowed and ("os.environ" in path.read_text() or "os.getenv" in path.read_text()):
             offenders.append(rel)
     assert not offenders, offenders
+
+
+def test_the_fault_tolerance_layer_never_loads_the_trainer_side():
+    graph = import_graph()
+    layer = sorted(m for m in graph if within(m, ("diloco.ft",)) and m not in FT_ENTRY_POINTS)
+    assert "diloco.ft.manager" in layer and "diloco.ft.lighthouse" in layer, layer
+    allowed = {m for m in graph if within(m, FT_MAY_LOAD)} | {"diloco"}  # and the package's empty __init__
+    offenders = {}  # the first forbidden module on each chain, once
+    for module in layer:
+        for target, chain in chains_from(graph, module).items():
+            if target not in allowed and set(chain[:-1]) <= allowed:
+                offenders.setdefault(target, " -> ".join(chain))
+    assert not offenders, (
+        "diloco/ft may load only " + ", ".join(FT_MAY_LOAD) + "; found:\n" + "\n".join(offenders.values())
+    )
+
+
+def test_a_groups_processes_never_load_the_lighthouse_server():
+    graph = import_graph()
+    offenders = [
+        " -> ".join(chain)
+        for module in GROUP_SIDE
+        for target, chain in chains_from(graph, module).items()
+        if target == LIGHTHOUSE_SERVER
+    ]
+    assert not offenders, "the server module is the lighthouse's alone; loaded by:\n" + "\n".join(offenders)
+
+
+def test_no_import_cycle_between_modules():
+    cycle = find_cycle(import_graph(with_parents=False))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_diloco_and_outer_opt_import_each_other_in_no_circle():
+    """At package level; ``SHARED_LEAVES`` (used by both, importing neither) count as their own package."""
+    graph = import_graph()
+    for leaf in SHARED_LEAVES:
+        assert graph[leaf] <= SHARED_LEAVES, f"{leaf} must import neither package to be shared: {sorted(graph[leaf])}"
+
+    def package(module: str) -> str:
+        return f"module {module}" if module in SHARED_LEAVES else f"package {module.split('.')[0]}"
+
+    edges: dict[str, set[str]] = {}
+    witness: dict[tuple[str, str], str] = {}
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = package(module), package(target)
+            if a != b:
+                edges.setdefault(a, set()).add(b)
+                witness.setdefault((a, b), f"{module} imports {target}")
+    cycle = find_cycle(edges)
+    assert cycle is None, (
+        "package cycle " + " -> ".join(cycle) + ": " + "; ".join(witness[(a, b)] for a, b in zip(cycle, cycle[1:]))
+    )

@@ -178,8 +178,7 @@ def test_param_signature_stable_and_shape_sensitive() -> None:
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in PRESETS.glob("*.yaml")))
 def test_preset_loads_and_validates(name: str) -> None:
-    data = OmegaConf.to_container(OmegaConf.load(PRESETS / f"{name}.yaml"))
-    assert {"dim", "n_layers", "n_heads", "n_kv_heads"} <= set(data), name
+    data = OmegaConf.to_container(OmegaConf.load(PRESETS / f"{name}.yaml"))  # deltas over ModelConfig()
     assert "vocab_size" not in data, "the data decides vocab_size"
     load_preset(name).validate()
 

@@ -14,16 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco.cluster import LighthouseConfig
 from diloco.config import GroupConfig, JobConfig
 from diloco.distributed import WorkerEnv
 from diloco.fragments import fragment_parameter_names, fragments_to_apply, fragments_to_launch
-from diloco.ft.lighthouse import Lighthouse, LighthouseConfig
+from diloco.ft.lighthouse import Lighthouse
 from diloco.inner_opt import build_inner_optimizer
 from diloco.model import Transformer, param_signature
 from diloco.outer_setup import build_outer_sync
 from diloco.outer_sync import OuterSync
 from diloco.trainer import Trainer
-from diloco.worker import build_trainer
+from diloco.worker import build_inner, build_trainer
 from tests.conftest import compose_job
 
 BASE = ["logger=none", "cluster.device=cpu", "cluster.workers_per_group=1", "trainer.eval_every=0"]
@@ -129,7 +130,7 @@ def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P
         for step in range(1, steps + 1):
             mock_inner_step(model, step, scale=1.0)
             outer.after_inner_step(step, tokens=1)
-        outer.manager.stop()
+        outer.close()
     local, global_ = reference_streaming(theta0, names, steps, H, P, tau, alpha, 0.7, 0.9, scale=1.0, warmup=warmup)
     assert all((f.momentum_warmup is None) == (warmup == 0) for f in outer.fragments)
     got_global = {n: t for f in outer.fragments for n, t in zip(names[f.index], f.global_)}
@@ -153,7 +154,7 @@ def test_pseudo_gradient_points_from_local_to_global(tmp_path):
             mock_inner_step(model, step, scale=1.0)
             before = [p.detach().clone() for p in model.parameters()]
             outer.after_inner_step(step, tokens=1)
-        outer.manager.stop()
+        outer.close()
     for start, end, new_local in zip(theta0, before, model.parameters()):
         torch.testing.assert_close(new_local.detach(), (start + end) / 2, rtol=0, atol=1e-6)
 
@@ -177,7 +178,7 @@ def _two_groups_mock(job, tmp_path, scales, steps):
                 mock_inner_step(models[g], step, scales[g])
                 pre_sync[g] = [p.detach().clone() for p in models[g].parameters()]
                 outers[g].after_inner_step(step, tokens=1)
-            outers[g].manager.stop()
+            outers[g].close()
 
         run_threads(lambda: group(0), lambda: group(1))
     return models, outers, pre_sync
@@ -192,11 +193,16 @@ def test_avg_outer_optimizer_is_parameter_averaging(tmp_path):
     assert outers[0].group_digest() == outers[1].group_digest()
 
 
-def _sgd_trainer(job, group: int, num_groups: int) -> Trainer:
+def _sgd_trainer(job, group: int, num_groups: int, tmp_path: Path | None = None) -> Trainer:
+    """Group ``group``'s trainer; with ``tmp_path`` it syncs through the job's lighthouse (not started)."""
     assert job.cluster.groups == num_groups, (job.cluster.groups, num_groups)
     torch.manual_seed(job.trainer.seed)
     model = Transformer(job.model)
-    return build_trainer(job, model, group=group, worker=0, num_workers=1, device=torch.device("cpu"))
+    inner = build_inner(job, model)
+    outer = None if tmp_path is None else outer_for(job, group, model, inner[0], tmp_path)
+    return build_trainer(
+        job, model, group=group, worker=0, num_workers=1, device=torch.device("cpu"), inner=inner, outer=outer
+    )
 
 
 SGD_EXACT = ["inner_opt=sgd", "outer_opt=avg", "algo.sync_every=1", "trainer.max_steps=3", "trainer.seq_len=32"]
@@ -206,11 +212,11 @@ def test_one_group_sync_every_step_with_sgd_and_averaging_is_plain_sgd(tmp_path)
     job = compose_job(BASE + SGD_EXACT + ["cluster.groups=1", "trainer.batch_size=4"])
     plain = _sgd_trainer(job, 0, 1)
     plain.fit()
-    diloco = _sgd_trainer(job, 0, 1)
     with lighthouse_for(job) as job:
-        diloco.outer_sync = outer_for(job, 0, diloco.model, diloco.optimizer, tmp_path)
+        diloco = _sgd_trainer(job, 0, 1, tmp_path)
         diloco.fit()
-        diloco.outer_sync.manager.stop()
+        diloco.outer.close()
+    assert diloco.outer.committed_here == 1 + job.trainer.max_steps  # the join round, then every step's sync
     for a, b in zip(plain.model.parameters(), diloco.model.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=1e-6)
 
@@ -218,7 +224,6 @@ def test_one_group_sync_every_step_with_sgd_and_averaging_is_plain_sgd(tmp_path)
 def test_two_groups_sync_every_step_with_sgd_and_averaging_is_data_parallel_sgd(tmp_path):
     """M=2, H=1, inner SGD, outer SGD lr 1 equals SGD on both groups' batches together."""
     job = compose_job(BASE + SGD_EXACT + ["cluster.groups=2", "trainer.batch_size=4"])
-    trainers = [_sgd_trainer(job, g, 2) for g in range(2)]
     # The reference: one model, each step's gradient on the union of the two groups' batches.
     reference = _sgd_trainer(job, 0, 2)
     reference_batches = [_sgd_trainer(job, g, 2).batches for g in range(2)]
@@ -229,24 +234,21 @@ def test_two_groups_sync_every_step_with_sgd_and_averaging_is_data_parallel_sgd(
     reference.batches.next_step = lambda it=iter(union): [next(it)]
     reference.fit()
     with lighthouse_for(job) as job:
-        for g, trainer in enumerate(trainers):
-            trainer.outer = outer_for(job, g, trainer.model, trainer.optimizer, tmp_path)
+        trainers = [_sgd_trainer(job, g, 2, tmp_path) for g in range(2)]
         run_threads(*(t.fit for t in trainers))
         for t in trainers:
-            t.outer.manager.stop()
+            t.outer.close()
     for ref, a, b in zip(reference.model.parameters(), trainers[0].model.parameters(), trainers[1].model.parameters()):
         torch.testing.assert_close(a.detach(), ref.detach(), rtol=0, atol=2e-6)
         assert torch.equal(a, b)
 
 
 def _two_group_trainers(job, tmp_path) -> list[Trainer]:
-    trainers = [_sgd_trainer(job, g, 2) for g in range(2)]
     with lighthouse_for(job) as job:
-        for g, trainer in enumerate(trainers):
-            trainer.outer = outer_for(job, g, trainer.model, trainer.optimizer, tmp_path / f"{job.algo.name}{g}")
+        trainers = [_sgd_trainer(job, g, 2, tmp_path / f"{job.algo.name}{g}") for g in range(2)]
         run_threads(*(t.fit for t in trainers))
         for t in trainers:
-            t.outer.manager.stop()
+            t.outer.close()
     return trainers
 
 
@@ -300,7 +302,7 @@ def test_overlap_hides_the_quorum_wait_a_group_launches_and_trains_on_before_its
                     group0_ahead.set()
                 mock_inner_step(models[g], step, scale=1.0 + g)
                 outers[g].after_inner_step(step, tokens=1)
-            outers[g].manager.stop()
+            outers[g].close()
 
         run_threads(lambda: group(0), lambda: group(1))
     assert outers[0].committed_here == outers[1].committed_here == 1 + P  # the join round, then each fragment
@@ -341,11 +343,9 @@ def test_a_bug_inside_a_round_stops_the_worker_instead_of_failing_the_round(tmp_
     job = compose_job(
         BASE + ["cluster.groups=1", "algo.sync_every=4", "trainer.max_steps=8", "trainer.seq_len=32"] + algo
     )
-    torch.manual_seed(0)
-    trainer = build_trainer(job, Transformer(job.model), group=0, worker=0, num_workers=1, device=torch.device("cpu"))
     with lighthouse_for(job) as job:
-        trainer.outer = outer_for(job, 0, trainer.model, trainer.optimizer, tmp_path)
+        trainer = _sgd_trainer(job, 0, 1, tmp_path)
         with pytest.raises(RuntimeError, match="deliberate bug in a round"):
             trainer.fit()
-        trainer.outer.manager.stop()
+        trainer.outer.close()
     assert trainer.step < job.trainer.max_steps

@@ -44,8 +44,9 @@ def step(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[tor
 
 
 def cfg_for(name: str, **overrides) -> OuterOptConfig:
-    """Each optimizer's yaml preset, so every one is tested with the settings a user gets."""
-    raw = yaml.safe_load((CONF / f"{name}.yaml").read_text())
+    """Each optimizer's yaml preset (deltas over ``OuterOptConfig()``), so every one is tested
+    with the settings a user gets."""
+    raw = yaml.safe_load((CONF / f"{name}.yaml").read_text()) or {}
     return from_dict(OuterOptConfig, {**raw, **overrides}, "outer_opt")
 
 
@@ -398,15 +399,15 @@ def test_from_dict_names_the_key():
         from_dict(OuterOptConfig, {"betas": [0.9]}, "outer_opt")
 
 
-def test_every_registered_optimizer_has_a_complete_valid_preset():
+def test_every_registered_optimizer_has_a_valid_preset():
     presets = sorted(path.stem for path in CONF.glob("*.yaml"))
     assert set(available()) <= set(presets), "each registered optimizer needs conf/outer_opt/<name>.yaml"
     fields = set(OuterOptConfig.__dataclass_fields__)
     for stem in presets:
         text = (CONF / f"{stem}.yaml").read_text()
         assert text.startswith("# "), stem
-        raw = yaml.safe_load(text)
-        assert set(raw) == fields, stem
+        raw = yaml.safe_load(text) or {}
+        assert set(raw) <= fields, stem
         cfg = from_dict(OuterOptConfig, raw, "outer_opt")
         assert cfg.name == stem
         cfg.validate()

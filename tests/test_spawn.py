@@ -17,12 +17,12 @@ from diloco.config_base import ConfigError, to_dict
 from diloco.distributed import WorkerEnv
 from diloco.launcher import launch
 from diloco.lifeline import Lifeline
-from diloco.local_cluster import LocalCluster, log_tail
+from diloco.local_cluster import LocalCluster, log_tail, wait_until
+from diloco.logger import read_jsonl
 from diloco.run_paths import RunPaths
 from diloco.spawn import ForkedProcess, ForkServer, WorkerSpec, become_subreaper
-from diloco.summary import read_jsonl
 from diloco.worker import preflight
-from tests.conftest import FAST, REPO, compose_job
+from tests.conftest import FAST, REPO, compose_job, process_exited
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="cluster.spawn=fork needs Linux")
 
@@ -107,10 +107,13 @@ def waiting_server(tmp_path):
     def fork() -> ForkedProcess:
         log = next(logs)
         worker = server.spawn(WorkerSpec(0, env, 1, log, time.time()), timeout_s=60)
-        deadline = time.monotonic() + 30
-        while not (log.exists() and "waiting" in log.read_text()):  # its SIGUSR1 handler is in place
-            assert time.monotonic() < deadline and worker.poll() is None, log_tail(log)
-            time.sleep(0.05)
+        wait_until(
+            lambda: log.exists() and "waiting" in log.read_text(),
+            30,
+            "the worker's SIGUSR1 handler",
+            poll_s=0.05,
+            gone=lambda: None if worker.poll() is None else log_tail(log),
+        )
         return worker
 
     yield server, fork
@@ -165,15 +168,6 @@ FT = FAST + [
 ]
 
 
-def wait_for(condition, timeout_s: float, what: str, cluster: LocalCluster) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        failed = cluster.failed_worker()
-        assert failed is None, f"group {failed.group} died: {failed.log_path.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(0.2)
-
-
 @linux_only
 @pytest.mark.slow
 def test_killing_the_fork_server_leaves_its_workers_running(tmp_path):
@@ -185,21 +179,21 @@ def test_killing_the_fork_server_leaves_its_workers_running(tmp_path):
         cluster.start_lighthouse()
         for g in range(2):
             cluster.start_group(g)
-        wait_for(lambda: all(committed(paths, g) for g in range(2)), 120, "both groups to commit", cluster)
+        cluster.wait_for(lambda: all(committed(paths, g) for g in range(2)), 120, "both groups to commit")
         first_server = cluster.fork_server
         first_server.process.kill()
         first_server.process.wait()
         leader = cluster.groups[0][0].process
         assert leader.poll() is None and is_running(leader.pid)
         before = committed(paths, 0)[-1]["round"]
-        wait_for(lambda: committed(paths, 0)[-1]["round"] > before + 1, 60, "group 0 to go on committing", cluster)
+        cluster.wait_for(lambda: committed(paths, 0)[-1]["round"] > before + 1, 60, "group 0 to go on committing")
 
         cluster.signal_group(1, signal.SIGKILL)
         cluster.start_group(1)  # starts a new fork server
         assert cluster.fork_server is not first_server and cluster.fork_server.alive()
         restarted = cluster.groups[1][0].process.pid
-        wait_for(
-            lambda: any(r["pid"] == restarted for r in committed(paths, 1)), 120, "restarted group 1 to commit", cluster
+        cluster.wait_for(
+            lambda: any(r["pid"] == restarted for r in committed(paths, 1)), 120, "restarted group 1 to commit"
         )
 
         # killed after the launcher found it alive, before it answered: a fresh one is asked
@@ -211,8 +205,8 @@ def test_killing_the_fork_server_leaves_its_workers_running(tmp_path):
         cluster.start_group(1)
         assert cluster.fork_server is not second_server and cluster.fork_server.alive()
         restarted = cluster.groups[1][0].process.pid
-        wait_for(
-            lambda: any(r["pid"] == restarted for r in committed(paths, 1)), 120, "group 1 to commit again", cluster
+        cluster.wait_for(
+            lambda: any(r["pid"] == restarted for r in committed(paths, 1)), 120, "group 1 to commit again"
         )
         leader.terminate()
         assert leader.wait(timeout=30) == -signal.SIGTERM, "the orphan's exit code is read after its server died"
@@ -248,18 +242,14 @@ def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path, spawn):
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "commits" / "group0.jsonl").exists():
-            assert time.monotonic() < deadline and launcher.poll() is None, "the job did not start"
-            time.sleep(0.5)
+        wait_until(
+            (run_dir / "commits" / "group0.jsonl").exists, 120, "the job to start", 0.5, process_exited(launcher)
+        )
         expected = 5 + (spawn == "fork")  # lighthouse (+ fork server) + 2 groups x 2 workers
         assert len(job_processes(run_dir)) >= expected
         launcher.kill()
         launcher.wait()
-        deadline = time.monotonic() + 10
-        while job_processes(run_dir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert job_processes(run_dir) == [], "processes outlived their launcher"
+        wait_until(lambda: not job_processes(run_dir), 10, "the processes of a killed launcher's job to end")
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -12,10 +12,11 @@ from tests.conftest import compose_job
 
 def _trainer(job, metrics=None) -> Trainer:
     torch.manual_seed(job.trainer.seed)
-    trainer = build_trainer(job, Transformer(job.model), group=0, worker=0, num_workers=1, device=torch.device("cpu"))
-    if metrics is not None:
-        trainer.on_metrics = lambda m, s: metrics.append((s, m))
-    return trainer
+    on_metrics = None if metrics is None else lambda m, s: metrics.append((s, m))
+    model = Transformer(job.model)
+    return build_trainer(
+        job, model, group=0, worker=0, num_workers=1, device=torch.device("cpu"), on_metrics=on_metrics
+    )
 
 
 def test_fit_logs_the_named_metrics_and_the_loss_falls():

@@ -1,4 +1,8 @@
-"""A group leader's side of the lighthouse: heartbeats and long-poll quorum requests over HTTP/JSON."""
+"""A group leader's side of the lighthouse: heartbeats and long-poll quorum requests over HTTP/JSON.
+
+It speaks only ``protocol``'s typed messages, so it needs nothing of the server module; an
+error answer becomes the exception its code names (``ErrorAnswer.exception``).
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,19 @@ import urllib.request
 from typing import Any
 
 from diloco.config_base import check
-from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable, QuorumTimeout
-from diloco.ft.quorum import JobEnd, Quorum
-
-Granted = tuple[Quorum, tuple[str, int]]  # a quorum containing this group, and the store its lanes meet on
+from diloco.ft.protocol import (
+    ErrorAnswer,
+    ErrorCode,
+    GroupMessage,
+    Heartbeat,
+    LighthouseRefused,
+    LighthouseUnavailable,
+    QuorumAsk,
+    QuorumGrant,
+    authorization_header,
+    quorum_answer_from_json,
+)
+from diloco.ft.quorum import JobEnd
 
 
 class LighthouseClient:
@@ -44,7 +57,8 @@ class LighthouseClient:
 
     def heartbeat(self, step: int, quorum_id: int, finished: bool = False) -> None:
         self._seen(quorum_id)
-        self._post("/heartbeat", {"step": step, "quorum_id": quorum_id, "finished": finished}, self.connect_timeout_s)
+        beat = Heartbeat(self.job_id, self.signature, self.group, step=step, quorum_id=quorum_id, finished=finished)
+        self._post(beat, self.connect_timeout_s)
 
     def quorum(
         self,
@@ -55,64 +69,69 @@ class LighthouseClient:
         round_step: int = 0,
         finished: bool = False,
         digest: str = "",
-    ) -> Granted | JobEnd:
+    ) -> QuorumGrant | JobEnd:
         """Block (at most timeout_s + connect_timeout_s) until a quorum containing this group forms.
 
         ``round_step`` is the inner step the group asks at (see ``QuorumRequest``). A
         ``finished`` group (``digest``: its global state's) may instead learn that the job ended.
         """
         check(timeout_s > 0, "cluster.timeouts.quorum", timeout_s, "must be > 0 seconds")
-        fields = {
-            "step": step,
-            "round_step": round_step,
-            "commit_failed": commit_failed,
-            "timeout_s": timeout_s,
-            "quorum_id": self._seen(0),
-            "finished": finished,
-            "digest": digest,
-            "config": self.config,
-        }
-        answer = self._post("/quorum", fields, timeout_s + self.connect_timeout_s)
+        ask = QuorumAsk(
+            self.job_id,
+            self.signature,
+            self.group,
+            step=step,
+            round_step=round_step,
+            commit_failed=commit_failed,
+            timeout_s=timeout_s,
+            quorum_id=self._seen(0),
+            finished=finished,
+            digest=digest,
+            config=self.config,
+        )
         try:
-            if "end" in answer:
-                return JobEnd.from_json(answer["end"])
-            quorum = Quorum.from_json(answer["quorum"])
-            store = (str(answer["store"]["host"]), int(answer["store"]["port"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise LighthouseUnavailable(f"malformed quorum answer from {self.url}: {e!r}") from None
-        if self.group not in quorum.participants:
-            raise LighthouseUnavailable(f"quorum {quorum.quorum_id} from {self.url} lacks group {self.group!r}")
-        self._seen(quorum.quorum_id)
-        return quorum, store
+            answer = quorum_answer_from_json(self._post(ask, timeout_s + self.connect_timeout_s))
+        except ValueError as e:
+            raise LighthouseUnavailable(f"lighthouse at {self.url}: {e}") from None
+        if isinstance(answer, JobEnd):
+            return answer
+        if self.group not in answer.quorum.participants:
+            raise LighthouseUnavailable(f"quorum {answer.quorum.quorum_id} from {self.url} lacks group {self.group!r}")
+        self._seen(answer.quorum.quorum_id)
+        return answer
 
     def _seen(self, quorum_id: int) -> int:
         with self._lock:
             self._last_quorum_id = max(self._last_quorum_id, quorum_id)
             return self._last_quorum_id
 
-    def _post(self, path: str, fields: dict[str, Any], timeout_s: float) -> dict:
-        body = json.dumps({"job": self.job_id, "signature": self.signature, "group": self.group, **fields})
-        headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        request = urllib.request.Request(self.url + path, data=body.encode(), headers=headers, method="POST")
+    def _post(self, message: GroupMessage, timeout_s: float) -> Any:
+        """The decoded JSON of a 200 answer; an error answer raises the exception its code names."""
+        path = message.path
+        headers = {"Content-Type": "application/json", **authorization_header(self.token)}
+        body = json.dumps(message.to_json()).encode()
+        request = urllib.request.Request(self.url + path, data=body, headers=headers, method="POST")
         try:
             with self._opener.open(request, timeout=timeout_s) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as e:
-            message = _error_message(e)
-            if e.code == 504 and path == "/quorum":
-                raise QuorumTimeout(message) from None
-            if 400 <= e.code < 500:
-                raise LighthouseRefused(e.code, message) from None
-            raise LighthouseUnavailable(f"lighthouse at {self.url} answered {e.code} to {path}: {message}") from None
+            raise self._error(path, e) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
             reason = getattr(e, "reason", e)
             raise LighthouseUnavailable(f"lighthouse at {self.url} unreachable for {path}: {reason!r}") from None
 
-
-def _error_message(e: urllib.error.HTTPError) -> str:
-    try:
-        return str(json.loads(e.read())["error"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"HTTP {e.code} {e.reason}"
+    def _error(self, path: str, e: urllib.error.HTTPError) -> Exception:
+        """The exception for an error answer, by its code. An answer without one is not the
+        lighthouse's: a 4xx there is refused (asking again reaches the same wrong server: fix
+        cluster.lighthouse.host/port), a 5xx is a proxy or server failing, worth retrying."""
+        try:
+            answer = ErrorAnswer.from_json(json.loads(e.read()))
+        except (OSError, ValueError) as bad:
+            message = f"{self.url} answered HTTP {e.code} {e.reason} to {path} without a lighthouse error code ({bad})"
+            if 400 <= e.code < 500:
+                return LighthouseRefused(ErrorCode.NOT_FOUND, f"{message}: is the lighthouse at this address?")
+            return LighthouseUnavailable(message)
+        error = answer.exception()
+        if isinstance(error, LighthouseUnavailable):
+            return LighthouseUnavailable(f"lighthouse at {self.url} answered {e.code} to {path}: {error}")
+        return error

@@ -10,7 +10,6 @@ Its whole memory is rebuilt from heartbeats, so a restarted lighthouse needs no 
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -25,14 +24,23 @@ from typing import Any
 
 import torch.distributed as dist
 
-from diloco.config_base import check
+from diloco.cluster import LighthouseConfig
 from diloco.ft import status_page
 from diloco.ft.identity import JobIdentity, NotThisJob
 from diloco.ft.protocol import (
-    FIELDS,
+    ENDPOINTS,
+    HEARTBEAT_ACK,
     MAX_BODY_BYTES,
+    ErrorAnswer,
+    ErrorCode,
+    Heartbeat,
     LighthouseRefused,
-    parse_body,
+    QuorumAsk,
+    QuorumGrant,
+    check_token,
+    parse_request,
+    quorum_answer_to_json,
+    unreadable_post,
 )
 from diloco.ft.quorum import JobEnd, Quorum, QuorumBook, QuorumRequest, QuorumRules
 
@@ -43,32 +51,6 @@ DECIDE_EVERY_S = 0.02  # the join and heartbeat timeouts are noticed within this
 _WILDCARD_HOSTS = {"", "0.0.0.0"}
 
 
-@dataclass(frozen=True)
-class LighthouseConfig:
-    """Where the lighthouse listens; ``token`` is the job's secret (empty: none required)."""
-
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 picks a free port; a multi-host job sets a fixed one
-    token: str = ""
-    store_port: int = 0  # the TCPStore it hosts; 0 picks a free port
-    history: int = 50  # quorums kept for /status
-
-    def validate(self) -> None:
-        check(bool(self.host), "cluster.lighthouse.host", self.host, "must be an address to bind, e.g. 127.0.0.1")
-        for key in ("port", "store_port"):
-            value = getattr(self, key)
-            check(
-                0 <= value <= 65535, f"cluster.lighthouse.{key}", value, "must be in [0, 65535] (0 picks a free port)"
-            )
-        check(
-            self.port == 0 or self.port != self.store_port,
-            "cluster.lighthouse.store_port",
-            self.store_port,
-            f"must differ from cluster.lighthouse.port={self.port} (or be 0 to pick a free port)",
-        )
-        check(self.history >= 1, "cluster.lighthouse.history", self.history, "must be >= 1 (quorums kept for /status)")
-
-
 @dataclass
 class _Waiter:
     """One open long poll; the decision step fills in ``quorum``, ``end`` or ``error`` and wakes it."""
@@ -76,7 +58,7 @@ class _Waiter:
     group: str
     quorum: Quorum | None = None
     end: JobEnd | None = None
-    error: tuple[int, str] | None = None
+    error: ErrorAnswer | None = None
 
     @property
     def answered(self) -> bool:
@@ -173,76 +155,70 @@ class Lighthouse:
     def handle_post(
         self, path: str, authorization: str | None, body: bytes, local_host: str, peer: str = "?"
     ) -> tuple[int, dict]:
-        """Check and serve one POST; a refusal changes nothing in the lighthouse's state."""
+        """Check and serve one POST to an ``ENDPOINTS`` path; a refusal changes nothing in the lighthouse's state."""
         try:
-            self._check_token(authorization)
-            req = parse_body(path, body)
+            check_token(authorization, self.cfg.token)
+            request = parse_request(path, body)
+            config = request.config if isinstance(request, QuorumAsk) else None
             with self._cond:
                 try:
-                    self._identity.admit(req["job"], req["signature"], req.get("config"))
+                    self._identity.admit(request.job, request.signature, config)
                 except NotThisJob as refusal:
-                    raise LighthouseRefused(409, str(refusal)) from None
-            if path == "/heartbeat":
-                return self._heartbeat(req)
-            store_host = local_host if self.cfg.host in _WILDCARD_HOSTS else self.cfg.host
-            return self._quorum(req, store_host)
+                    raise LighthouseRefused(ErrorCode.WRONG_JOB, str(refusal)) from None
         except LighthouseRefused as refusal:
-            log.warning("refused %s from %s (%d): %s", path, peer, refusal.status, refusal)
-            return refusal.status, {"error": str(refusal)}
+            log.warning("refused %s from %s (%s): %s", path, peer, refusal.code.value, refusal)
+            return refusal.status, ErrorAnswer(refusal.code, str(refusal)).to_json()
+        if isinstance(request, Heartbeat):
+            self._heartbeat(request)
+            return 200, HEARTBEAT_ACK
+        assert isinstance(request, QuorumAsk), f"no handler for {type(request).__name__} at {path}"
+        answer = self._quorum(request, local_host if self.cfg.host in _WILDCARD_HOSTS else self.cfg.host)
+        if isinstance(answer, ErrorAnswer):
+            return answer.status, answer.to_json()
+        return 200, quorum_answer_to_json(answer)
 
-    def _check_token(self, authorization: str | None) -> None:
-        if not self.cfg.token:
-            return
-        given = authorization[len("Bearer ") :] if authorization and authorization.startswith("Bearer ") else ""
-        if not given:
-            raise LighthouseRefused(401, "missing token: send 'Authorization: Bearer <cluster.lighthouse.token>'")
-        if not hmac.compare_digest(given.encode(), self.cfg.token.encode()):
-            raise LighthouseRefused(
-                401, "wrong token: the request's token does not match the lighthouse's cluster.lighthouse.token"
-            )
-
-    def _heartbeat(self, req: dict[str, Any]) -> tuple[int, dict]:
+    def _heartbeat(self, beat: Heartbeat) -> None:
         with self._cond:
             self._book.heartbeat(
-                req["group"], self._clock(), quorum_id_seen=req["quorum_id"], step=req["step"], finished=req["finished"]
+                beat.group, self._clock(), quorum_id_seen=beat.quorum_id, step=beat.step, finished=beat.finished
             )
-            self._steps[req["group"]] = req["step"]
-        return 200, {"ok": True}
+            self._steps[beat.group] = beat.step
 
-    def _quorum(self, req: dict[str, Any], store_host: str) -> tuple[int, dict]:
-        group = req["group"]
+    def _quorum(self, ask: QuorumAsk, store_host: str) -> QuorumGrant | JobEnd | ErrorAnswer:
+        """Wait (at most ``ask.timeout_s``, capped by ``MAX_POLL_S``) for this request's fate."""
+        group = ask.group
         waiter = _Waiter(group)
         with self._cond:
             now = self._clock()
-            deadline = now + min(req["timeout_s"], MAX_POLL_S)
+            deadline = now + min(ask.timeout_s, MAX_POLL_S)
             if self._book.ended is not None:
-                self._answer_after_end(waiter, req["finished"])
+                self._answer_after_end(waiter, ask.finished)
             else:
-                self._book.heartbeat(group, now, quorum_id_seen=req["quorum_id"], finished=req["finished"])
+                self._book.heartbeat(group, now, quorum_id_seen=ask.quorum_id, finished=ask.finished)
                 earlier = self._waiters.get(group)
                 if earlier is not None:
-                    earlier.error = (409, f"superseded: group {group!r} sent a newer quorum request")
+                    earlier.error = ErrorAnswer(
+                        ErrorCode.SUPERSEDED, f"superseded: group {group!r} sent a newer quorum request"
+                    )
                 self._waiters[group] = waiter
-                self._steps[group] = req["step"]
-                request = QuorumRequest(
-                    group, req["step"], req["commit_failed"], req["finished"], req["digest"], req["round_step"]
+                self._steps[group] = ask.step
+                self._book.ask(
+                    QuorumRequest(group, ask.step, ask.commit_failed, ask.finished, ask.digest, ask.round_step), now
                 )
-                self._book.ask(request, now)
                 self._decide_locked(now)
             while not waiter.answered and not self._stopping.is_set():
                 remaining = deadline - self._clock()
                 if remaining <= 0:
-                    return 504, {"error": self._give_up_locked(waiter, req["timeout_s"])}
+                    return ErrorAnswer(ErrorCode.TIMEOUT, self._give_up_locked(waiter, ask.timeout_s))
                 self._cond.wait(min(remaining, 0.5))
             if waiter.quorum is not None:
-                store = {"host": store_host, "port": self.store_address[1]}
-                return 200, {"quorum": waiter.quorum.to_json(), "store": store}
+                return QuorumGrant(waiter.quorum, (store_host, self.store_address[1]))
             if waiter.end is not None:
-                return 200, {"end": waiter.end.to_json()}
+                return waiter.end
             if waiter.error is not None:
-                return waiter.error[0], {"error": waiter.error[1]}
-            self._give_up_locked(waiter, req["timeout_s"])
-            return 503, {"error": "the lighthouse is stopping; retry once it is back"}
+                return waiter.error
+            self._give_up_locked(waiter, ask.timeout_s)
+            return ErrorAnswer(ErrorCode.STOPPING, "the lighthouse is stopping; retry once it is back")
 
     def _give_up_locked(self, waiter: _Waiter, timeout_s: float) -> str:
         """Withdraw a request whose wait ran out; the message says who could have joined it."""
@@ -265,8 +241,8 @@ class Lighthouse:
             waiter.end = end
             self._told_end.add(waiter.group)
         else:
-            waiter.error = (
-                409,
+            waiter.error = ErrorAnswer(
+                ErrorCode.JOB_ENDED,
                 f"the job ended at round {end.round} (every group finished, or cluster.timeouts.end passed after "
                 f"the first did); group {waiter.group!r} did not finish and can no longer take part",
             )
@@ -310,7 +286,8 @@ class Lighthouse:
         for group, reason in self._book.turned_away.items():
             waiter = self._waiters.pop(group, None)
             if waiter is not None:
-                waiter.error, woken = (504, f"request of group {group!r} withdrawn: {reason}"), True
+                waiter.error = ErrorAnswer(ErrorCode.WITHDRAWN, f"request of group {group!r} withdrawn: {reason}")
+                woken = True
         self._book.turned_away.clear()
         if self._book.ended is None and (end := self._book.end_of_job(now)) is not None:
             log.info("the job ended at round %d; %s saves the final model", end.round, end.writer)
@@ -357,19 +334,17 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/":
             self._reply(200, status_page.render_html(lighthouse.status()).encode(), "text/html; charset=utf-8")
         else:
-            self._reply_json(404, {"error": f"unknown path {path!r}: GET / or /status, POST /heartbeat or /quorum"})
+            paths = f"GET / or /status, POST {' or '.join(ENDPOINTS)}"
+            self._reply_error(ErrorAnswer(ErrorCode.NOT_FOUND, f"unknown path {path!r}: {paths}"))
 
     def do_POST(self) -> None:
         lighthouse: Lighthouse = self.server.lighthouse  # type: ignore[attr-defined]
         path = self.path.split("?", 1)[0]
         length = self.headers.get("Content-Length", "")
-        if path not in FIELDS:
-            self._reply_json(404, {"error": f"unknown path {path!r}: POST /heartbeat or /quorum"})
-        elif not length.isdigit():
-            self._reply_json(400, {"error": "a POST needs a Content-Length header"})
-        elif int(length) > MAX_BODY_BYTES:
-            self.rfile.read(min(int(length), 16 * MAX_BODY_BYTES))  # drained so the client reads the answer
-            self._reply_json(400, {"error": f"body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}"})
+        if (error := unreadable_post(path, length)) is not None:
+            if length.isdigit():  # drained (up to a bound) so the client reads the answer
+                self.rfile.read(min(int(length), 16 * MAX_BODY_BYTES))
+            self._reply_error(error)
         else:
             body = self.rfile.read(int(length))
             local_host, peer = self.connection.getsockname()[0], self.address_string()
@@ -377,6 +352,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _reply_json(self, status: int, payload: dict) -> None:
         self._reply(status, json.dumps(payload).encode(), "application/json")
+
+    def _reply_error(self, error: ErrorAnswer) -> None:
+        self._reply_json(error.code.status, error.to_json())
 
     def _reply(self, status: int, data: bytes, content_type: str) -> None:
         try:

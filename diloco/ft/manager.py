@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import LaneError, Lanes
-from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable, QuorumTimeout
+from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable, QuorumSuperseded, QuorumTimeout
 from diloco.ft.quorum import JobEnd, Quorum
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,9 @@ class Manager:
         self.lanes = lanes
         self.quorum_timeout_s = quorum_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.committed = 0
+        self._committed = 0
         self.last_commit_failed = False
-        self.finished = False  # trained to the end: only serves (or takes) the final state now
+        self._finished = False  # trained to the end: only serves (or takes) the final state now
         self._no_quorum_since: float | None = None
         self._backoff_s = 0.0
         self._retry_at = 0.0
@@ -111,6 +111,33 @@ class Manager:
         if self._heartbeats is not None:
             self._heartbeats.join(timeout=self.heartbeat_interval_s + 5)
         self.lanes.drop()
+
+    @property
+    def committed(self) -> int:
+        """Rounds this group has committed (or adopted from a peer): what the lighthouse compares."""
+        return self._committed
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def start_round_timeout_s(self) -> float:
+        """The longest ``start_round`` waits: the quorum, then the lane's rendezvous."""
+        return self.quorum_timeout_s + self.lanes.connect_timeout_s
+
+    def finish(self) -> None:
+        """Trained to the end: from now on the group only serves (or takes) the final state, and says so."""
+        self._finished = True
+
+    def abandon_round(self) -> None:
+        """Give up the current round everywhere: the lane is aborted, so its pending and later
+        collectives fail at once on every member; the next quorum builds a fresh lane."""
+        self.lanes.drop()
+
+    def adopt(self, committed: int) -> None:
+        """A peer's state was applied: this group now stands at the peer's committed round."""
+        self._committed = committed
 
     def start_round(self, round_step: int) -> Round | None:
         """Ask for a quorum (leader), share it with the group, and make sure the lane matches it.
@@ -177,7 +204,7 @@ class Manager:
         """Commit the round iff every rank of this group succeeded; a failure drops the lane."""
         ok = self.all_ranks(local_ok)
         if ok:
-            self.committed = max(self.committed, round_.quorum.round_floor) + 1
+            self._committed = max(self._committed, round_.quorum.round_floor) + 1
         else:
             self.lanes.drop()
         self.last_commit_failed = not ok
@@ -235,10 +262,8 @@ class Manager:
                 digest=digest,
             )
         except LighthouseRefused as error:
-            if "superseded" in str(error):  # our own earlier, abandoned request: just ask again next time
-                return {"error": str(error)}
             return {"refused": str(error)}
-        except QuorumTimeout as error:
+        except (QuorumTimeout, QuorumSuperseded) as error:  # superseded: our own abandoned request; ask again
             return {"error": str(error)}
         except LighthouseUnavailable as error:
             # Exponential backoff, so a dead lighthouse costs the groups nothing but skipped syncs.

@@ -1,41 +1,129 @@
-"""The lighthouse's wire protocol: each endpoint's fields and types, and the errors clients see.
+"""The lighthouse's wire protocol: the typed messages both sides send, and the errors clients see.
 
-Plain HTTP + JSON, shared by the server (lighthouse.py) and its clients (client.py); nothing
-received is ever unpickled (DESIGN.md invariant 5). Every request is checked field by field,
-and a problem is a 400 that names the field.
+Plain HTTP + JSON, shared by the server (lighthouse.py) and its clients (client.py), so the
+client never imports the server; nothing received is ever unpickled (DESIGN.md invariant 5).
+Every request is checked field by field, and a problem is a 400 that names the field. An
+error answer carries a machine-readable ``code`` next to the human ``error``: clients act on
+the code (``exception_for``), never on the wording.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import hmac
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple, get_origin, get_type_hints
+
+from diloco.ft.quorum import JobEnd, Quorum
 
 MAX_BODY_BYTES = 64 * 1024
 MAX_GROUP_ID_CHARS = 200
 MAX_CONFIG_KEYS = 1000
+HEARTBEAT_ACK = {"ok": True}  # the answer to a heartbeat; it carries nothing else
 
-# Body fields of each POST endpoint beyond job/signature/group: name -> (type, default or
-# None when required). A quorum request may carry the last quorum id the group saw, so a
-# restarted lighthouse never reuses an id even if a request reaches it before any heartbeat,
-# and the inner step the group asks at (QuorumRequest.round_step); it carries the group's
-# flat training configuration, which must match the job's.
-FIELDS: dict[str, dict[str, tuple[type, Any]]] = {
-    "/heartbeat": {"step": (int, None), "quorum_id": (int, None), "finished": (bool, False)},
-    "/quorum": {
-        "step": (int, None),
-        "round_step": (int, 0),
-        "commit_failed": (bool, None),
-        "timeout_s": (float, None),
-        "quorum_id": (int, 0),
-        "finished": (bool, False),
-        "digest": (str, ""),
-        "config": (dict, {}),
-    },
+
+class ErrorCode(str, enum.Enum):
+    """Why the lighthouse answered with an error; each code has one HTTP status (``status``)."""
+
+    BAD_REQUEST = "bad_request"  # malformed body, unknown or mistyped field
+    NOT_FOUND = "not_found"  # no such endpoint
+    BAD_TOKEN = "bad_token"  # missing or wrong cluster.lighthouse.token
+    WRONG_JOB = "wrong_job"  # another job id, model signature or training configuration
+    JOB_ENDED = "job_ended"  # the job ended before this (unfinished) group asked
+    SUPERSEDED = "superseded"  # the same group sent a newer quorum request
+    TIMEOUT = "timeout"  # no quorum containing the group within its wait
+    WITHDRAWN = "withdrawn"  # the request was dropped before its wait ran out (see the reason)
+    STOPPING = "stopping"  # the lighthouse is shutting down
+
+    @property
+    def status(self) -> int:
+        return _STATUS[self]
+
+
+_STATUS = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.BAD_TOKEN: 401,
+    ErrorCode.WRONG_JOB: 409,
+    ErrorCode.JOB_ENDED: 409,
+    ErrorCode.SUPERSEDED: 409,
+    ErrorCode.TIMEOUT: 504,
+    ErrorCode.WITHDRAWN: 504,
+    ErrorCode.STOPPING: 503,
 }
 
 
+class LighthouseError(RuntimeError):
+    """An error answer of the lighthouse: its ``code`` says what happened, the message says it to a person."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def status(self) -> int:
+        return self.code.status
+
+
+class LighthouseRefused(LighthouseError):
+    """The lighthouse refused the request (token, job id, model signature, malformed request, job
+    over): the same request will be refused again, so fix the configuration instead of retrying.
+    The lighthouse raises it internally too, and answers with ``status``."""
+
+
+class QuorumSuperseded(LighthouseError):
+    """A newer quorum request of the same group replaced this one (the group's own abandoned
+    request): not a refusal, the group simply asks again at its next sync."""
+
+
+class QuorumTimeout(LighthouseError):
+    """No quorum containing this group formed within the requested time; the request is withdrawn."""
+
+
+class LighthouseUnavailable(RuntimeError):
+    """The lighthouse could not be reached or failed (connection refused/reset, timeout, 5xx, stopping)."""
+
+
+_EXCEPTIONS: dict[ErrorCode, type[LighthouseError]] = {
+    ErrorCode.SUPERSEDED: QuorumSuperseded,
+    ErrorCode.TIMEOUT: QuorumTimeout,
+    ErrorCode.WITHDRAWN: QuorumTimeout,
+}
+
+
+@dataclass(frozen=True)
+class ErrorAnswer:
+    """The JSON body of every error answer: ``{"error": <for a person>, "code": <ErrorCode>}``."""
+
+    code: ErrorCode
+    error: str
+
+    @property
+    def status(self) -> int:
+        return self.code.status
+
+    def to_json(self) -> dict[str, str]:
+        return {"error": self.error, "code": self.code.value}
+
+    @classmethod
+    def from_json(cls, data: Any) -> ErrorAnswer:
+        """Raises ``ValueError`` unless ``data`` is an error answer of this protocol."""
+        if not isinstance(data, dict) or not isinstance(data.get("error"), str):
+            raise ValueError(f"not an error answer: {data!r:.200}")
+        return cls(ErrorCode(data.get("code")), data["error"])
+
+    def exception(self) -> LighthouseError | LighthouseUnavailable:
+        """What a client raises for this answer, chosen by the code alone."""
+        if self.code is ErrorCode.STOPPING:
+            return LighthouseUnavailable(self.error)
+        return _EXCEPTIONS.get(self.code, LighthouseRefused)(self.code, self.error)
+
+
+# -- requests ------------------------------------------------------------------------------
 _TYPES: dict[type, tuple[Callable[[Any], bool], str]] = {
     str: (lambda v: isinstance(v, str), "a string"),
     bool: (lambda v: isinstance(v, bool), "true or false"),
@@ -51,49 +139,146 @@ _TYPES: dict[type, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-class LighthouseRefused(RuntimeError):
-    """The lighthouse refused the request (token, job id, model signature, malformed request):
-    the same request will be refused again, so fix the configuration instead of retrying.
-    The lighthouse raises it internally too; ``status`` is the HTTP status it answers with."""
+@dataclass(frozen=True)
+class GroupMessage:
+    """What every request carries: who sends it. The lighthouse admits only its own job's groups."""
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+    path: ClassVar[str]
+    job: str
+    signature: str
+    group: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> GroupMessage:
+        """The message, each field type-checked; a problem is a ``LighthouseRefused`` 400 naming the field."""
+        if not isinstance(data, dict):
+            raise _bad_request(f"the body must be a JSON object, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise _bad_request(f"unknown field {unknown[0]!r} for {cls.path}; expected {sorted(fields)}")
+        missing = [n for n, f in fields.items() if n not in data and _required(f)]
+        if missing:
+            raise _bad_request(f"missing field {missing[0]!r} for {cls.path}; expected {sorted(fields)}")
+        hints = get_type_hints(cls)
+        for name in (n for n in fields if n in data):
+            ok, what = _TYPES[get_origin(hints[name]) or hints[name]]
+            if not ok(data[name]):
+                raise _bad_request(f"field {name!r}={data[name]!r} must be {what}")
+        if not 0 < len(data["group"]) <= MAX_GROUP_ID_CHARS:
+            raise _bad_request(f"field 'group' must be 1 to {MAX_GROUP_ID_CHARS} characters, got {len(data['group'])}")
+        return cls(**data)
 
 
-class LighthouseUnavailable(RuntimeError):
-    """The lighthouse could not be reached or failed (connection refused/reset, timeout, 5xx)."""
+@dataclass(frozen=True)
+class Heartbeat(GroupMessage):
+    """A sign of life: the group's committed step and the last quorum id it saw."""
+
+    path: ClassVar[str] = "/heartbeat"
+    step: int
+    quorum_id: int
+    finished: bool = False
 
 
-class QuorumTimeout(RuntimeError):
-    """No quorum containing this group formed within the requested time; the request is withdrawn."""
+@dataclass(frozen=True)
+class QuorumAsk(GroupMessage):
+    """A long poll for the next quorum (see ``quorum.QuorumRequest`` for ``step`` and ``round_step``).
+
+    It carries the last quorum id the group saw, so a restarted lighthouse never reuses an id
+    even if a request reaches it before any heartbeat, and the group's flat training
+    configuration, which must match the job's.
+    """
+
+    path: ClassVar[str] = "/quorum"
+    step: int
+    commit_failed: bool
+    timeout_s: float
+    round_step: int = 0
+    quorum_id: int = 0
+    finished: bool = False
+    digest: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_body(path: str, body: bytes) -> dict[str, Any]:
-    """The request's fields, type-checked; any problem is a 400 naming the field."""
+ENDPOINTS: dict[str, type[GroupMessage]] = {m.path: m for m in (Heartbeat, QuorumAsk)}
+
+
+def unreadable_post(path: str, content_length: str) -> ErrorAnswer | None:
+    """Why a POST's body is not even read (unknown endpoint, no Content-Length, over the limit), or None."""
+    if path not in ENDPOINTS:
+        return ErrorAnswer(ErrorCode.NOT_FOUND, f"unknown path {path!r}: POST {' or '.join(ENDPOINTS)}")
+    if not content_length.isdigit():
+        return ErrorAnswer(ErrorCode.BAD_REQUEST, "a POST needs a Content-Length header")
+    if int(content_length) > MAX_BODY_BYTES:
+        return ErrorAnswer(
+            ErrorCode.BAD_REQUEST, f"body of {content_length} bytes exceeds the limit of {MAX_BODY_BYTES}"
+        )
+    return None
+
+
+def parse_request(path: str, body: bytes) -> GroupMessage:
+    """The request to POST ``path`` (one of ``ENDPOINTS``); any problem is a 400 naming the field."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, ValueError) as e:
-        raise LighthouseRefused(400, f"malformed JSON body: {e}") from None
-    if not isinstance(data, dict):
-        raise LighthouseRefused(400, f"the body must be a JSON object, got {type(data).__name__}")
-    spec = {"job": (str, None), "signature": (str, None), "group": (str, None), **FIELDS[path]}
-    unknown = sorted(set(data) - set(spec))
-    if unknown:
-        raise LighthouseRefused(400, f"unknown field {unknown[0]!r} for {path}; expected {sorted(spec)}")
-    req = {}
-    for name, (tp, default) in spec.items():
-        if name not in data:
-            if default is None:
-                raise LighthouseRefused(400, f"missing field {name!r} for {path}; expected {sorted(spec)}")
-            req[name] = default
-            continue
-        req[name] = value = data[name]
-        ok, what = _TYPES[tp]
-        if not ok(value):
-            raise LighthouseRefused(400, f"field {name!r}={value!r} must be {what}")
-    if not 0 < len(req["group"]) <= MAX_GROUP_ID_CHARS:
+        raise _bad_request(f"malformed JSON body: {e}") from None
+    return ENDPOINTS[path].from_json(data)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _bad_request(message: str) -> LighthouseRefused:
+    return LighthouseRefused(ErrorCode.BAD_REQUEST, message)
+
+
+def authorization_header(token: str) -> dict[str, str]:
+    """The header a request carries the job's token in (none without a token)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def check_token(authorization: str | None, token: str) -> None:
+    """Refuse (``BAD_TOKEN``) unless the Authorization header carries ``token``; an empty ``token`` requires none."""
+    if not token:
+        return
+    given = authorization[len("Bearer ") :] if authorization and authorization.startswith("Bearer ") else ""
+    if not given:
         raise LighthouseRefused(
-            400, f"field 'group' must be 1 to {MAX_GROUP_ID_CHARS} characters, got {len(req['group'])}"
+            ErrorCode.BAD_TOKEN, "missing token: send 'Authorization: Bearer <cluster.lighthouse.token>'"
         )
-    return req
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise LighthouseRefused(
+            ErrorCode.BAD_TOKEN,
+            "wrong token: the request's token does not match the lighthouse's cluster.lighthouse.token",
+        )
+
+
+# -- quorum answers ------------------------------------------------------------------------
+class QuorumGrant(NamedTuple):
+    """A quorum containing the asking group, and the store its lanes rendezvous on."""
+
+    quorum: Quorum
+    store: tuple[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"quorum": self.quorum.to_json(), "store": {"host": self.store[0], "port": self.store[1]}}
+
+
+def quorum_answer_to_json(answer: QuorumGrant | JobEnd) -> dict[str, Any]:
+    """The 200 answer to a ``QuorumAsk``: a grant, or (to a finished group) the job's end."""
+    return {"end": answer.to_json()} if isinstance(answer, JobEnd) else answer.to_json()
+
+
+def quorum_answer_from_json(data: Any) -> QuorumGrant | JobEnd:
+    """Raises ``ValueError`` naming what is wrong unless ``data`` is a quorum answer."""
+    try:
+        if "end" in data:
+            return JobEnd.from_json(data["end"])
+        store = data["store"]
+        return QuorumGrant(Quorum.from_json(data["quorum"]), (str(store["host"]), int(store["port"])))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"malformed quorum answer: {e!r}") from None

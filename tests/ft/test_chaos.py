@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 from diloco.launcher import launch
-from diloco.local_cluster import JobFailed, serving_pid
+from diloco.local_cluster import JobFailed, serving_pid, wait_until
+from diloco.logger import read_jsonl
 from diloco.run_paths import RunPaths
-from diloco.summary import read_jsonl
-from tests.conftest import REPO, compose_job
+from diloco.worker import preflight
+from tests.conftest import REPO, compose_job, process_exited
 
 pytestmark = pytest.mark.slow
 
@@ -131,10 +132,8 @@ def test_stopping_the_launcher_leaves_no_process_behind(tmp_path, signum):
         text=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "commits" / "group0.jsonl").exists():
-            assert time.monotonic() < deadline and launcher.poll() is None, launcher.stdout.read()
-            time.sleep(0.5)
+        started = process_exited(launcher, launcher.stdout.read)
+        wait_until((run_dir / "commits" / "group0.jsonl").exists, 120, "the job to start", 0.5, started)
         assert len(_processes_mentioning(str(run_dir))) >= 5  # lighthouse + 2 groups x 2 workers
         launcher.send_signal(signum)
         output, _ = launcher.communicate(timeout=60)
@@ -143,12 +142,11 @@ def test_stopping_the_launcher_leaves_no_process_behind(tmp_path, signum):
             launcher.kill()
     assert launcher.returncode != 0, "an interrupted job must not report success"
     assert "interrupted" in output
-    time.sleep(1)
-    assert _processes_mentioning(str(run_dir)) == [], "orphans left behind"
+    wait_until(lambda: not _processes_mentioning(str(run_dir)), 10, "the stopped job's processes to end (orphans)")
 
 
-def test_a_group_that_keeps_crashing_fails_the_job_with_its_last_lines(tmp_path):
-    """The data vanishes after the launcher's checks: every start of every group crashes."""
+def test_a_group_that_keeps_crashing_fails_the_job_with_its_last_lines(tmp_path, monkeypatch):
+    """The data vanishes right after the launcher's checks: every start of every group crashes."""
     data = tmp_path / "data.txt"
     data.write_text("some text " * 20000)
     job = compose_job(
@@ -156,7 +154,13 @@ def test_a_group_that_keeps_crashing_fails_the_job_with_its_last_lines(tmp_path)
         + ["cluster.restart_backoff=0.2", "algo.sync_every=10", "trainer.max_steps=100000"]
         + ["data=text", f"data.path={data}"]
     )
-    threading.Timer(1.0, data.unlink).start()
+
+    def check_then_delete(job):
+        found = preflight(job)
+        data.unlink()
+        return found
+
+    monkeypatch.setattr("diloco.launcher.preflight", check_then_delete)
     with pytest.raises(JobFailed, match=r"failed 2 times \(cluster\.max_restarts=1\)") as failure:
         launch(job, tmp_path / "run")
     assert "no such file or folder" in str(failure.value)
@@ -215,10 +219,10 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
     rng = random.Random(7)
     done: list[str] = []
     try:
-        deadline = time.monotonic() + 120
-        while not any("status page" in line for line in output):
-            assert time.monotonic() < deadline and launcher.poll() is None, "".join(output)
-            time.sleep(0.2)
+        printed = process_exited(launcher, lambda: "".join(output))
+        wait_until(
+            lambda: any("status page" in line for line in output), 120, "the status page's address", gone=printed
+        )
         first_line = next(line for line in output if "status page" in line)
         lighthouse_url = re.search(r"(http://\S+?)/?$", first_line.strip()).group(1)
         status_url = lighthouse_url + "/status"
@@ -249,8 +253,7 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
     assert summary["ok"] and summary["groups_missing_results"] == [], summary["failure"]
     assert len({r["digest"] for r in summary["per_group"]}) == 1 and summary["final_round"] > 0
     assert summary["lighthouse_restarts"] >= 1 and summary["final_eval_loss"] < math.log(256) - 2.0
-    time.sleep(1)
-    assert _processes_mentioning(str(run_dir)) == [], "processes left behind"
+    wait_until(lambda: not _processes_mentioning(str(run_dir)), 10, "the ended job's processes to end")
 
 
 def _resume(pid: int) -> None:

@@ -11,14 +11,13 @@ import dataclasses
 import json
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from diloco.local_cluster import LocalCluster, log_tail
+from diloco.logger import read_jsonl
 from diloco.run_paths import RunPaths
-from diloco.summary import read_jsonl
 from diloco.worker import preflight
 from tests.conftest import compose_job
 
@@ -45,10 +44,7 @@ FT = [
 
 
 def commits(paths: RunPaths, group: int) -> list[dict]:
-    path = paths.commits(group)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(paths.commits(group))
 
 
 def committed_rounds(paths: RunPaths, group: int) -> list[dict]:
@@ -67,7 +63,7 @@ def assert_digests_agree(paths: RunPaths, groups: int) -> int:
 
 
 class Job:
-    """A LocalCluster with polling helpers; always stopped at the end of the test."""
+    """A LocalCluster (``cluster.wait_for`` polls it) with helpers reading its commit logs; always stopped."""
 
     def __init__(self, tmp_path: Path, *overrides: str) -> None:
         self.job = compose_job(FT + list(overrides))
@@ -81,18 +77,6 @@ class Job:
             self.cluster.start_lighthouse()
         for g in groups:
             self.cluster.start_group(g)
-
-    def wait(self, condition: Callable[[], bool], timeout_s: float, what: str) -> float:
-        """Poll until ``condition`` holds; returns the seconds it took, fails with the logs otherwise."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            if condition():
-                return time.monotonic() - start
-            failed = self.cluster.failed_worker()
-            assert failed is None, f"group {failed.group} died:\n{log_tail(failed.log_path, 40)}"
-            time.sleep(0.2)
-        logs = "\n".join(f"--- {p.name}\n{log_tail(p, 15)}" for p in sorted(self.paths.logs.glob("*.log")))
-        raise AssertionError(f"timed out after {timeout_s}s waiting for: {what}\n{logs}")
 
     def rounds_of(self, group: int) -> int:
         done = committed_rounds(self.paths, group)
@@ -138,7 +122,7 @@ def test_three_groups_hold_identical_state_after_every_commit(job_factory, algo)
     """Two workers per group: with streaming the rounds run on a background thread beside FSDP."""
     job = job_factory("cluster.workers_per_group=2", "trainer.max_steps=60", *ALGOS[algo])
     job.start(range(3))
-    job.wait(job.cluster.finished, 180, "all groups to finish")
+    job.cluster.wait_for(job.cluster.finished, 180, "all groups to finish")
     shared = assert_digests_agree(job.paths, 3)
     assert shared >= 6
     results = [json.loads(job.paths.result(g).read_text()) for g in range(3)]
@@ -150,17 +134,21 @@ def test_three_groups_hold_identical_state_after_every_commit(job_factory, algo)
 def test_killed_group_is_left_out_then_heals_when_restarted(job_factory, algo):
     job = job_factory("trainer.max_steps=100000", *ALGOS[algo])
     job.start(range(3))
-    job.wait(lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three")
+    job.cluster.wait_for(
+        lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three"
+    )
     job.cluster.signal_group(2, signal.SIGKILL)
     killed_at_round = job.rounds_of(0)
-    stall = job.wait(
+    stall = job.cluster.wait_for(
         lambda: job.committed_with(0, ["group0", "group1"], killed_at_round), 60, "survivors to commit without group2"
     )
     timeouts = job.job.cluster.timeouts
     assert stall < timeouts.heartbeat + timeouts.join + timeouts.collective + 5
     job.cluster.start_group(2)
     before = job.rounds_of(0)
-    job.wait(lambda: job.committed_with(2, ALL3, before), 120, "the restarted group2 to heal and commit with all")
+    job.cluster.wait_for(
+        lambda: job.committed_with(2, ALL3, before), 120, "the restarted group2 to heal and commit with all"
+    )
     assert job.recoveries_of(2) >= 1
     assert assert_digests_agree(job.paths, 3) >= 3  # all three, the two survivors, all three again
 
@@ -168,9 +156,9 @@ def test_killed_group_is_left_out_then_heals_when_restarted(job_factory, algo):
 def test_late_group_heals_and_joins(job_factory):
     job = job_factory("trainer.max_steps=100000")
     job.start([0, 1])
-    job.wait(lambda: job.rounds_of(0) >= 3, 120, "two groups to commit three rounds")
+    job.cluster.wait_for(lambda: job.rounds_of(0) >= 3, 120, "two groups to commit three rounds")
     job.start([2])
-    job.wait(lambda: job.committed_with(2, ALL3), 120, "the late group2 to join a committed round")
+    job.cluster.wait_for(lambda: job.committed_with(2, ALL3), 120, "the late group2 to join a committed round")
     assert job.recoveries_of(2) == 1
     first = committed_rounds(job.paths, 2)[0]
     assert first["round"] > 3, "the late group must continue the job's rounds, not start its own"
@@ -178,29 +166,37 @@ def test_late_group_heals_and_joins(job_factory):
 
 
 def test_injected_allreduce_failure_is_not_committed_and_heals(job_factory):
-    job = job_factory("trainer.max_steps=100000")
+    job = job_factory("trainer.max_steps=100000", "faults.accept_requests=true")
     job.start(range(3))
-    job.wait(lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three")
+    job.cluster.wait_for(
+        lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three"
+    )
     job.cluster.request_fault(1, "fail_round")
-    job.wait(lambda: any(not r["committed"] for r in commits(job.paths, 1)), 60, "group1's round to fail")
+    job.cluster.wait_for(lambda: any(not r["committed"] for r in commits(job.paths, 1)), 60, "group1's round to fail")
     failed_round = next(r for r in commits(job.paths, 1) if not r["committed"])
     assert job.committed_with(0, ALL3, failed_round["round"] - 1), "the others commit the round group1 failed"
-    job.wait(lambda: job.recoveries_of(1) >= 1, 60, "group1 to heal from a peer")
+    job.cluster.wait_for(lambda: job.recoveries_of(1) >= 1, 60, "group1 to heal from a peer")
     after = job.rounds_of(0)
-    job.wait(lambda: job.committed_with(1, ALL3, after), 60, "group1 to commit again with everyone")
+    job.cluster.wait_for(lambda: job.committed_with(1, ALL3, after), 60, "group1 to commit again with everyone")
     assert_digests_agree(job.paths, 3)
 
 
 def test_stopped_group_is_left_out_and_heals_after_sigcont(job_factory):
     job = job_factory("trainer.max_steps=100000")
     job.start(range(3))
-    job.wait(lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three")
+    job.cluster.wait_for(
+        lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three"
+    )
     job.cluster.signal_group(2, signal.SIGSTOP)
     stopped_at = job.rounds_of(0)
-    job.wait(lambda: job.committed_with(0, ["group0", "group1"], stopped_at), 60, "survivors to go on without group2")
+    job.cluster.wait_for(
+        lambda: job.committed_with(0, ["group0", "group1"], stopped_at), 60, "survivors to go on without group2"
+    )
     job.cluster.signal_group(2, signal.SIGCONT)
     after = job.rounds_of(0)
-    job.wait(lambda: job.committed_with(2, ALL3, after), 90, "group2 to heal and commit with all after SIGCONT")
+    job.cluster.wait_for(
+        lambda: job.committed_with(2, ALL3, after), 90, "group2 to heal and commit with all after SIGCONT"
+    )
     assert job.recoveries_of(2) >= 1
     assert_digests_agree(job.paths, 3)
 
@@ -208,14 +204,14 @@ def test_stopped_group_is_left_out_and_heals_after_sigcont(job_factory):
 def test_training_goes_on_through_a_lighthouse_restart(job_factory):
     job = job_factory("cluster.groups=2", "trainer.max_steps=100000")
     job.start(range(2))
-    job.wait(lambda: job.rounds_of(0) >= 3, 120, "three committed rounds")
+    job.cluster.wait_for(lambda: job.rounds_of(0) >= 3, 120, "three committed rounds")
     last_quorum = committed_rounds(job.paths, 0)[-1]["quorum_id"]
     job.cluster.kill_lighthouse()
     time.sleep(3)
     assert job.cluster.failed_worker() is None, "groups must keep running without a lighthouse"
     job.cluster.start_lighthouse()
     before = job.rounds_of(0)
-    job.wait(lambda: job.rounds_of(0) >= before + 2, 90, "rounds to be committed after the restart")
+    job.cluster.wait_for(lambda: job.rounds_of(0) >= before + 2, 90, "rounds to be committed after the restart")
     newest = committed_rounds(job.paths, 0)[-1]
     assert newest["quorum_id"] > last_quorum, "a restarted lighthouse must never reuse a quorum id"
     assert_digests_agree(job.paths, 2)
@@ -224,7 +220,7 @@ def test_training_goes_on_through_a_lighthouse_restart(job_factory):
 def test_groups_with_wrong_token_job_or_model_are_refused_and_change_nothing(job_factory, tmp_path):
     job = job_factory("cluster.groups=2", "trainer.max_steps=100000")
     job.start(range(2))
-    job.wait(lambda: job.rounds_of(0) >= 2, 120, "two committed rounds")
+    job.cluster.wait_for(lambda: job.rounds_of(0) >= 2, 120, "two committed rounds")
     real = job.cluster.job  # the resolved job: the lighthouse's real port and token
     three_groups = dataclasses.replace(real.cluster, groups=3)
     intruders = {
@@ -254,7 +250,7 @@ def test_groups_with_wrong_token_job_or_model_are_refused_and_change_nothing(job
         finally:
             cluster.stop()
     before = job.rounds_of(0)
-    job.wait(lambda: job.rounds_of(0) >= before + 1, 60, "the members to keep committing")
+    job.cluster.wait_for(lambda: job.rounds_of(0) >= before + 1, 60, "the members to keep committing")
     seen = {p for r in committed_rounds(job.paths, 0) for p in r["participants"]}
     assert seen == {"group0", "group1"}, seen
 
@@ -284,14 +280,16 @@ def test_finished_groups_wait_for_a_straggler_which_takes_their_final_state(job_
     from a finished group in a closing round, and every group ends with one model."""
     job = job_factory("trainer.max_steps=120")
     job.start(range(3))
-    job.wait(lambda: job.rounds_of(2) >= 3, 120, "group 2 to commit three rounds")
+    job.cluster.wait_for(lambda: job.rounds_of(2) >= 3, 120, "group 2 to commit three rounds")
     job.cluster.signal_group(2, signal.SIGSTOP)
     stopped_round = job.rounds_of(2)
-    job.wait(lambda: min(last_step(job, 0), last_step(job, 1)) >= 120, 120, "groups 0 and 1 to train to the end")
+    job.cluster.wait_for(
+        lambda: min(last_step(job, 0), last_step(job, 1)) >= 120, 120, "groups 0 and 1 to train to the end"
+    )
     time.sleep(2 * job.job.cluster.timeouts.heartbeat)
     assert not job.cluster.finished() and job.cluster.failed_worker() is None, "finished groups must wait"
     job.cluster.signal_group(2, signal.SIGCONT)
-    job.wait(job.cluster.finished, 120, "every group to end")
+    job.cluster.wait_for(job.cluster.finished, 120, "every group to end")
     end = assert_one_final_model(job, 3)
     after_pause = [r for r in commits(job.paths, 2) if r["round"] >= stopped_round and r["time"] > 0]
     assert not any(r["committed"] and r["round"] > stopped_round for r in after_pause), "a solo commit after the end"
@@ -305,9 +303,9 @@ def test_a_group_started_after_the_others_finished_heals_from_them(job_factory):
     the groups that finished (they waited for it) and ends with their model."""
     job = job_factory("cluster.groups=2", "trainer.max_steps=40", "cluster.timeouts.start=2")
     job.start([0])
-    job.wait(lambda: last_step(job, 0) >= 40, 120, "group 0 to train to the end alone")
+    job.cluster.wait_for(lambda: last_step(job, 0) >= 40, 120, "group 0 to train to the end alone")
     job.start([1])
-    job.wait(job.cluster.finished, 120, "both groups to end")
+    job.cluster.wait_for(job.cluster.finished, 120, "both groups to end")
     assert_one_final_model(job, 2)
     assert job.recoveries_of(1) == 1 and not committed_rounds(job.paths, 1)
 
@@ -318,13 +316,15 @@ def test_job_goes_on_when_every_holder_of_its_newest_state_dies(job_factory):
     survived (here: the initial one), numbering their rounds above every lost round."""
     job = job_factory("cluster.groups=2", "trainer.max_steps=100000")
     job.start(range(2))
-    job.wait(lambda: min(job.rounds_of(0), job.rounds_of(1)) >= 3, 120, "three rounds committed by both")
+    job.cluster.wait_for(lambda: min(job.rounds_of(0), job.rounds_of(1)) >= 3, 120, "three rounds committed by both")
     for g in range(2):
         job.cluster.signal_group(g, signal.SIGKILL)
     lost = max(job.rounds_of(0), job.rounds_of(1))
     for g in range(2):
         job.cluster.start_group(g)
-    job.wait(lambda: min(job.rounds_of(0), job.rounds_of(1)) > lost + 1, 120, "rounds numbered above the lost ones")
+    job.cluster.wait_for(
+        lambda: min(job.rounds_of(0), job.rounds_of(1)) > lost + 1, 120, "rounds numbered above the lost ones"
+    )
     restarted = [r for g in range(2) for r in committed_rounds(job.paths, g) if r["pid"] == job.leader_pid(g)]
     assert min(r["round"] for r in restarted) > lost, "a round number of the lost history was reused"
     assert_digests_agree(job.paths, 2)

@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from diloco.cluster import LighthouseConfig
 from diloco.config_base import ConfigError
 from diloco.ft.client import LighthouseClient
-from diloco.ft.lighthouse import Lighthouse, LighthouseConfig
-from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable, QuorumTimeout
+from diloco.ft.lighthouse import Lighthouse
+from diloco.ft.protocol import ErrorCode, LighthouseRefused, LighthouseUnavailable, QuorumSuperseded, QuorumTimeout
 from diloco.ft.quorum import JobEnd, QuorumRules
 
 JOB, SIG, TOKEN = "job-1", "sig-abc", "s3cret"
@@ -203,8 +204,11 @@ def test_a_failed_commit_forces_a_new_id(start):
 def test_too_few_groups_time_out_and_the_request_is_withdrawn(start):
     lh = start(QuorumRules(min_groups=2, join_timeout_s=0.1, heartbeat_timeout_s=5.0))
     t0 = time.monotonic()
-    with pytest.raises(QuorumTimeout, match=r"no quorum within 0.4 s: healthy groups \['A'\], asked \['A'\]"):
+    with pytest.raises(
+        QuorumTimeout, match=r"no quorum within 0.4 s: healthy groups \['A'\], asked \['A'\]"
+    ) as timed_out:
         client(lh, "A").quorum(0, False, timeout_s=0.4)
+    assert timed_out.value.code is ErrorCode.TIMEOUT
     assert 0.4 <= time.monotonic() - t0 < 1.5
     assert [(g["id"], g["waiting_for_quorum"]) for g in status(lh)["groups"]] == [("A", False)]
     # Withdrawn, not merely forgotten by the client: B alone is still short of min_groups=2.
@@ -214,8 +218,9 @@ def test_too_few_groups_time_out_and_the_request_is_withdrawn(start):
 def test_a_request_whose_group_stops_heartbeating_is_dropped(start):
     lh = start(QuorumRules(min_groups=2, join_timeout_s=0.1, heartbeat_timeout_s=0.3))
     t0 = time.monotonic()
-    with pytest.raises(QuorumTimeout, match="no heartbeat for cluster.timeouts.heartbeat=0.3 s"):
+    with pytest.raises(QuorumTimeout, match="no heartbeat for cluster.timeouts.heartbeat=0.3 s") as timeout:
         client(lh, "A").quorum(0, False, timeout_s=3.0)
+    assert timeout.value.code is ErrorCode.WITHDRAWN
     assert time.monotonic() - t0 < 1.5
 
 
@@ -230,8 +235,8 @@ def test_a_second_request_from_the_same_group_supersedes_the_first(start):
     second = threading.Thread(target=lambda: late.update(ask_all(lh, {"A": 1})), daemon=True)
     second.start()
     first.join(2.0)  # answered as soon as the second request arrives
-    assert isinstance(early["A"], LighthouseRefused) and early["A"].status == 409
-    assert "superseded" in str(early["A"])
+    assert isinstance(early["A"], QuorumSuperseded) and not isinstance(early["A"], LighthouseRefused)
+    assert early["A"].code is ErrorCode.SUPERSEDED and early["A"].status == 409
     got = quorums(ask_all(lh, {"B": 1}))
     second.join(2.0)
     got.update(quorums(late))
@@ -279,6 +284,7 @@ def test_refusals_name_the_problem_and_change_nothing(start, override, code, mes
         with pytest.raises(LighthouseRefused) as refused:
             bad.heartbeat(99, 1000)
         assert refused.value.status == code and str(refused.value).startswith(message)
+        assert refused.value.code is (ErrorCode.BAD_TOKEN if code == 401 else ErrorCode.WRONG_JOB)
         with pytest.raises(LighthouseRefused, match=re.escape(message)):
             bad.quorum(99, True, timeout_s=0.5)
     assert membership(lh) == before
@@ -324,8 +330,9 @@ def test_after_the_end_finished_groups_learn_it_and_late_groups_are_refused(star
     first.join(3.0)
     assert ends["A"] == ends["B"] == JobEnd(round=4, writer="A", digest="d4")
     assert status(lh)["ended"] == {"round": 4, "writer": "A", "digest": "d4"} and lh.served_end()
-    with pytest.raises(LighthouseRefused, match="the job ended at round 4 .* group 'C' did not finish"):
+    with pytest.raises(LighthouseRefused, match="the job ended at round 4 .* group 'C' did not finish") as refused:
         client(lh, "C").quorum(0, False, timeout_s=1.0)
+    assert refused.value.code is ErrorCode.JOB_ENDED
 
 
 def test_a_restarted_group_heals_from_finished_groups_that_wait_for_it(start):
@@ -366,13 +373,17 @@ def test_malformed_requests_get_400_and_unknown_paths_404(start):
     }
     for body, message in cases.items():
         code, answer = post(lh, "/heartbeat", body)
-        assert code == 400 and message in answer["error"], (body[:40], answer)
+        assert code == 400 and message in answer["error"] and answer["code"] == "bad_request", (body[:40], answer)
     ask = {**good, "commit_failed": False, "timeout_s": -1}
     del ask["quorum_id"]
     code, answer = post(lh, "/quorum", json.dumps(ask).encode())
     assert code == 400 and "'timeout_s'=-1 must be a positive number" in answer["error"]
-    assert post(lh, "/nope", b"{}")[0] == 404
-    assert get(lh, "/nope")[0] == 404
+    assert post(lh, "/nope", b"{}") == (
+        404,
+        {"error": "unknown path '/nope': POST /heartbeat or /quorum", "code": "not_found"},
+    )
+    code, answer = get(lh, "/nope")
+    assert code == 404 and json.loads(answer)["code"] == "not_found"
     assert [g["id"] for g in status(lh)["groups"]] == ["A"]
 
 
@@ -517,7 +528,7 @@ def test_no_pickle_anywhere_in_diloco_ft():
 @pytest.mark.slow
 def test_serve_forever_prints_its_address_and_stops_on_sigterm():
     code = (
-        "from diloco.ft.lighthouse import LighthouseConfig, serve_forever; "
+        "from diloco.cluster import LighthouseConfig; from diloco.ft.lighthouse import serve_forever; "
         "from diloco.ft.quorum import JobEnd, QuorumRules; "
         "serve_forever(LighthouseConfig(port=0), QuorumRules(), 'solo', 'sig')"
     )

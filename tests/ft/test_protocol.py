@@ -1,0 +1,158 @@
+"""The wire protocol without a server: messages, their strict parsing, error codes and answers."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from diloco.ft.client import LighthouseClient
+from diloco.ft.protocol import (
+    ENDPOINTS,
+    MAX_BODY_BYTES,
+    ErrorAnswer,
+    ErrorCode,
+    Heartbeat,
+    LighthouseRefused,
+    LighthouseUnavailable,
+    QuorumAsk,
+    QuorumGrant,
+    QuorumSuperseded,
+    QuorumTimeout,
+    authorization_header,
+    check_token,
+    parse_request,
+    quorum_answer_from_json,
+    quorum_answer_to_json,
+    unreadable_post,
+)
+from diloco.ft.quorum import JobEnd, Quorum
+
+WHO = {"job": "job-1", "signature": "sig", "group": "A"}
+
+
+def test_the_field_names_on_the_wire_are_fixed():
+    """Clients and lighthouses of one release talk JSON with exactly these keys."""
+    beat = Heartbeat(**WHO, step=3, quorum_id=2)
+    assert beat.to_json() == {**WHO, "step": 3, "quorum_id": 2, "finished": False}
+    ask = QuorumAsk(**WHO, step=3, commit_failed=True, timeout_s=1.5, config={"algo.name": "diloco"})
+    assert ask.to_json() == {
+        **WHO,
+        "step": 3,
+        "commit_failed": True,
+        "timeout_s": 1.5,
+        "round_step": 0,
+        "quorum_id": 0,
+        "finished": False,
+        "digest": "",
+        "config": {"algo.name": "diloco"},
+    }
+    assert sorted(ENDPOINTS) == ["/heartbeat", "/quorum"]
+    for message in (beat, ask):
+        assert parse_request(message.path, json.dumps(message.to_json()).encode()) == message
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"{not json", "malformed JSON"),
+        (b"[1]", "the body must be a JSON object, got list"),
+        (json.dumps({**WHO, "step": 1}).encode(), "missing field 'commit_failed' for /quorum"),
+        (json.dumps({**WHO, "step": 1, "commit_failed": 0, "timeout_s": 1}).encode(), "'commit_failed'=0 must be true"),
+        (json.dumps({**WHO, "step": -1, "commit_failed": False, "timeout_s": 1}).encode(), "'step'=-1 must be a non-"),
+        (json.dumps({**WHO, "step": 1, "commit_failed": False, "timeout_s": 0}).encode(), "'timeout_s'=0 must be a po"),
+        (json.dumps({**WHO, "step": 1, "commit_failed": False, "timeout_s": 1, "x": 1}).encode(), "unknown field 'x'"),
+        (json.dumps({**WHO, "step": 1, "commit_failed": False, "timeout_s": 1, "config": [1]}).encode(), "'config'"),
+        (json.dumps({**WHO, "group": "g" * 201, "step": 1, "commit_failed": False, "timeout_s": 1}).encode(), "1 to"),
+    ],
+)
+def test_a_malformed_request_is_a_bad_request_naming_the_field(body, message):
+    with pytest.raises(LighthouseRefused, match=message) as refused:
+        parse_request("/quorum", body)
+    assert refused.value.code is ErrorCode.BAD_REQUEST and refused.value.status == 400
+
+
+def test_a_post_that_cannot_be_read_is_answered_before_its_body():
+    assert unreadable_post("/quorum", "12") is None
+    assert unreadable_post("/nope", "12").code is ErrorCode.NOT_FOUND
+    assert unreadable_post("/quorum", "").code is ErrorCode.BAD_REQUEST
+    too_big = unreadable_post("/heartbeat", str(MAX_BODY_BYTES + 1))
+    assert too_big.status == 400 and "exceeds the limit" in too_big.error
+
+
+def test_every_code_has_a_status_and_a_client_exception():
+    expected = {
+        ErrorCode.BAD_REQUEST: (400, LighthouseRefused),
+        ErrorCode.NOT_FOUND: (404, LighthouseRefused),
+        ErrorCode.BAD_TOKEN: (401, LighthouseRefused),
+        ErrorCode.WRONG_JOB: (409, LighthouseRefused),
+        ErrorCode.JOB_ENDED: (409, LighthouseRefused),
+        ErrorCode.SUPERSEDED: (409, QuorumSuperseded),
+        ErrorCode.TIMEOUT: (504, QuorumTimeout),
+        ErrorCode.WITHDRAWN: (504, QuorumTimeout),
+        ErrorCode.STOPPING: (503, LighthouseUnavailable),
+    }
+    assert set(expected) == set(ErrorCode)
+    for code, (status, exception) in expected.items():
+        answer = ErrorAnswer(code, f"reason for {code.value}")
+        assert answer.status == status
+        assert ErrorAnswer.from_json(json.loads(json.dumps(answer.to_json()))) == answer
+        error = answer.exception()
+        assert type(error) is exception and str(error) == answer.error
+        assert getattr(error, "code", code) is code
+    assert not issubclass(QuorumSuperseded, LighthouseRefused), "a superseded request is not a refusal to act on"
+
+
+@pytest.mark.parametrize("data", [{"error": "no code"}, {"error": "x", "code": "gone"}, {"code": "timeout"}, [1]])
+def test_an_error_answer_without_a_known_code_is_not_one(data):
+    with pytest.raises(ValueError):
+        ErrorAnswer.from_json(data)
+
+
+def test_quorum_answers_round_trip_and_malformed_ones_are_named():
+    grant = QuorumGrant(Quorum(3, ("A", "B"), 7, {"B": "A"}), ("10.0.0.1", 29500))
+    end = JobEnd(round=9, writer="A", digest="d9")
+    for answer in (grant, end):
+        assert quorum_answer_from_json(json.loads(json.dumps(quorum_answer_to_json(answer)))) == answer
+    assert quorum_answer_to_json(grant)["store"] == {"host": "10.0.0.1", "port": 29500}
+    for bad in ({}, {"quorum": {"quorum_id": 1}}, {"end": {"round": "x"}}, {"quorum": [], "store": None}):
+        with pytest.raises(ValueError, match="malformed quorum answer"):
+            quorum_answer_from_json(bad)
+
+
+def test_the_token_travels_as_a_bearer_header():
+    assert authorization_header("") == {}
+    check_token(authorization_header("s3cret")["Authorization"], "s3cret")
+    check_token(None, "")  # no token configured: none required
+    for header, reason in ((None, "missing token"), ("Bearer guess", "wrong token"), ("s3cret", "missing token")):
+        with pytest.raises(LighthouseRefused, match=reason) as refused:
+            check_token(header, "s3cret")
+        assert refused.value.code is ErrorCode.BAD_TOKEN
+
+
+def test_a_4xx_without_a_code_is_refused_as_not_the_lighthouse():
+    """A 4xx from some other server on the port will answer the same to every retry: the group
+    stops with a message naming the address, as it did before error codes existed."""
+
+    class NotALighthouse(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_error(404)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NotALighthouse)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        client = LighthouseClient(url, token="", job_id="job-1", signature="sig", group="A", connect_timeout_s=2.0)
+        with pytest.raises(LighthouseRefused, match="HTTP 404 .* without a lighthouse error code.*at this address"):
+            client.heartbeat(0, 0)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5.0)
