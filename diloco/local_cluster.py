@@ -100,6 +100,11 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
+def logs_tail(logs: Path, lines: int) -> str:
+    """The last ``lines`` of every log of a job, each under its file name."""
+    return "\n".join(f"--- {p.name}\n{log_tail(p, lines)}" for p in sorted(logs.glob("*.log")))
+
+
 def wait_until(
     condition: Callable[[], bool],
     timeout_s: float,
@@ -269,8 +274,7 @@ class LocalCluster:
         try:
             return wait_until(condition, timeout_s, what, poll_s, self._failed_worker_tail)
         except TimeoutError as error:
-            logs = "\n".join(f"--- {p.name}\n{log_tail(p, 15)}" for p in sorted(self.paths.logs.glob("*.log")))
-            raise TimeoutError(f"{error}\n{logs}") from None
+            raise TimeoutError(f"{error}\n{logs_tail(self.paths.logs, 15)}") from None
 
     def _failed_worker_tail(self) -> str | None:
         failed = self.failed_worker()

@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:
 
 from diloco.config import JobConfig, job_config_from_dict  # noqa: E402
 from diloco.launcher import launch  # noqa: E402
-from diloco.local_cluster import JobFailed, LocalCluster  # noqa: E402
+from diloco.local_cluster import JobFailed, LocalCluster, logs_tail  # noqa: E402
 from diloco.logger import read_jsonl  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
 from diloco.worker import preflight  # noqa: E402
@@ -89,7 +89,14 @@ def run_job(job: JobConfig, run_dir: Path, keep_failure: bool = False) -> dict[s
     except JobFailed:
         if not keep_failure:
             raise
+        print(failure_report(RunPaths(run_dir)), file=sys.stderr)
         return json.loads(RunPaths(run_dir).summary.read_text())
+
+
+def failure_report(paths: RunPaths, lines: int = 12) -> str:
+    """What a failed job's directory says, for a log that outlives it (CI): its last events and log lines."""
+    events = "\n".join(json.dumps(e) for e in read_jsonl(paths.events)[-lines:])
+    return f"failed job in {paths.root}; last events:\n{events}\n{logs_tail(paths.logs, lines)}"
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
