@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from diloco.config_base import check
 from diloco.data import ShardedBatches
-from diloco.logger import perplexity as _perplexity
+from diloco.logger import perplexity
 from diloco.synchronizer import OuterOutcome, Synchronizer
 
 
@@ -171,7 +171,7 @@ class Trainer:
                 window_start = time.perf_counter()
             if (cfg.eval_every and self.step % cfg.eval_every == 0) and not last:
                 eval_loss = self.evaluate()
-                metrics.update({"eval/loss": eval_loss, "eval/ppl": _perplexity(eval_loss)})
+                metrics.update({"eval/loss": eval_loss, "eval/ppl": perplexity(eval_loss)})
                 window_start = time.perf_counter()  # evaluation time is not training throughput
             if metrics and self.on_metrics is not None:
                 self.on_metrics(metrics, self.step)
@@ -182,7 +182,7 @@ class Trainer:
             self.outer.load_global_into_local()  # the result of DiLoCo is θ_g
         eval_loss = self.evaluate()
         if self.on_metrics is not None:
-            self.on_metrics({"eval/loss": eval_loss, "eval/ppl": _perplexity(eval_loss)}, self.step)
+            self.on_metrics({"eval/loss": eval_loss, "eval/ppl": perplexity(eval_loss)}, self.step)
         return TrainResult(
             steps=self.step,
             tokens_seen=tokens_per_step * trained,
