@@ -69,7 +69,25 @@ def compose_job(overrides: list[str], experiment: str | None = None) -> JobConfi
         # ``+`` appends the group; if config.yaml one day lists ``experiment`` in its defaults,
         # the plain form is the one hydra accepts.
         extra = [f"{'' if _experiment_in_defaults() else '+'}experiment={experiment}"]
-    return job_config_from_dict(compose_raw(extra + BASE + list(overrides)))
+    return job_config_from_dict(compose_raw(extra + base_overrides(experiment) + list(overrides)))
+
+
+def base_overrides(experiment: str | None) -> list[str]:
+    """BASE without the values the experiment's preset sets: hydra applies command-line
+    overrides after every preset, so a BASE value would otherwise beat the preset's own."""
+    if experiment is None:
+        return list(BASE)
+    preset = yaml.safe_load((CONF_DIR / "experiment" / f"{experiment}.yaml").read_text()) or {}
+    return [o for o in BASE if o.split("=", 1)[0] not in _dotted_keys(preset)]
+
+
+def _dotted_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in tree.items():
+        if key == "defaults":
+            continue  # group choices: a BASE group choice (logger=none) still lets the preset's values merge on top
+        keys |= _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
 
 
 def _experiment_in_defaults() -> bool:

@@ -39,6 +39,14 @@ def test_every_configuration_composes_with_its_preset_and_both_models():
     assert 0.75e6 < sizes["mini"] < 0.85e6 and 4e6 < sizes["midi"] < 6e6, sizes
 
 
+def test_the_preset_beats_the_benchmarks_base_as_run_py_would_compose_it():
+    """compare_ddp evaluates on its preset's 16 batches, not the benchmarks' shared single batch
+    (hydra applies command-line overrides after presets, so BASE must leave the preset's keys alone)."""
+    job = compose_job([], EXPERIMENT)
+    assert job.trainer.eval_batches == compose_like_run_py([f"+experiment={EXPERIMENT}"]).trainer.eval_batches == 16
+    assert compose_job([], "soak").trainer.eval_batches == 1  # where a preset is silent, BASE still applies
+
+
 def test_configurations_are_chosen_by_name_and_group_count():
     def names(*argv: str) -> list[tuple[str, int]]:
         return [(c.name, c.groups) for c in chosen(parse_args(list(argv)))]
