@@ -103,12 +103,14 @@ def run_job(job: JobConfig, run_dir: Path, keep_failure: bool = False) -> dict[s
     (written before the raise: ``ok`` false, ``failure`` the reason) is returned instead.
     """
     try:
-        return launch(job, run_dir, out=io.StringIO())
+        summary = launch(job, run_dir, out=io.StringIO())
     except JobFailed:
         if not keep_failure:
             raise
+        summary = json.loads(RunPaths(run_dir).summary.read_text())
+    if not summary["ok"]:
         print(failure_report(RunPaths(run_dir)), file=sys.stderr)
-        return json.loads(RunPaths(run_dir).summary.read_text())
+    return summary
 
 
 def failure_report(paths: RunPaths, lines: int = 12) -> str:

@@ -35,8 +35,8 @@ def run_experiment(script: str, args: list[str], timeout_s: float) -> tuple[str,
     except subprocess.TimeoutExpired:
         proc.terminate()
         out, err = proc.communicate(timeout=60)
-        pytest.fail(f"{script} took over {timeout_s}s:\n{out}\n{err[-4000:]}")
-    assert proc.returncode == 0, f"{script} failed:\n{out}\n{err[-4000:]}"
+        pytest.fail(f"{script} took over {timeout_s}s:\n{out}\n{err[-12000:]}")
+    assert proc.returncode == 0, f"{script} failed:\n{out}\n{err[-12000:]}"
     return out, err
 
 
