@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hydra
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -31,6 +32,7 @@ from diloco.run_paths import RunPaths
 from diloco.worker import exit_without_teardown, refuse_finished_group, run_worker
 
 BASE_CONFIG = "base_config"
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 # Keys left out of the base: absent, they follow another key. ``model.vocab_size`` is the
 # data's (``job_config_from_dict``); a user sets it with ``+model.vocab_size=N``.
@@ -54,6 +56,17 @@ def base_config() -> dict[str, Any]:
 def store_base_config() -> None:
     """Register ``base_config`` with hydra's ConfigStore; call before composing ``conf/``."""
     ConfigStore.instance().store(name=BASE_CONFIG, node=base_config())
+
+
+def compose_raw(overrides: list[str]) -> dict[str, Any]:
+    """The plain config dict ``python run.py *overrides`` would see (hydra's own node removed):
+    for tests and experiments, which compose ``conf/`` without hydra's command line."""
+    store_base_config()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    raw.pop("hydra", None)
+    return raw
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

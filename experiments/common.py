@@ -33,6 +33,7 @@ from diloco.local_cluster import JobFailed, LocalCluster, logs_tail  # noqa: E40
 from diloco.logger import read_jsonl  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
 from diloco.worker import preflight  # noqa: E402
+from run import compose_raw  # noqa: E402
 
 CONF_DIR = REPO / "conf"
 RESULTS = REPO / "experiments" / "results"
@@ -45,21 +46,6 @@ BASE = [
     "trainer.eval_every=0",
     "trainer.eval_batches=1",
 ]
-
-
-def compose_raw(overrides: list[str]) -> dict[str, Any]:
-    """The plain config dict ``python run.py *overrides`` would see (hydra's own node removed)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from run import store_base_config
-
-    store_base_config()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    raw = OmegaConf.to_container(cfg, resolve=True)
-    raw.pop("hydra", None)
-    return raw
 
 
 def compose_job(overrides: list[str], experiment: str | None = None) -> JobConfig:

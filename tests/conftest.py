@@ -8,10 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from diloco.config import JobConfig, job_config_from_dict
-from run import store_base_config
+from run import compose_raw
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -55,17 +54,6 @@ FAST = [
     "trainer.eval_batches=2",
     "trainer.log_every=5",
 ]
-
-
-def compose_raw(overrides: list[str]) -> dict:
-    from omegaconf import OmegaConf
-
-    store_base_config()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    raw = OmegaConf.to_container(cfg, resolve=True)
-    raw.pop("hydra", None)
-    return raw
 
 
 def compose_job(overrides: list[str]) -> JobConfig:
