@@ -24,12 +24,12 @@ from diloco.data import DataError
 from diloco.distributed import WorkerEnv
 from diloco.files import OutputError
 from diloco.ft.lighthouse import serve_forever
-from diloco.ft.manager import MembershipError
+from diloco.ft.manager import JobEndedError, MembershipError
 from diloco.launcher import launch, refuse_reused_run_dir
 from diloco.local_cluster import JobFailed
 from diloco.outcome import group_outcome
 from diloco.run_paths import RunPaths
-from diloco.worker import exit_without_teardown, refuse_finished_group, run_worker
+from diloco.worker import JOB_ENDED_EXIT_CODE, exit_without_teardown, refuse_finished_group, run_worker
 
 BASE_CONFIG = "base_config"
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -107,7 +107,8 @@ def run_group(job: JobConfig, paths: RunPaths) -> NoReturn:
     try:
         report = run_worker(job, WorkerEnv.from_environ(os.environ), paths)
     except (MembershipError, OutputError) as error:
-        exit_without_teardown(1, f"error: {error}")
+        too_late = isinstance(error, JobEndedError)  # an orchestrator need not restart it
+        exit_without_teardown(JOB_ENDED_EXIT_CODE if too_late else 1, f"error: {error}")
     problem = group_outcome(report, job.algo.name)
     exit_without_teardown(1 if problem else 0, problem and f"job failed: {problem}")
 

@@ -67,10 +67,8 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
         view = ProgressView([paths.metrics(g) for g in range(job.cluster.groups)], job.trainer.max_steps, out=out)
         while not supervisor.done():
             elapsed = time.monotonic() - start
-            # Planned faults stop once a group has trained to the end: a group killed after it
-            # reported itself finished could be counted in the job's end and never restarted.
-            training = not supervisor.finished_groups and view.furthest_step < job.trainer.max_steps
-            injector.fire_due(elapsed, new_faults=training)
+            # Planned faults go on through the job's closing rounds, until a group has left.
+            injector.fire_due(elapsed, new_faults=not supervisor.job_over)
             supervisor.check(elapsed)
             view.update(elapsed)
             time.sleep(POLL_INTERVAL_S)

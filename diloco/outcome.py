@@ -16,11 +16,13 @@ SHOWN_DIGEST_CHARS = 12
 
 @dataclass(frozen=True)
 class Outcome:
-    """The job's verdict; ``final_round`` and ``writer`` are those of the model the job saved."""
+    """The job's verdict; ``final_round`` is that of the model the job saved, ``saved_by`` the groups
+    that saved it, ``lost_after_end`` the holders of the final state that died before writing a result."""
 
     failure: str | None
     final_round: int | None = None
-    writer: int | None = None  # the group whose leader saved model.pt
+    saved_by: tuple[int, ...] = ()
+    lost_after_end: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -28,9 +30,17 @@ class Outcome:
 
 
 def job_outcome(results: list[dict[str, Any]], groups: int, algo: str, model_saved: bool) -> Outcome:
-    """Judge a whole local job from its groups' results."""
+    """Judge a whole local job from its groups' results.
+
+    A group without a result fails the job, unless the lighthouse named it a holder of the
+    final state at the job's end: it ended holding the model (its digest was checked), and
+    died only afterwards, before it could write its result; another holder saved the model.
+    """
     problems = []
-    missing = sorted(set(range(groups)) - {r["group"] for r in results})
+    end = next((r["end"] for r in results if r.get("end")), None)
+    reported = {r["group"] for r in results}
+    held_at_end = {g for g in range(groups) if end and f"group{g}" in end["holders"]}
+    missing = sorted(set(range(groups)) - reported - held_at_end)
     if missing:
         problems.append(f"group(s) {_ids(missing)} wrote no result (died, stopped or refused before the job's end)")
     if not model_saved:
@@ -42,10 +52,12 @@ def job_outcome(results: list[dict[str, Any]], groups: int, algo: str, model_sav
     if len(digests) > 1:
         held = ", ".join(f"group {r['group']} round {r.get('rounds')} {_short(r.get('digest'))}" for r in results)
         problems.append(f"the groups' final global states differ: {held}")
-    ends = [r["end"] for r in results if r.get("end")]
-    end = ends[0] if ends else None
-    writer = next((r["group"] for r in results if end and f"group{r['group']}" == end["writer"]), None)
-    return Outcome("; ".join(problems) or None, final_round=end["round"] if end else None, writer=writer)
+    return Outcome(
+        "; ".join(problems) or None,
+        final_round=end["round"] if end else None,
+        saved_by=tuple(sorted(r["group"] for r in results if r.get("saved_model"))),
+        lost_after_end=tuple(sorted(held_at_end - reported)),
+    )
 
 
 def group_outcome(result: dict[str, Any], algo: str) -> str | None:
@@ -64,7 +76,8 @@ def group_outcome(result: dict[str, Any], algo: str) -> str | None:
     if end["digest"] != result.get("digest"):
         return (
             f"group {group} ends with global state {_short(result.get('digest'))} at round {result.get('rounds')}, "
-            f"but the job's final state (round {end['round']}, saved by {end['writer']}) is {_short(end['digest'])}"
+            f"but the job's final state (round {end['round']}, held by {', '.join(end['holders'])}) is "
+            f"{_short(end['digest'])}"
         )
     return None
 

@@ -56,11 +56,6 @@ class ProgressView:
     _last_plain: float = -1e9
     _last_line: str = ""
 
-    @property
-    def furthest_step(self) -> int:
-        """The step of the group furthest ahead (0 before any record): planned faults stop once it reaches the end."""
-        return max((int(r.get("step", 0)) for r in self._latest.values()), default=0)
-
     def update(self, elapsed_s: float, final: bool = False) -> None:
         for path in self.files:
             records, self._offsets[path] = read_jsonl_tail(path, self._offsets.get(path, 0))

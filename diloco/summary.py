@@ -77,9 +77,9 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
     the final global model every group holds; otherwise ``failure`` says why, in one line."""
     results = [json.loads(p.read_text()) for g in range(job.cluster.groups) if (p := paths.result(g)).exists()]
     outcome = job_outcome(results, job.cluster.groups, job.algo.name, model_saved=paths.weights.exists())
-    # The final model's numbers: those of the group that saved it, else of the furthest groups.
+    # The final model's numbers: those of the groups that saved it, else of the furthest groups.
     latest = max((r.get("rounds", 0) for r in results), default=0)
-    current = [r for r in results if r["group"] == outcome.writer]
+    current = [r for r in results if r["group"] in outcome.saved_by]
     current = current or [r for r in results if r.get("rounds", 0) == latest]
     tokens = sum(r["tokens_seen"] for r in results)
     train_seconds = max((r["train_seconds"] for r in results), default=0.0)
@@ -95,7 +95,8 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "ok": outcome.ok,
         "failure": outcome.failure,
         "final_round": outcome.final_round,
-        "model_saved_by_group": outcome.writer,
+        "model_saved_by_groups": list(outcome.saved_by),
+        "groups_lost_after_end": list(outcome.lost_after_end),
         "parameters": n_params,
         "groups": job.cluster.groups,
         "workers_per_group": job.cluster.workers_per_group,

@@ -18,6 +18,7 @@ from typing import Any
 from diloco.faults import FaultEvent, kill_target
 from diloco.local_cluster import JobFailed, LocalCluster, log_tail
 from diloco.logger import read_jsonl_tail
+from diloco.worker import JOB_ENDED_EXIT_CODE
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,10 @@ class Supervisor:
 
     Until the job's end a group that dies is restarted, even one killed just before the
     end: the groups that finished wait for it and hand it their final state (DESIGN
-    invariant 7). A group exits 0 only once the lighthouse has declared the end; from then
-    on nothing is restarted, and groups still running ``end_grace_s`` later were left
-    behind and are stopped. The lighthouse is restarted at once on the same address.
+    invariant 7). A group exits 0 only once the lighthouse has declared the end, and one
+    restarted too late exits ``JOB_ENDED_EXIT_CODE``; from either on nothing is restarted,
+    and groups still running ``end_grace_s`` later were left behind and are stopped. The
+    lighthouse is restarted at once on the same address.
     """
 
     def __init__(
@@ -95,13 +97,14 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
         self.end_grace_s = end_grace_s
-        self.first_finish_at: float | None = None
+        self.over_since: float | None = None
         self.crashes: dict[int, int] = {}
         self.lighthouse_crashes = 0  # unplanned deaths in a row, each soon after its start
         self.lighthouse_started_at = 0.0
         self.holders = StateHolders(cluster)
         self.restart_at: dict[int, float] = {}
         self.finished_groups: set[int] = set()
+        self.end_seen = False  # the lighthouse exited 0, or refused a group because the job had ended
 
     def check(self, now: float) -> None:
         """Notice a dead lighthouse, dead and finished groups; restart groups whose backoff has passed."""
@@ -112,12 +115,14 @@ class Supervisor:
                 self.restart_at.setdefault(group, now + self.backoff_s)  # killed on purpose
             elif all(w.process.poll() == 0 for w in workers):
                 self.finished_groups.add(group)
+            elif any(w.process.poll() == JOB_ENDED_EXIT_CODE for w in workers):
+                self._too_late(group)
             elif any(w.process.poll() not in (None, 0) for w in workers):
                 self._crashed(group, now)
-        if self.finished_groups:
+        if self.job_over:
             self.restart_at.clear()  # the job has ended: a restarted group could not take part any more
-            self.first_finish_at = self.first_finish_at if self.first_finish_at is not None else now
-            if now - self.first_finish_at > self.end_grace_s:
+            self.over_since = self.over_since if self.over_since is not None else now
+            if now - self.over_since > self.end_grace_s:
                 self._stop_at_end(self._running())
         for group, at in sorted(self.restart_at.items()):
             if now >= at:
@@ -125,9 +130,14 @@ class Supervisor:
                 self.cluster.start_group(group)
                 self.events.write("restart", group)
 
+    @property
+    def job_over(self) -> bool:
+        """The job has ended (a group finished, or the lighthouse said so): nothing is restarted any more."""
+        return bool(self.finished_groups) or self.end_seen
+
     def done(self) -> bool:
         """Every group finished, or the job ended while some were down."""
-        return bool(self.finished_groups) and not self._running() and not self.restart_at
+        return self.job_over and not self._running() and not self.restart_at
 
     def _check_lighthouse(self, now: float) -> None:
         """A lighthouse that died unplanned is restarted at once (it exits 0 only after the job's end).
@@ -136,8 +146,11 @@ class Supervisor:
         ``max_restarts`` (a crash loop); one that served for longer was killed, not broken.
         """
         lighthouse = self.cluster.lighthouse
-        if lighthouse is None or lighthouse.poll() in (None, 0):
-            return  # a planned outage, running, or done after the end
+        if lighthouse is None or lighthouse.poll() is None:
+            return  # a planned outage, or running
+        if lighthouse.poll() == 0:
+            self.end_seen = True  # it exits 0 only once the job's end has been served
+            return
         if now - self.lighthouse_started_at >= LIGHTHOUSE_SETTLED_S:
             self.lighthouse_crashes = 0
         self.lighthouse_crashes += 1
@@ -161,12 +174,18 @@ class Supervisor:
             self.cluster.signal_group(group, signal.SIGKILL)
             self.events.write("stopped_at_end", group)
 
+    def _too_late(self, group: int) -> None:
+        """A restarted group came back after the job's end and was refused: left behind, not crashed."""
+        self.cluster.signal_group(group, signal.SIGKILL)
+        self.end_seen = True
+        self.events.write("left_behind", group, reason="the job had ended")
+
     def _crashed(self, group: int, now: float) -> None:
         workers = self.cluster.groups[group]
         failed = next(w for w in workers if w.process.poll() not in (None, 0))
         leader_pid = next(w.process.pid for w in workers if w.rank == 0)
         self.cluster.signal_group(group, signal.SIGKILL)  # a group missing a worker cannot go on
-        if self.finished_groups:  # after the end: it was left behind (refused), there is nothing to restart
+        if self.job_over:  # after the end: it was left behind (refused), there is nothing to restart
             self.events.write("left_behind", group, rank=failed.rank, code=failed.process.returncode)
             return
         # Crashes in a row without progress count: a process that held the job's state ran fine until killed.

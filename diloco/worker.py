@@ -24,6 +24,7 @@ from diloco.config_base import ConfigError, to_dict
 from diloco.data import ShardedBatches, eval_batches, load_corpus
 from diloco.distributed import WorkerEnv, check_device, init_group, select_device, shard_model
 from diloco.faults import FaultHook
+from diloco.ft.manager import JobEndedError
 from diloco.files import write_atomically, write_json_atomically
 from diloco.inner_opt import build_inner_optimizer
 from diloco.logger import MetricsLogger, start_wandb
@@ -60,6 +61,9 @@ def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tup
     )
     return batches, evals
 
+
+# A worker refused because the job had ended exits with this: too late, not crashed.
+JOB_ENDED_EXIT_CODE = 3
 
 InnerOptimizer = tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
 
@@ -194,7 +198,8 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: floa
         if outer is not None:
             report |= outer.report()
         if leader:
-            if saves_final_model(job, report):
+            report["saved_model"] = saves_final_model(job, report)
+            if report["saved_model"]:
                 write_atomically(paths.weights, lambda fh: torch.save(weights, fh))
             write_json_atomically(paths.result(group), report)
             logger.close(report)
@@ -225,11 +230,12 @@ def _metrics_logger(job: JobConfig, paths: RunPaths) -> MetricsLogger:
 
 
 def saves_final_model(job: JobConfig, report: dict[str, Any]) -> bool:
-    """The group the lighthouse named at the job's end saves model.pt (group 0 when groups never sync)."""
+    """Every group the lighthouse named a holder of the final state at the job's end saves model.pt
+    (the same weights, each file renamed into place whole); group 0 when groups never sync."""
     if job.algo.name == "local":
         return job.group.id == 0
     end = report.get("end")
-    return end is not None and end["writer"] == group_name(job.group.id)
+    return end is not None and group_name(job.group.id) in end["holders"]
 
 
 def _full_state_dict(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
@@ -268,7 +274,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_launched_worker(paths: RunPaths, group: int, env: WorkerEnv, started_at: float) -> NoReturn:
     """What a worker the local launcher started does, exec'd or forked: train ``group``'s part, then leave."""
-    run_worker(load_job(paths, group), env, paths, started_at=started_at)
+    try:
+        run_worker(load_job(paths, group), env, paths, started_at=started_at)
+    except JobEndedError as error:
+        exit_without_teardown(JOB_ENDED_EXIT_CODE, f"error: {error}")
     exit_without_teardown()
 
 

@@ -7,7 +7,7 @@ P=2, τ=1, fp4; ``conf/experiment/soak.yaml``). The same job runs twice, one aft
   row, a group holding the job's state first, never leaving fewer than two other groups
   holding it), a group is
   SIGSTOPped for 4 s every 45 s, a NaN update is injected every 30 s and the lighthouse is
-  killed for 2 s every 90 s, until the first group finishes (``conf/faults/soak.yaml``).
+  killed for 2 s every 90 s, until the first group leaves the job (``conf/faults/soak.yaml``).
   There are no checkpoints: every restarted group heals from a live peer.
 - ``faults=none``: the same ``trainer.max_steps``, nothing injected.
 
@@ -352,7 +352,7 @@ def main() -> None:
             f"parameters, {steps} inner steps per run ({how}). Faulty run: {' '.join(['faults=soak', *cfg.faults])} "
             f"(SIGKILL of a random group every {cfg.kill_every:g} s, never leaving fewer than "
             f"{cfg.min_alive} other groups holding the state; SIGSTOP "
-            "hangs, NaN updates, lighthouse kills), until the first group finished."
+            "hangs, NaN updates, lighthouse kills), until the first group left the job."
         )
         folder = Path(args.results) if args.results else RESULTS
         drawn = plot(runs, folder / "soak.png", cfg.bin_s, cfg.hist_s)

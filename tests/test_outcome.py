@@ -4,22 +4,33 @@ from __future__ import annotations
 
 from diloco.outcome import group_outcome, job_outcome
 
-END = {"round": 12, "writer": "group0", "digest": "aaaa" * 16}
+END = {"round": 12, "digest": "aaaa" * 16, "holders": ["group0", "group1", "group2"]}
 
 
 def result(group: int, rounds: int = 12, digest: str = END["digest"], end: dict | None = END) -> dict:
-    return {"group": group, "rounds": rounds, "digest": digest, "end": end}
+    return {"group": group, "rounds": rounds, "digest": digest, "end": end, "saved_model": end is not None}
 
 
 def test_every_group_holding_the_saved_final_state_is_a_success():
     outcome = job_outcome([result(0), result(1), result(2)], groups=3, algo="streaming", model_saved=True)
     assert outcome.ok and outcome.failure is None
-    assert (outcome.final_round, outcome.writer) == (12, 0)
+    assert (outcome.final_round, outcome.saved_by, outcome.lost_after_end) == (12, (0, 1, 2), ())
 
 
 def test_a_group_without_a_result_fails_the_job():
-    outcome = job_outcome([result(0), result(2)], groups=3, algo="diloco", model_saved=True)
+    end = END | {"holders": ["group0", "group2"]}
+    outcome = job_outcome([result(0, end=end), result(2, end=end)], groups=3, algo="diloco", model_saved=True)
     assert outcome.failure == "group(s) 1 wrote no result (died, stopped or refused before the job's end)"
+
+
+def test_a_holder_of_the_final_state_lost_right_after_the_end_is_no_failure():
+    """The lighthouse saw group 1 finish with the final digest; it died before writing its result,
+    and the other holders saved the model (the race issue 9 found at the job's end)."""
+    outcome = job_outcome([result(0), result(2)], groups=3, algo="streaming", model_saved=True)
+    assert outcome.ok, outcome.failure
+    assert (outcome.saved_by, outcome.lost_after_end) == ((0, 2), (1,))
+    alone = job_outcome([result(0)], groups=3, algo="streaming", model_saved=False)
+    assert alone.failure == "no group saved model.pt"
 
 
 def test_a_model_no_round_produced_fails_the_job():

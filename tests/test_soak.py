@@ -20,7 +20,6 @@ from tests.conftest import compose_job as compose_like_run_py
 from tests.conftest import run_experiment
 
 TIMEOUT_S = 480
-KNOWN_GAP = "wrote no result (died, stopped or refused before the job's end)"
 ROW_LABELS = [
     "outcome",
     "wall time",
@@ -129,15 +128,7 @@ def test_soak_counts_on_a_canned_run(tmp_path):
 
 @pytest.mark.slow
 def test_soak_quick(tmp_path):
-    try:
-        out, err = run_experiment("soak.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S)
-    except AssertionError as failed:
-        reason = re.search(r"run\(s\) failed: (.*)", str(failed))
-        if reason and reason.group(1).startswith("faulty: group(s)") and reason.group(1).endswith(KNOWN_GAP):
-            # Known gap (issue 9): a group lost in the second the job's end is declared. The job
-            # fails honestly; the events and logs the script printed say which case this was.
-            pytest.xfail(f"issue 9, a group lost at the job's end:\n{failed}")
-        raise
+    out, err = run_experiment("soak.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S)
     text = (tmp_path / "soak.md").read_text()
     assert text.strip() == out.strip()
     for label in ROW_LABELS:

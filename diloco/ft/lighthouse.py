@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -290,7 +291,7 @@ class Lighthouse:
                 woken = True
         self._book.turned_away.clear()
         if self._book.ended is None and (end := self._book.end_of_job(now)) is not None:
-            log.info("the job ended at round %d; %s saves the final model", end.round, end.writer)
+            log.info("the job ended at round %d, held by %s", end.round, ", ".join(end.holders))
         if self._book.ended is not None:
             for group, waiter in list(self._waiters.items()):
                 self._answer_after_end(waiter, group in self._book.finished)
@@ -379,7 +380,8 @@ def serve_forever(
 
     After the end it stays until every finished group has been told (at most
     ``rules.end_timeout_s``), then returns: exiting 0 means the job is over, so an
-    orchestrator restarts the lighthouse only when it exits any other way.
+    orchestrator restarts the lighthouse only when it exits any other way. Stopped by a
+    signal before the end, it exits 1 (``SystemExit`` with the reason): it is not done.
     """
     done = threading.Event()
     previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -394,7 +396,8 @@ def serve_forever(
                     lighthouse.served_end() or time.monotonic() - ended_at > rules.end_timeout_s
                 ):
                     print(f"job {job_id!r} ended at round {lighthouse.ended.round}; lighthouse exiting", flush=True)
-                    break
+                    return
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    sys.exit(f"lighthouse of job {job_id!r} stopped by a signal before the job ended")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import LaneError, Lanes
-from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable, QuorumSuperseded, QuorumTimeout
+from diloco.ft.protocol import ErrorCode, LighthouseRefused, LighthouseUnavailable, QuorumSuperseded, QuorumTimeout
 from diloco.ft.quorum import JobEnd, Quorum
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,11 @@ FIRST_CONTACT_RETRY_S = 0.5
 class MembershipError(RuntimeError):
     """This group cannot take part in the job: refused by the lighthouse, or it cannot reach it
     at start. Not a fault to retry: the message says what to fix."""
+
+
+class JobEndedError(MembershipError):
+    """The job ended before this (unfinished) group asked: too late to take part, and no crash
+    either; a supervisor restarts nothing for it."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +174,10 @@ class Manager:
         """The leader asks the lighthouse; every rank gets its answer."""
         answer = self._broadcast(self._ask(round_step, digest) if self.client is not None else None)
         if "refused" in answer:
-            raise MembershipError(f"the lighthouse refused group {self.group}: {answer['refused']}")
+            too_late = answer.get("code") == ErrorCode.JOB_ENDED.value
+            raise (JobEndedError if too_late else MembershipError)(
+                f"the lighthouse refused group {self.group}: {answer['refused']}"
+            )
         return answer
 
     def _round(self, answer: dict[str, Any]) -> Round | None:
@@ -262,7 +270,7 @@ class Manager:
                 digest=digest,
             )
         except LighthouseRefused as error:
-            return {"refused": str(error)}
+            return {"refused": str(error), "code": error.code.value}
         except (QuorumTimeout, QuorumSuperseded) as error:  # superseded: our own abandoned request; ask again
             return {"error": str(error)}
         except LighthouseUnavailable as error:

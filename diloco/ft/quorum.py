@@ -111,20 +111,22 @@ class Quorum:
 class JobEnd:
     """The job is over: every group finished (or ``end_timeout_s`` passed); the final state is ``round``.
 
-    ``writer`` is the finished group that saves the final model; ``digest`` is its global
-    state's digest, which every other finished group compares with its own.
+    ``digest`` is the final global state's digest; ``holders`` are the finished groups that
+    reported exactly that state at the end. Every holder saves the final model, so it is
+    saved even if some of them die in the second after the end, and a holder that dies
+    before writing its result still counts as a group that ended holding the job's model.
     """
 
     round: int
-    writer: str
     digest: str
+    holders: tuple[str, ...]
 
     def to_json(self) -> dict:
-        return {"round": self.round, "writer": self.writer, "digest": self.digest}
+        return {"round": self.round, "digest": self.digest, "holders": list(self.holders)}
 
     @classmethod
     def from_json(cls, data: dict) -> JobEnd:
-        return cls(round=int(data["round"]), writer=str(data["writer"]), digest=str(data["digest"]))
+        return cls(round=int(data["round"]), digest=str(data["digest"]), holders=tuple(map(str, data["holders"])))
 
 
 def healthy_groups(last_heartbeat: dict[str, float], now: float, timeout_s: float) -> set[str]:
@@ -301,8 +303,9 @@ class QuorumBook:
     def end_of_job(self, now: float) -> JobEnd | None:
         """The job's end, once every expected group finished at one step or ``end_timeout_s`` passed.
 
-        Then the final state is the one at the highest step a finished group holds, and the
-        first such group (by id) saves it; groups that never caught up are left behind.
+        Then the final state is the one at the highest step a finished group holds (the
+        first such group's, by id: a committed round has one state); groups that never
+        caught up are left behind.
         """
         if self.ended is not None:
             return self.ended
@@ -315,8 +318,9 @@ class QuorumBook:
         everyone = healthy <= finished.keys() and len(finished) >= self.rules.expected_groups
         if not (level and everyone) and now - self.first_finished_at < self.rules.end_timeout_s:
             return None
-        writer = min(g for g, (step, _) in finished.items() if step == top)
-        self.ended = JobEnd(round=top, writer=writer, digest=finished[writer][1])
+        digest = finished[min(g for g, (step, _) in finished.items() if step == top)][1]
+        holders = tuple(sorted(g for g, held in finished.items() if held == (top, digest)))
+        self.ended = JobEnd(round=top, digest=digest, holders=holders)
         return self.ended
 
     def _started(self, now: float) -> bool:

@@ -27,7 +27,9 @@ import torch.distributed as dist
 from diloco.cluster import LighthouseConfig
 from diloco.config_base import ConfigError
 from diloco.ft.client import LighthouseClient
+from diloco.ft.lanes import Lanes
 from diloco.ft.lighthouse import Lighthouse
+from diloco.ft.manager import JobEndedError, Manager
 from diloco.ft.protocol import ErrorCode, LighthouseRefused, LighthouseUnavailable, QuorumSuperseded, QuorumTimeout
 from diloco.ft.quorum import JobEnd, QuorumRules
 
@@ -328,11 +330,18 @@ def test_after_the_end_finished_groups_learn_it_and_late_groups_are_refused(star
     assert lh.ended is None and not ends  # A waits for B to finish
     finish("B", 4)
     first.join(3.0)
-    assert ends["A"] == ends["B"] == JobEnd(round=4, writer="A", digest="d4")
-    assert status(lh)["ended"] == {"round": 4, "writer": "A", "digest": "d4"} and lh.served_end()
+    assert ends["A"] == ends["B"] == JobEnd(round=4, digest="d4", holders=("A", "B"))
+    assert status(lh)["ended"] == {"round": 4, "digest": "d4", "holders": ["A", "B"]} and lh.served_end()
     with pytest.raises(LighthouseRefused, match="the job ended at round 4 .* group 'C' did not finish") as refused:
         client(lh, "C").quorum(0, False, timeout_s=1.0)
     assert refused.value.code is ErrorCode.JOB_ENDED
+    # A late group's manager raises JobEndedError (its worker exits JOB_ENDED_EXIT_CODE: too late, no crash).
+    lanes = Lanes(local_rank=0, connect_timeout_s=1.0, collective_timeout_s=1.0)
+    late = Manager(
+        group="C", inner_pg=None, client=client(lh, "C"), lanes=lanes, quorum_timeout_s=1.0, heartbeat_interval_s=1.0
+    )
+    with pytest.raises(JobEndedError, match="the job ended at round 4"):
+        late.start_round(0)
 
 
 def test_a_restarted_group_heals_from_finished_groups_that_wait_for_it(start):
@@ -526,20 +535,24 @@ def test_no_pickle_anywhere_in_diloco_ft():
 
 
 @pytest.mark.slow
-def test_serve_forever_prints_its_address_and_stops_on_sigterm():
+def test_serve_forever_prints_its_address_and_a_sigterm_before_the_end_is_no_clean_exit():
+    """Exit 0 means the job ended (a supervisor or orchestrator then restarts nothing)."""
     code = (
         "from diloco.cluster import LighthouseConfig; from diloco.ft.lighthouse import serve_forever; "
         "from diloco.ft.quorum import JobEnd, QuorumRules; "
         "serve_forever(LighthouseConfig(port=0), QuorumRules(), 'solo', 'sig')"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         line = proc.stdout.readline()
         url = re.search(r"at (http://127.0.0.1:\d+);", line).group(1)
         with NO_PROXY.open(url + "/status", timeout=5.0) as r:
             assert json.loads(r.read())["job"] == "solo"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
+        assert proc.wait(timeout=10) == 1
+        assert "lighthouse of job 'solo' stopped by a signal before the job ended" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -113,7 +113,7 @@ def test_an_error_answer_without_a_known_code_is_not_one(data):
 
 def test_quorum_answers_round_trip_and_malformed_ones_are_named():
     grant = QuorumGrant(Quorum(3, ("A", "B"), 7, {"B": "A"}), ("10.0.0.1", 29500))
-    end = JobEnd(round=9, writer="A", digest="d9")
+    end = JobEnd(round=9, digest="d9", holders=("A", "B"))
     for answer in (grant, end):
         assert quorum_answer_from_json(json.loads(json.dumps(quorum_answer_to_json(answer)))) == answer
     assert quorum_answer_to_json(grant)["store"] == {"host": "10.0.0.1", "port": 29500}

@@ -336,7 +336,16 @@ class TestStartAndEnd:
         assert q.closing and q.heal_from == {"g1": "g0"}
         self._finish(book, "g1", 10, now=2.0)
         end = book.end_of_job(now=2.0)
-        assert end is not None and (end.round, end.writer, end.digest) == (10, "g0", "d10")
+        assert end == JobEnd(round=10, digest="d10", holders=("g0", "g1", "g2"))
+
+    def test_only_groups_that_finished_with_the_final_state_hold_it_at_the_end(self):
+        """Every holder saves model.pt, and a holder lost right after the end still counts as
+        one that ended with the model: a group reporting another state at the top step is no holder."""
+        book = self._book({"g0": 10, "g1": 10, "g2": 10})
+        self._finish(book, "g0", 10, now=1.0)
+        self._finish(book, "g2", 10, now=1.0)
+        book.ask(QuorumRequest("g1", step=10, finished=True, digest="forked"), now=1.0)
+        assert book.end_of_job(now=1.0) == JobEnd(round=10, digest="d10", holders=("g0", "g2"))
 
     def test_the_job_ends_only_once_every_group_finished(self):
         book = self._book({"g0": 10, "g1": 10, "g2": 4})
@@ -350,7 +359,7 @@ class TestStartAndEnd:
             if t < 61.0:
                 assert book.end_of_job(now=t) is None, t
         end = book.end_of_job(now=61.0)  # end_timeout after the first finish
-        assert end.round == 10 and end.writer == "g0"
+        assert end == JobEnd(round=10, digest="d10", holders=("g0", "g1"))  # g2 was left behind
         book.ask(QuorumRequest("g2", step=0), now=62.0)  # too late: nothing forms after the end
         assert book.decide(now=62.0) is None and book.end_of_job(now=62.0) is end
 
@@ -374,4 +383,4 @@ class TestStartAndEnd:
         assert q.closing and q.max_step == 9 and q.heal_from == {"g0": "g1"}
         for g in ("g0", "g1", "g2"):
             self._finish(book, g, 9, now=7.5)
-        assert book.end_of_job(now=7.5) == JobEnd(round=9, writer="g0", digest="d9")
+        assert book.end_of_job(now=7.5) == JobEnd(round=9, digest="d9", holders=("g0", "g1", "g2"))
