@@ -7,6 +7,7 @@ Invalid values stop the run before any process starts.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -16,19 +17,23 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from diloco.config import JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
 from diloco.data import DataError
 from diloco.distributed import WorkerEnv
-from diloco.files import OutputError
+from diloco.files import OutputError, write_atomically, write_json_atomically
 from diloco.ft.lighthouse import serve_forever
 from diloco.ft.manager import JobEndedError, MembershipError
+from diloco.inference import evaluate_checkpoint, sample_text, weights_file
 from diloco.launcher import launch, refuse_reused_run_dir
 from diloco.local_cluster import JobFailed
+from diloco.model import ModelConfig
 from diloco.outcome import group_outcome
 from diloco.run_paths import RunPaths
+from diloco.summary import summarize_finished_run
 from diloco.worker import JOB_ENDED_EXIT_CODE, exit_without_teardown, refuse_finished_group, run_worker
 
 BASE_CONFIG = "base_config"
@@ -73,25 +78,34 @@ def compose_raw(overrides: list[str]) -> dict[str, Any]:
 def main(cfg: DictConfig) -> float | None:
     raw = OmegaConf.to_container(cfg, resolve=True)
     paths = RunPaths(Path(HydraConfig.get().runtime.output_dir))
+    sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+    if sweep:
+        name_sweep_job(raw)
     try:
         job = job_config_from_dict(raw)
         if job.role == "local":
             refuse_reused_run_dir(paths)
         elif job.role == "group":
             refuse_finished_group(paths, job.group.id)
-        (paths.root / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if job.role != "summary":  # the summary reads a run; it is not one
+            (paths.root / "config.yaml").write_text(OmegaConf.to_yaml(raw))
         if job.role == "lighthouse":
             serve_forever(job.cluster.lighthouse, job.cluster.quorum_rules(), job.name)
             return None
         if job.role == "group":
             run_group(job, paths)
-        summary = launch(job, paths.root)
+        if job.role in ("eval", "sample"):
+            return use_trained_model(job, paths)
+        summary = summarize_finished_run(job, paths) if job.role == "summary" else launch(job, paths.root)
     except (ConfigError, DataError, OutputError) as error:
         sys.exit(f"error: {error}")
     except JobFailed as error:
         sys.exit(f"job failed: {error}")
     except KeyboardInterrupt:
         sys.exit("interrupted: all workers stopped")
+    finally:
+        if sweep:
+            write_sweep_table(Path(HydraConfig.get().sweep.dir))
     print(
         f"{'done' if summary['ok'] else 'failed'}: eval loss {summary['final_eval_loss']:.4f} "
         f"(ppl {summary['final_eval_ppl']:.2f}), {summary['tokens_seen']:,} tokens in {summary['wall_seconds']:.0f}s; "
@@ -100,6 +114,57 @@ def main(cfg: DictConfig) -> float | None:
     if not summary["ok"]:
         sys.exit(f"job failed: {summary['failure']}")
     return summary["final_eval_loss"]  # the objective a hydra sweeper minimises
+
+
+def name_sweep_job(raw: dict[str, Any]) -> None:
+    """In a ``-m`` sweep, group every job's wandb runs by the sweep and name them by the job's
+    overrides (unless ``logger.group`` / ``logger.name`` say otherwise)."""
+    hydra_cfg = HydraConfig.get()
+    logger = raw.setdefault("logger", {})
+    logger["group"] = logger.get("group") or f"{raw.get('name', 'diloco')} sweep {hydra_cfg.sweep.dir}"
+    logger["name"] = logger.get("name") or hydra_cfg.job.override_dirname or f"job{hydra_cfg.job.num}"
+
+
+SWEEP_COLUMNS = ("job", "overrides", "ok", "final eval loss", "bytes/token", "wall s")
+
+
+def write_sweep_table(sweep_dir: Path) -> None:
+    """``sweep.md`` in the sweep directory: one row per finished job, rewritten as each one ends."""
+    rows = []
+    for summary_path in sorted(sweep_dir.glob("*/summary.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
+        summary = json.loads(summary_path.read_text())
+        overrides = OmegaConf.load(summary_path.parent / ".hydra" / "overrides.yaml")
+        cells = (summary_path.parent.name, " ".join(overrides) or "(none)", "yes" if summary["ok"] else "no")
+        cells += (f"{summary['final_eval_loss']:.4f}", f"{summary['bytes_per_token']:.1f}")
+        rows.append(cells + (f"{summary['wall_seconds']:.0f}",))
+    lines = ["| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    write_atomically(sweep_dir / "sweep.md", lambda fh: fh.write(("\n".join(lines) + "\n").encode()))
+
+
+def use_trained_model(job: JobConfig, paths: RunPaths) -> float | None:
+    """``role=eval``: the loss of ``checkpoint``'s model on the data options' held-out windows
+    (also in eval.json); ``role=sample``: text continuing ``sample.prompt``."""
+    weights = weights_file(job.checkpoint)
+    model_cfg = trained_model_config(weights, job)
+    if job.role == "sample":
+        print(sample_text(job, weights, model_cfg))
+        return None
+    record = evaluate_checkpoint(job, weights, model_cfg)
+    write_json_atomically(paths.root / "eval.json", record)
+    print(
+        f"eval loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.2f}) on {record['tokens']:,} held-out "
+        f"tokens of {job.data.corpus}; {weights}"
+    )
+    return record["eval_loss"]
+
+
+def trained_model_config(weights: Path, job: JobConfig) -> ModelConfig:
+    """The shape of the model in ``weights``: from the config.yaml its run wrote beside it, else the command line's."""
+    saved = weights.parent / "config.yaml"
+    if not saved.is_file():
+        return job.model
+    return job_config_from_dict(OmegaConf.to_container(OmegaConf.load(saved), resolve=True)).model
 
 
 def run_group(job: JobConfig, paths: RunPaths) -> NoReturn:

@@ -10,6 +10,7 @@ from diloco.cluster import ClusterConfig
 from diloco.config_base import check, from_dict, to_dict
 from diloco.data import DataConfig
 from diloco.faults import FaultsConfig
+from diloco.inference import SampleConfig
 from diloco.inner_opt import InnerOptConfig
 from diloco.logger import LoggerConfig
 from diloco.model import ModelConfig
@@ -37,9 +38,11 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
-    role: Literal["local", "lighthouse", "group"] = "local"
+    role: Literal["local", "lighthouse", "group", "summary", "eval", "sample"] = "local"
     group: GroupConfig = field(default_factory=GroupConfig)
     name: str = "diloco"
+    checkpoint: str | None = None  # role=eval / role=sample: a finished run's directory or its model.pt
+    sample: SampleConfig = field(default_factory=SampleConfig)
 
     def validate(self) -> None:
         for part in (
@@ -52,6 +55,7 @@ class JobConfig:
             self.cluster,
             self.logger,
             self.faults,
+            self.sample,
         ):
             part.validate()
         self.algo.check_fits(n_blocks=self.model.n_layers, max_steps=self.trainer.max_steps)

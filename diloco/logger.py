@@ -23,7 +23,8 @@ class LoggerConfig:
     mode: Literal["offline", "online", "disabled"] = "offline"
     project: str = "diloco"
     entity: str | None = None
-    name: str | None = None
+    name: str | None = None  # the runs' name before "-group<g>" (default: the job's name)
+    group: str | None = None  # the wandb group of the job's runs (default: the job's name)
 
     def validate(self) -> None:
         check(bool(self.project), "logger.project", self.project, "must be a non-empty string")
@@ -51,10 +52,8 @@ class MetricsLogger:
             self._wandb_run.finish()
 
 
-def start_wandb(
-    cfg: LoggerConfig, *, run_dir: Path, run_name: str, job_name: str, config: dict[str, Any]
-) -> Any | None:
-    """Start one wandb run (grouped by job), or ``None`` when logging is disabled."""
+def start_wandb(cfg: LoggerConfig, *, run_dir: Path, group: int, job_name: str, config: dict[str, Any]) -> Any | None:
+    """Start replica group ``group``'s wandb run (grouped by job or sweep), or ``None`` when logging is disabled."""
     if cfg.mode == "disabled":
         return None
     import wandb  # heavy import: only the processes that log pay for it
@@ -62,8 +61,8 @@ def start_wandb(
     return wandb.init(
         project=cfg.project,
         entity=cfg.entity,
-        name=cfg.name or run_name,
-        group=job_name,
+        name=f"{cfg.name or job_name}-group{group}",
+        group=cfg.group or job_name,
         mode=cfg.mode,
         dir=str(run_dir),
         config=config,

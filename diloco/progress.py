@@ -15,11 +15,23 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 60:d}:{seconds % 60:02d}"
 
 
-def render_progress(step: int, max_steps: int, elapsed_s: float, last: dict[str, Any], width: int = 24) -> str:
-    """``step 120/300 [#########...] loss 2.31 eval 2.40 round 3 tok/s 9.1k 0:31<0:46``."""
+def render_progress(
+    step: int,
+    max_steps: int,
+    elapsed_s: float,
+    last: dict[str, Any],
+    *,
+    eta_s: float | None = None,
+    job_tokens_per_s: float | None = None,
+    width: int = 24,
+) -> str:
+    """``step 120/300 [#########...] loss 2.31 eval 2.40 round 3 tok/s 9.1k 0:31<0:46``.
+
+    ``tok/s`` is the whole job's (every group's), as in summary.json; ``eta_s`` is None
+    until a rate has been measured (shown as ``?``).
+    """
     frac = min(1.0, step / max_steps) if max_steps else 0.0
     filled = int(round(frac * width))
-    eta = elapsed_s * (1 - frac) / frac if frac > 0 else 0.0
     parts = [f"step {step}/{max_steps}", f"[{'#' * filled}{'.' * (width - filled)}]"]
     if last.get("train/loss") is not None:
         parts.append(f"loss {last['train/loss']:.3f}")
@@ -27,10 +39,19 @@ def render_progress(step: int, max_steps: int, elapsed_s: float, last: dict[str,
         parts.append(f"eval {last['eval/loss']:.3f}")
     if last.get("outer/round") is not None:
         parts.append(f"round {int(last['outer/round'])}")
-    if last.get("train/tokens_per_s") is not None:
-        parts.append(f"tok/s {last['train/tokens_per_s'] / 1000:.1f}k")
-    parts.append(f"{format_duration(elapsed_s)}<{format_duration(eta)}")
+    if job_tokens_per_s is not None:
+        parts.append(f"tok/s {job_tokens_per_s / 1000:.1f}k")
+    parts.append(f"{format_duration(elapsed_s)}<{'?' if eta_s is None else format_duration(eta_s)}")
     return " ".join(parts)
+
+
+def remaining_seconds(first: tuple[float, int] | None, now: tuple[float, int], max_steps: int) -> float | None:
+    """Time left at the step rate measured since ``first`` (elapsed s, step): start-up, imports
+    and the first quorum are not steps, so a rate from time zero would overstate the rest."""
+    if first is None or now[1] <= first[1] or now[0] <= first[0]:
+        return None
+    rate = (now[1] - first[1]) / (now[0] - first[0])
+    return max(0, max_steps - now[1]) / rate
 
 
 def render_outages(latest: dict[int, dict[str, Any]]) -> str:
@@ -55,6 +76,7 @@ class ProgressView:
     _latest: dict[Path, dict[str, Any]] = field(default_factory=dict)
     _last_plain: float = -1e9
     _last_line: str = ""
+    _first_progress: tuple[float, int] | None = None  # (elapsed s, slowest group's step) when it was first seen
 
     def update(self, elapsed_s: float, final: bool = False) -> None:
         for path in self.files:
@@ -64,7 +86,18 @@ class ProgressView:
         if not self._latest:
             return
         slowest = min(self._latest.values(), key=lambda r: r.get("step", 0))
-        line = render_progress(int(slowest.get("step", 0)), self.max_steps, elapsed_s, slowest)
+        step = int(slowest.get("step", 0))
+        if self._first_progress is None and step > 0:
+            self._first_progress = (elapsed_s, step)
+        rates = [r["train/tokens_per_s"] for r in self._latest.values() if r.get("train/tokens_per_s") is not None]
+        line = render_progress(
+            step,
+            self.max_steps,
+            elapsed_s,
+            slowest,
+            eta_s=remaining_seconds(self._first_progress, (elapsed_s, step), self.max_steps),
+            job_tokens_per_s=sum(rates) if rates else None,
+        )
         line += render_outages({i: self._latest.get(path, {}) for i, path in enumerate(self.files)})
         if self.out.isatty():
             self.out.write("\r" + line + ("\n" if final else ""))

@@ -12,6 +12,8 @@ import statistics
 from typing import Any
 
 from diloco.config import JobConfig
+from diloco.config_base import ConfigError
+from diloco.files import write_json_atomically
 from diloco.logger import perplexity, read_jsonl
 from diloco.outcome import job_outcome
 from diloco.run_paths import RunPaths
@@ -123,3 +125,21 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "groups_missing_results": sorted(set(range(job.cluster.groups)) - {r["group"] for r in results}),
         "per_group": results,
     }
+
+
+def summarize_finished_run(job: JobConfig, paths: RunPaths) -> dict[str, Any]:
+    """``role=summary``: summary.json of a multi-host job from what its groups wrote into the shared
+    run directory (results, commit logs), with the same honest outcome as a local job's.
+
+    There is no launcher to time the job: its wall time is the longest group's training time.
+    """
+    results = [json.loads(p.read_text()) for g in range(job.cluster.groups) if (p := paths.result(g)).exists()]
+    if not results:
+        raise ConfigError(
+            f"hydra.run.dir={paths.root}: no group wrote a result here; point it at the run directory "
+            "every group of the multi-host job wrote into (their hydra.run.dir), after the job ended"
+        )
+    n_params = results[0]["parameters"]
+    summary = build_summary(job, paths, n_params, wall_seconds=max(r["train_seconds"] for r in results))
+    write_json_atomically(paths.summary, summary)
+    return summary

@@ -220,13 +220,16 @@ class Trainer:
         return outcome.metrics
 
     def _loss(self, batch: Batch) -> torch.Tensor:
-        inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
-        autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
-        )
-        with autocast:
-            logits = self.model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return next_token_loss(self.model, batch, self.device)
+
+
+def next_token_loss(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+    """Mean cross-entropy (nats per token) of ``model``'s next-token predictions; bf16 autocast on CUDA."""
+    inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    with autocast:
+        logits = model(inputs)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def _group_mean(sums: torch.Tensor) -> float:

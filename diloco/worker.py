@@ -222,7 +222,7 @@ def _metrics_logger(job: JobConfig, paths: RunPaths) -> MetricsLogger:
     wandb_run = start_wandb(
         job.logger,
         run_dir=paths.root,
-        run_name=f"{job.name}-group{group}",
+        group=group,
         job_name=job.name,
         config=to_dict(job),
     )

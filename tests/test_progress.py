@@ -6,13 +6,35 @@ import io
 import json
 
 from diloco.logger import MetricsLogger, read_jsonl_tail
-from diloco.progress import ProgressView, render_progress
+from diloco.progress import ProgressView, remaining_seconds, render_progress
 
 
 def test_render_progress_shows_step_bar_loss_throughput_and_eta():
-    last = {"train/loss": 2.3456, "train/tokens_per_s": 12345.0, "outer/round": 3.0}
-    line = render_progress(50, 200, 30.0, last, width=8)
+    last = {"train/loss": 2.3456, "outer/round": 3.0}
+    line = render_progress(50, 200, 30.0, last, eta_s=90.0, job_tokens_per_s=12345.0, width=8)
     assert line == "step 50/200 [##......] loss 2.346 round 3 tok/s 12.3k 0:30<1:30"
+    assert render_progress(0, 200, 3.0, {}, width=8) == "step 0/200 [........] 0:03<?"
+
+
+def test_the_eta_comes_from_the_measured_step_rate_not_from_time_zero():
+    """20 s of start-up, then 10 steps/s: at step 100 of 300 the rest takes 20 s (not 2 x 30 s)."""
+    assert remaining_seconds((20.0, 10), (29.0, 100), 300) == 20.0
+    assert remaining_seconds(None, (29.0, 100), 300) is None
+    assert remaining_seconds((29.0, 100), (29.0, 100), 300) is None  # no rate yet
+    assert remaining_seconds((20.0, 10), (50.0, 310), 300) == 0.0
+
+
+def test_the_console_shows_the_whole_jobs_tokens_per_second(tmp_path):
+    files = [tmp_path / "g0.jsonl", tmp_path / "g1.jsonl"]
+    files[0].write_text(json.dumps({"step": 40, "train/tokens_per_s": 1000.0}) + "\n")
+    files[1].write_text(json.dumps({"step": 30, "train/tokens_per_s": 1500.0}) + "\n")
+    out = io.StringIO()
+    view = ProgressView(files, max_steps=100, out=out, plain_interval_s=0.0)
+    view.update(elapsed_s=10.0)
+    assert "tok/s 2.5k 0:10<?" in out.getvalue()
+    files[1].write_text(files[1].read_text() + json.dumps({"step": 50}) + "\n")
+    view.update(elapsed_s=12.0)  # the slowest group went 30 -> 40 (group 0) in 2 s: 60 steps left at 5/s
+    assert out.getvalue().splitlines()[-1].endswith("0:12<0:12")
 
 
 def test_metrics_file_is_read_incrementally_and_nan_becomes_null(tmp_path):

@@ -1,18 +1,16 @@
-"""The supervisor's end-of-job rules, on a stand-in cluster of real, short-lived processes."""
+"""The supervisor's end-of-job rules, on a LocalCluster of real, short-lived stand-in processes."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
-from diloco.local_cluster import WorkerProcess
+from diloco.local_cluster import LocalCluster, WorkerProcess
 from diloco.logger import read_jsonl
 from diloco.run_paths import RunPaths
 from diloco.supervisor import EventLog, Supervisor
 from diloco.worker import JOB_ENDED_EXIT_CODE
+from tests.conftest import compose_job
 
 
 def exited(code: int) -> subprocess.Popen:
@@ -25,45 +23,24 @@ def running() -> subprocess.Popen:
     return subprocess.Popen(["sleep", "60"])
 
 
-@dataclass
-class StandInCluster:
-    """What the supervisor uses of a LocalCluster: processes by group, the lighthouse, start and signal."""
-
-    paths: RunPaths
-    groups: dict[int, list[WorkerProcess]]
-    lighthouse: subprocess.Popen | None = None
-    started: list[int] = field(default_factory=list)
-
-    @property
-    def job(self) -> SimpleNamespace:
-        return SimpleNamespace(cluster=SimpleNamespace(groups=3))
-
-    def start_group(self, group: int) -> None:
-        self.started.append(group)
-        self.groups[group] = [WorkerProcess(group, 0, running(), Path("/dev/null"))]
-
-    def start_lighthouse(self) -> None:
-        raise AssertionError("the lighthouse must not be restarted here")
-
-    def signal_group(self, group: int, signum: int) -> None:
-        for w in self.groups[group]:
-            if w.process.poll() is None:
-                w.process.send_signal(signum)
-        if signum == signal.SIGKILL:
-            for w in self.groups.pop(group):
-                w.process.wait()
-
-    def stop(self) -> None:
-        for group in list(self.groups):
-            self.signal_group(group, signal.SIGKILL)
-
-
 def supervise(tmp_path: Path, processes: dict[int, subprocess.Popen], lighthouse=None) -> Supervisor:
-    paths = RunPaths(tmp_path)
-    paths.root.mkdir(parents=True, exist_ok=True)
-    groups = {g: [WorkerProcess(g, 0, p, Path("/dev/null"))] for g, p in processes.items()}
-    cluster = StandInCluster(paths, groups, lighthouse)
-    return Supervisor(cluster, EventLog(paths.events, 0.0), max_restarts=1, backoff_s=0.0, end_grace_s=60.0)
+    """A supervisor over a real LocalCluster holding ``processes`` (group -> its one worker);
+    starting a group records it and starts a stand-in process."""
+    cluster = LocalCluster(compose_job(["logger=none", "cluster.groups=3"]), RunPaths(tmp_path), "sig")
+    cluster.groups = {g: [worker(g, p)] for g, p in processes.items()}
+    cluster.lighthouse = lighthouse
+    cluster.started = []
+
+    def start_group(group: int) -> None:
+        cluster.started.append(group)
+        cluster.groups[group] = [worker(group, running())]
+
+    cluster.start_group = start_group
+    return Supervisor(cluster, EventLog(cluster.paths.events, 0.0), max_restarts=1, backoff_s=0.0, end_grace_s=60.0)
+
+
+def worker(group: int, process: subprocess.Popen) -> WorkerProcess:
+    return WorkerProcess(group, 0, process, Path("/dev/null"))
 
 
 def test_a_group_refused_because_the_job_ended_is_left_behind_and_nothing_restarts(tmp_path):

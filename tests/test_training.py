@@ -62,23 +62,46 @@ def test_one_fsdp_step_equals_single_process_step_on_the_same_global_batch(fast_
         torch.testing.assert_close(accum[name], tensor, rtol=0, atol=2e-6, msg=f"grad accum vs single: {name}")
 
 
-def test_python_run_py_end_to_end_with_offline_wandb(tmp_path):
-    """What a new user runs, shortened: the run directory holds everything the README promises."""
+def test_a_sweeps_jobs_get_their_own_wandb_names_in_one_group_and_a_sweep_table(tmp_path):
+    """``python run.py -m``: each job's wandb runs are named by its overrides and grouped by the
+    sweep; sweep.md in the sweep directory has one row per job."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "run.py",
-            "trainer.max_steps=40",
-            "algo.sync_every=20",
-            "trainer.eval_every=20",
-            f"hydra.run.dir={tmp_path}",
-        ],
+        [sys.executable, "run.py", "-m", "cluster.groups=1", "cluster.workers_per_group=1", "trainer.max_steps=20"]
+        + ["trainer.eval_every=0", "algo.sync_every=5,10", f"hydra.sweep.dir={tmp_path}"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    names = []
+    for job in ("0", "1"):
+        run = next((tmp_path / job / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+        h = 5 if job == "0" else 10
+        name = f"algo.sync_every={h},cluster.groups=1,cluster.workers_per_group=1,trainer.eval_every=0,"
+        name += "trainer.max_steps=20-group0"
+        assert name.encode() in run, (job, name)  # the run's name, in wandb's own record of it
+        assert f"diloco sweep {tmp_path}".encode() in run
+        names.append(name)
+    assert names[0] != names[1]
+    table = (tmp_path / "sweep.md").read_text().splitlines()
+    assert table[0] == "| job | overrides | ok | final eval loss | bytes/token | wall s |" and len(table) == 4, table
+    assert table[2].startswith("| 0 | cluster.groups=1 cluster.workers_per_group=1 trainer.max_steps=20 ")
+    assert "algo.sync_every=5" in table[2] and "algo.sync_every=10" in table[3] and "| yes |" in table[3]
+
+
+def test_python_run_py_end_to_end_with_offline_wandb_then_eval_and_sample(tmp_path):
+    """What a new user runs, shortened: the run directory holds everything the README promises,
+    and role=eval / role=sample use the model it saved."""
+    options = ["trainer.max_steps=40", "algo.sync_every=20", "trainer.eval_every=20"]
+
+    def run(*more: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "run.py", *options, *more]
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result
+
+    result = run(f"hydra.run.dir={tmp_path}")
     assert "parameters" in result.stdout and "done: eval loss" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("final_train_loss", "final_eval_loss", "tokens_seen", "wall_seconds", "tokens_per_s", "parameters"):
@@ -90,3 +113,12 @@ def test_python_run_py_end_to_end_with_offline_wandb(tmp_path):
     assert (tmp_path / "model.pt").exists()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 2, list(tmp_path.rglob("*"))  # one wandb run per group, grouped by job
+
+    # The model's shape comes from the run's config.yaml, not from the command line's model=mini.
+    evaluated = run("role=eval", f"checkpoint={tmp_path}", "model=mini", f"hydra.run.dir={tmp_path / 'eval'}")
+    record = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert record["eval_loss"] == pytest.approx(summary["final_eval_loss"], abs=1e-4), evaluated.stdout
+    assert f"eval loss {record['eval_loss']:.4f}" in evaluated.stdout
+    prompt = ["sample.prompt=def main(", "sample.max_new_tokens=20", f"hydra.run.dir={tmp_path / 'sample'}"]
+    sampled = run("role=sample", f"checkpoint={tmp_path / 'model.pt'}", *prompt).stdout
+    assert sampled.startswith("def main(") and len(sampled.encode()) > len("def main(") + 20, sampled

@@ -60,7 +60,7 @@ def build_status(
 def render_html(status: Mapping[str, Any]) -> str:
     """A small page with the same content as ``status`` (the /status JSON), as tables."""
     groups = _table(
-        ["group", "step", "since heartbeat (s)", "healthy", "waiting for quorum", "finished"],
+        ["group", "committed round", "since heartbeat (s)", "healthy", "waiting for quorum", "finished"],
         [
             [g["id"], g["step"], g["since_heartbeat_s"], g["healthy"], g["waiting_for_quorum"], g["finished"]]
             for g in status["groups"]
@@ -75,12 +75,12 @@ def render_html(status: Mapping[str, Any]) -> str:
         "<p>no quorum yet</p>"
         if q is None
         else _table(
-            ["id", "participants", "max step", "heal from", "age (s)"],
+            ["id", "participants", "max round", "heal from", "age (s)"],
             [[q["quorum_id"], ", ".join(q["participants"]), q["max_step"], _heal(q["heal_from"]), q["age_s"]]],
         )
     )
     history = _table(
-        ["id", "participants", "max step", "heal from", "formed at"],
+        ["id", "participants", "max round", "heal from", "formed at"],
         [
             [h["quorum_id"], ", ".join(h["participants"]), h["max_step"], _heal(h["heal_from"]), _clock(h["formed_at"])]
             for h in reversed(status["history"])

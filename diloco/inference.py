@@ -1,0 +1,163 @@
+"""Using a trained model: its loss on a corpus (``role=eval``) and text from a prompt (``role=sample``).
+
+Both read the weights a job saved (``model.pt``: the final global model every group agreed
+on) on one CPU or GPU, with no process group. The model's shape comes from the run that
+trained it; the corpus and batch shape from the command line.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diloco.config_base import ConfigError, check
+from diloco.data import ByteTokenizer, eval_batches, load_corpus
+from diloco.distributed import select_device
+from diloco.logger import perplexity
+from diloco.model import ModelConfig, Transformer
+from diloco.trainer import Batch, next_token_loss
+
+if TYPE_CHECKING:
+    from diloco.config import JobConfig
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """What ``role=sample`` generates: ``max_new_tokens`` after ``prompt``, drawn at ``temperature``
+    from the ``top_k`` likeliest tokens (temperature 0: always the likeliest; top_k 0: all)."""
+
+    prompt: str = "def"
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 50
+    seed: int = 0
+
+    def validate(self) -> None:
+        check(len(self.prompt) > 0, "sample.prompt", self.prompt, "must not be empty: the model continues it")
+        check(self.max_new_tokens >= 1, "sample.max_new_tokens", self.max_new_tokens, "must be at least 1")
+        check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            "sample.temperature",
+            self.temperature,
+            "must be >= 0 (0: always the likeliest token)",
+        )
+        check(self.top_k >= 0, "sample.top_k", self.top_k, "must be >= 0 (0: sample from every token)")
+
+
+def weights_file(checkpoint: str | None) -> Path:
+    """The ``model.pt`` that ``checkpoint`` names: a run directory, or the file itself."""
+    check(checkpoint is not None, "checkpoint", checkpoint, "required: a run directory or its model.pt")
+    path = Path(checkpoint)
+    weights = path / "model.pt" if path.is_dir() else path
+    if not weights.is_file():
+        where = f"{path} holds no model.pt" if path.is_dir() else f"{path} does not exist"
+        raise ConfigError(f"checkpoint={checkpoint}: {where}; point it at a finished run's directory or its model.pt")
+    return weights
+
+
+def load_model(weights: Path, cfg: ModelConfig, device: torch.device) -> Transformer:
+    """The model of shape ``cfg`` holding ``weights``; a file that is not such a model is refused by name.
+
+    ``weights_only`` loading: tensors and containers only, never arbitrary pickled objects.
+    """
+    try:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+        raise ConfigError(f"checkpoint={weights}: not a readable model file ({error})") from None
+    model = Transformer(cfg)
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, TypeError, AttributeError) as error:
+        first = str(error).strip().splitlines()[0]
+        raise ConfigError(
+            f"checkpoint={weights}: does not fit a model of dim {cfg.dim}, {cfg.n_layers} layers and vocabulary "
+            f"{cfg.vocab_size} ({first}); "
+            "is it the model.pt of the run whose config.yaml lies beside it?"
+        ) from None
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, batches: list[Batch], device: torch.device) -> float:
+    """Mean next-token loss (nats per token) over every token of ``batches``."""
+    total = count = 0.0
+    for batch in batches:
+        n = batch[1].numel()
+        total += next_token_loss(model, batch, device).item() * n
+        count += n
+    return total / count
+
+
+def byte_tokenizer(model_cfg: ModelConfig) -> ByteTokenizer:
+    """Sampling reads and writes text: only a byte-level model has a tokenizer here to do it."""
+    check(
+        model_cfg.vocab_size == ByteTokenizer.vocab_size,
+        "model.vocab_size",
+        model_cfg.vocab_size,
+        "role=sample needs a byte-level model (vocabulary 256: trained with data=stdlib or data=text); "
+        "a tokens corpus's tokenizer is not part of this project",
+    )
+    return ByteTokenizer()
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: torch.Tensor, cfg: SampleConfig, device: torch.device) -> torch.Tensor:
+    """``cfg.max_new_tokens`` token ids continuing ``prompt`` (1-D), attending to at most
+    ``max_seq_len`` tokens back; seeded, so the same call gives the same text."""
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    ids = prompt.to(device).view(1, -1)
+    for _ in range(cfg.max_new_tokens):
+        logits = model(ids[:, -model.cfg.max_seq_len :])[:, -1, :].float()
+        if cfg.temperature == 0:
+            token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / cfg.temperature
+            if cfg.top_k:
+                kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, -math.inf)
+            token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        ids = torch.cat([ids, token], dim=1)
+    return ids[0, prompt.numel() :].cpu()
+
+
+def evaluate_checkpoint(job: JobConfig, weights: Path, model_cfg: ModelConfig) -> dict[str, Any]:
+    """``role=eval``: the loss of the model in ``weights`` on the held-out windows of ``job``'s data.
+
+    The windows a group of a training job with the same data and trainer options evaluated
+    on (``batch_size`` sequences per worker), so a finished run's final eval loss reproduces.
+    """
+    check(
+        model_cfg.vocab_size == job.data.vocab_size,
+        "data.vocab_size",
+        job.data.vocab_size,
+        f"differs from the trained model's vocabulary ({model_cfg.vocab_size}); evaluate on a corpus of its tokenizer",
+    )
+    device = select_device(job.cluster.device, 0)
+    model = load_model(weights, model_cfg, device)
+    t = job.trainer
+    batches = eval_batches(
+        load_corpus(job.data).val,
+        seq_len=t.seq_len,
+        batch_size=t.batch_size * job.cluster.workers_per_group,
+        max_batches=t.eval_batches,
+        worker=0,
+        num_workers=1,
+    )
+    loss = mean_loss(model, batches, device)
+    tokens = sum(b[1].numel() for b in batches)
+    return {"checkpoint": str(weights), "tokens": tokens, "eval_loss": loss, "eval_ppl": perplexity(loss)}
+
+
+def sample_text(job: JobConfig, weights: Path, model_cfg: ModelConfig) -> str:
+    """``role=sample``: ``job.sample.prompt`` followed by the text the model in ``weights`` continues it with."""
+    tokenizer = byte_tokenizer(model_cfg)
+    device = select_device(job.cluster.device, 0)
+    model = load_model(weights, model_cfg, device)
+    continuation = generate(model, tokenizer.encode(job.sample.prompt), job.sample, device)
+    return job.sample.prompt + tokenizer.decode(continuation)

@@ -1,0 +1,107 @@
+"""role=eval and role=sample: loading a saved model, its loss on held-out windows, text from a prompt."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from diloco.config_base import ConfigError
+from diloco.data import ByteTokenizer, eval_batches, load_corpus
+from diloco.inference import (
+    SampleConfig,
+    byte_tokenizer,
+    evaluate_checkpoint,
+    generate,
+    load_model,
+    mean_loss,
+    sample_text,
+    weights_file,
+)
+from diloco.model import ModelConfig, Transformer
+from tests.conftest import compose_job
+
+CPU = torch.device("cpu")
+SMALL = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=16)
+
+
+def saved_model(tmp_path, cfg: ModelConfig = SMALL, seed: int = 0) -> tuple[Transformer, object]:
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    path = tmp_path / "model.pt"
+    torch.save(model.state_dict(), path)
+    return model.eval(), path
+
+
+def test_greedy_sampling_is_top_k_1_and_runs_past_the_models_context(tmp_path):
+    model, _ = saved_model(tmp_path)
+    prompt = ByteTokenizer().encode("def f(x):")  # 9 tokens; 30 more run past max_seq_len=16
+    greedy = generate(model, prompt, SampleConfig(max_new_tokens=30, temperature=0.0), CPU)
+    top1 = generate(model, prompt, SampleConfig(max_new_tokens=30, temperature=1.7, top_k=1, seed=5), CPU)
+    assert greedy.shape == (30,) and torch.equal(greedy, top1)
+    window = torch.cat([prompt, greedy])[-SMALL.max_seq_len - 1 : -1].view(1, -1)
+    assert int(greedy[-1]) == int(model(window)[0, -1].argmax()), "the last token sees only max_seq_len tokens back"
+
+
+def test_sampling_is_seeded_and_top_k_limits_the_choice(tmp_path):
+    model, _ = saved_model(tmp_path)
+    prompt = ByteTokenizer().encode("x")
+    cfg = SampleConfig(max_new_tokens=40, temperature=5.0, top_k=3, seed=1)
+    first, again = generate(model, prompt, cfg, CPU), generate(model, prompt, cfg, CPU)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, generate(model, prompt, dataclasses.replace(cfg, seed=2), CPU))
+    ids = torch.cat([prompt, first])
+    for i in range(len(prompt), len(ids)):
+        likeliest = model(ids[max(0, i - SMALL.max_seq_len) : i].view(1, -1))[0, -1].topk(3).indices.tolist()
+        assert int(ids[i]) in likeliest, (i, int(ids[i]), likeliest)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"prompt": ""}, "sample.prompt='': must not be empty"),
+        ({"max_new_tokens": 0}, "sample.max_new_tokens=0: must be at least 1"),
+        ({"temperature": -1.0}, "sample.temperature=-1.0: must be >= 0"),
+        ({"top_k": -2}, "sample.top_k=-2: must be >= 0"),
+    ],
+)
+def test_bad_sample_options_are_refused_by_name(change, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        dataclasses.replace(SampleConfig(), **change).validate()
+
+
+def test_a_checkpoint_that_is_missing_corrupt_or_of_another_shape_is_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint=None: required"):
+        weights_file(None)
+    with pytest.raises(ConfigError, match="holds no model.pt"):
+        weights_file(str(tmp_path))
+    with pytest.raises(ConfigError, match="does not exist"):
+        weights_file(str(tmp_path / "nothing.pt"))
+    _, path = saved_model(tmp_path)
+    assert weights_file(str(tmp_path)) == path == weights_file(str(path))
+    with pytest.raises(ConfigError, match="does not fit a model of dim 64, 1 layers"):
+        load_model(path, dataclasses.replace(SMALL, dim=64), CPU)
+    path.write_bytes(path.read_bytes()[:100])  # torn
+    with pytest.raises(ConfigError, match="not a readable model file"):
+        load_model(path, SMALL, CPU)
+
+
+def test_sampling_needs_a_byte_level_model():
+    with pytest.raises(ConfigError, match="model.vocab_size=50304: role=sample needs a byte-level model"):
+        byte_tokenizer(dataclasses.replace(SMALL, vocab_size=50304))
+
+
+def test_eval_of_a_saved_model_is_its_mean_loss_on_the_groups_eval_windows(tmp_path):
+    job = compose_job(["trainer.seq_len=16", "trainer.batch_size=2", "trainer.eval_batches=3"])
+    cfg = dataclasses.replace(SMALL, vocab_size=job.data.vocab_size)
+    model, path = saved_model(tmp_path, cfg)
+    record = evaluate_checkpoint(job, path, cfg)
+    windows = eval_batches(load_corpus(job.data).val, seq_len=16, batch_size=2, max_batches=3, worker=0, num_workers=2)
+    windows += eval_batches(load_corpus(job.data).val, seq_len=16, batch_size=2, max_batches=3, worker=1, num_workers=2)
+    assert record["tokens"] == 2 * 2 * 3 * 16  # batch_size x workers_per_group x eval_batches x seq_len
+    assert record["eval_loss"] == pytest.approx(mean_loss(model, windows, CPU), rel=1e-6)
+    assert record["eval_ppl"] == pytest.approx(math.exp(record["eval_loss"]))
+    text = sample_text(dataclasses.replace(job, sample=SampleConfig(prompt="import ", max_new_tokens=5)), path, cfg)
+    assert text.startswith("import ")
