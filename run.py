@@ -32,6 +32,7 @@ from diloco.launcher import launch, refuse_reused_run_dir
 from diloco.local_cluster import JobFailed
 from diloco.model import ModelConfig
 from diloco.outcome import group_outcome
+from diloco.progress import say
 from diloco.run_paths import RunPaths
 from diloco.summary import summarize_finished_run
 from diloco.worker import JOB_ENDED_EXIT_CODE, exit_without_teardown, refuse_finished_group, run_worker
@@ -106,10 +107,11 @@ def main(cfg: DictConfig) -> float | None:
     finally:
         if sweep:
             write_sweep_table(Path(HydraConfig.get().sweep.dir))
-    print(
+    say(
         f"{'done' if summary['ok'] else 'failed'}: eval loss {summary['final_eval_loss']:.4f} "
         f"(ppl {summary['final_eval_ppl']:.2f}), {summary['tokens_seen']:,} tokens in {summary['wall_seconds']:.0f}s; "
-        f"summary in {paths.summary}"
+        f"summary in {paths.summary}",
+        sys.stdout,
     )
     if not summary["ok"]:
         sys.exit(f"job failed: {summary['failure']}")

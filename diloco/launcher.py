@@ -13,7 +13,7 @@ from diloco.config_base import ConfigError
 from diloco.faults import plan_faults
 from diloco.files import write_json_atomically
 from diloco.local_cluster import POLL_INTERVAL_S, JobFailed, LocalCluster
-from diloco.progress import ProgressView
+from diloco.progress import ProgressView, say
 from diloco.run_paths import RunPaths
 from diloco.summary import build_summary
 from diloco.supervisor import EventLog, FaultInjector, Supervisor
@@ -35,11 +35,10 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
     paths.root.mkdir(parents=True, exist_ok=True)
     n_params, signature = preflight(job)
     cluster = LocalCluster(job, paths, signature)
-    print(
+    say(
         f"model: {n_params:,} parameters; {job.cluster.groups} group(s) x {job.cluster.workers_per_group} "
         f"worker(s); lighthouse status page {cluster.lighthouse_url}/",
-        file=out,
-        flush=True,
+        out,
     )
     start = time.monotonic()
     events = EventLog(paths.events, time.time())

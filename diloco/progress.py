@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from diloco.logger import read_jsonl_tail
+
+# The console's lines, also kept in run.log: run.py's hydra logging config sends this logger to
+# the run's log file only (the console has the line already).
+TRANSCRIPT = logging.getLogger("diloco.console")
+
+
+def say(line: str, out: TextIO) -> None:
+    """A line for the person watching: on the console, and in run.log."""
+    print(line, file=out, flush=True)
+    TRANSCRIPT.info(line)
 
 
 def format_duration(seconds: float) -> str:
@@ -99,9 +110,13 @@ class ProgressView:
             job_tokens_per_s=sum(rates) if rates else None,
         )
         line += render_outages({i: self._latest.get(path, {}) for i, path in enumerate(self.files)})
-        if self.out.isatty():
+        tty = self.out.isatty()
+        if tty:
             self.out.write("\r" + line + ("\n" if final else ""))
             self.out.flush()
-        elif line != self._last_line and (final or elapsed_s - self._last_plain >= self.plain_interval_s):
+        if line != self._last_line and (final or elapsed_s - self._last_plain >= self.plain_interval_s):
             self._last_plain, self._last_line = elapsed_s, line
-            print(line, file=self.out, flush=True)
+            if tty:
+                TRANSCRIPT.info(line)  # redrawn in place on the console; one line every interval in run.log
+            else:
+                say(line, self.out)

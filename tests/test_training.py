@@ -102,7 +102,10 @@ def test_python_run_py_end_to_end_with_offline_wandb_then_eval_and_sample(tmp_pa
         return result
 
     result = run(f"hydra.run.dir={tmp_path}")
-    assert "parameters" in result.stdout and "done: eval loss" in result.stdout
+    assert "parameters" in result.stdout and result.stdout.count("done: eval loss") == 1, result.stdout
+    transcript = (tmp_path / "run.log").read_text()  # the launcher's lines, with times
+    for line in ("model: ", "step 40/40 ", "done: eval loss "):
+        assert line in transcript, transcript
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("final_train_loss", "final_eval_loss", "tokens_seen", "wall_seconds", "tokens_per_s", "parameters"):
         assert key in summary, key
@@ -119,6 +122,6 @@ def test_python_run_py_end_to_end_with_offline_wandb_then_eval_and_sample(tmp_pa
     record = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert record["eval_loss"] == pytest.approx(summary["final_eval_loss"], abs=1e-4), evaluated.stdout
     assert f"eval loss {record['eval_loss']:.4f}" in evaluated.stdout
-    prompt = ["sample.prompt=def main(", "sample.max_new_tokens=20", f"hydra.run.dir={tmp_path / 'sample'}"]
+    prompt = ["sample.prompt='def main('", "sample.max_new_tokens=20", f"hydra.run.dir={tmp_path / 'sample'}"]
     sampled = run("role=sample", f"checkpoint={tmp_path / 'model.pt'}", *prompt).stdout
     assert sampled.startswith("def main(") and len(sampled.encode()) > len("def main(") + 20, sampled
