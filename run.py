@@ -135,8 +135,9 @@ def write_sweep_table(sweep_dir: Path) -> None:
     rows = []
     for summary_path in sorted(sweep_dir.glob("*/summary.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
         summary = json.loads(summary_path.read_text())
-        overrides = OmegaConf.load(summary_path.parent / ".hydra" / "overrides.yaml")
-        cells = (summary_path.parent.name, " ".join(overrides) or "(none)", "yes" if summary["ok"] else "no")
+        saved = summary_path.parent / ".hydra" / "overrides.yaml"  # hydra writes each job's own
+        overrides = " ".join(OmegaConf.load(saved)) if saved.is_file() else "(unknown)"
+        cells = (summary_path.parent.name, overrides or "(none)", "yes" if summary["ok"] else "no")
         cells += (f"{summary['final_eval_loss']:.4f}", f"{summary['bytes_per_token']:.1f}")
         rows.append(cells + (f"{summary['wall_seconds']:.0f}",))
     lines = ["| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
@@ -154,9 +155,10 @@ def use_trained_model(job: JobConfig, paths: RunPaths) -> float | None:
         return None
     record = evaluate_checkpoint(job, weights, model_cfg)
     write_json_atomically(paths.root / "eval.json", record)
-    print(
+    say(
         f"eval loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.2f}) on {record['tokens']:,} held-out "
-        f"tokens of {job.data.corpus}; {weights}"
+        f"tokens of {job.data.corpus}; {weights}",
+        sys.stdout,
     )
     return record["eval_loss"]
 

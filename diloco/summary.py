@@ -74,10 +74,15 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
+def read_results(job: JobConfig, paths: RunPaths) -> list[dict[str, Any]]:
+    """The result records the groups' leaders wrote (none for a group that wrote none)."""
+    return [json.loads(p.read_text()) for g in range(job.cluster.groups) if (p := paths.result(g)).exists()]
+
+
 def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: float) -> dict[str, Any]:
     """Job-level numbers and the honest outcome (DESIGN invariant 6): ``ok`` only if model.pt is
     the final global model every group holds; otherwise ``failure`` says why, in one line."""
-    results = [json.loads(p.read_text()) for g in range(job.cluster.groups) if (p := paths.result(g)).exists()]
+    results = read_results(job, paths)
     outcome = job_outcome(results, job.cluster.groups, job.algo.name, model_saved=paths.weights.exists())
     # The final model's numbers: those of the groups that saved it, else of the furthest groups.
     latest = max((r.get("rounds", 0) for r in results), default=0)
@@ -133,7 +138,7 @@ def summarize_finished_run(job: JobConfig, paths: RunPaths) -> dict[str, Any]:
 
     There is no launcher to time the job: its wall time is the longest group's training time.
     """
-    results = [json.loads(p.read_text()) for g in range(job.cluster.groups) if (p := paths.result(g)).exists()]
+    results = read_results(job, paths)
     if not results:
         raise ConfigError(
             f"hydra.run.dir={paths.root}: no group wrote a result here; point it at the run directory "
