@@ -28,14 +28,20 @@ from diloco.files import OutputError, write_atomically, write_json_atomically
 from diloco.ft.lighthouse import serve_forever
 from diloco.ft.manager import JobEndedError, MembershipError
 from diloco.inference import evaluate_checkpoint, sample_text, weights_file
-from diloco.launcher import launch, refuse_reused_run_dir
+from diloco.launcher import JobInterrupted, launch, refuse_reused_run_dir
 from diloco.local_cluster import JobFailed
 from diloco.model import ModelConfig
 from diloco.outcome import group_outcome
 from diloco.progress import say
 from diloco.run_paths import RunPaths
 from diloco.summary import summarize_finished_run
-from diloco.worker import JOB_ENDED_EXIT_CODE, exit_without_teardown, refuse_finished_group, run_worker
+from diloco.worker import (
+    INTERRUPTED_EXIT_CODE,
+    JOB_ENDED_EXIT_CODE,
+    exit_without_teardown,
+    refuse_finished_group,
+    run_worker,
+)
 
 BASE_CONFIG = "base_config"
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -102,6 +108,8 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(f"error: {error}")
     except JobFailed as error:
         sys.exit(f"job failed: {error}")
+    except JobInterrupted as stopped:
+        sys.exit(str(stopped))
     except KeyboardInterrupt:
         sys.exit("interrupted: all workers stopped")
     finally:
@@ -178,6 +186,11 @@ def run_group(job: JobConfig, paths: RunPaths) -> NoReturn:
     except (MembershipError, OutputError) as error:
         too_late = isinstance(error, JobEndedError)  # an orchestrator need not restart it
         exit_without_teardown(JOB_ENDED_EXIT_CODE if too_late else 1, f"error: {error}")
+    if report.get("interrupted"):
+        where = paths.interrupted_weights(job.group.id)
+        exit_without_teardown(
+            INTERRUPTED_EXIT_CODE, f"interrupted (planned stop): round {report.get('rounds')}'s global model in {where}"
+        )
     problem = group_outcome(report, job.algo.name)
     exit_without_teardown(1 if problem else 0, problem and f"job failed: {problem}")
 

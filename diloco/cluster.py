@@ -47,7 +47,8 @@ class TimeoutsConfig:
     ``quorum``: a leader's wait for a quorum; ``heartbeat``: silence after which a group is
     dropped; ``join``: how long the first asker waits for the other healthy groups;
     ``start``: how long a job's first quorum waits for every configured group; ``end``: how
-    long groups that finished wait for the others to finish before the job ends.
+    long groups that finished wait for the others to finish before the job ends; ``stop``: how
+    long a planned stop (Ctrl-C) waits for the groups to finish their round and save.
     """
 
     connect: float = 60.0
@@ -57,9 +58,10 @@ class TimeoutsConfig:
     join: float = 0.5
     start: float = 60.0
     end: float = 120.0
+    stop: float = 90.0  # > quorum: a group waiting on a quorum its peers left gets no answer before that
 
     def validate(self) -> None:
-        for key in ("connect", "collective", "quorum", "heartbeat", "join", "start", "end"):
+        for key in ("connect", "collective", "quorum", "heartbeat", "join", "start", "end", "stop"):
             value = getattr(self, key)
             check(value > 0, f"cluster.timeouts.{key}", value, "must be > 0 seconds")
 

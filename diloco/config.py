@@ -72,6 +72,13 @@ class JobConfig:
             self.trainer.seq_len,
             f"exceeds model.max_seq_len={self.model.max_seq_len}; lower it or raise model.max_seq_len",
         )
+        every, h = self.trainer.checkpoint.every, self.algo.sync_every
+        check(
+            not every or self.algo.name in ("ddp", "local") or every % h == 0,
+            "trainer.checkpoint.every",
+            every,
+            f"must be a multiple of algo.sync_every={h}: a checkpoint is taken between rounds",
+        )
         check(
             0 <= self.group.id < self.cluster.groups,
             "group.id",

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from diloco.checkpoint import describe_checkpoints
 from diloco.config import JobConfig
 from diloco.config_base import ConfigError
 from diloco.faults import plan_faults
@@ -15,9 +16,9 @@ from diloco.files import write_json_atomically
 from diloco.local_cluster import POLL_INTERVAL_S, JobFailed, LocalCluster
 from diloco.progress import ProgressView, say
 from diloco.run_paths import RunPaths
-from diloco.summary import build_summary
+from diloco.summary import build_summary, interrupted_summary
 from diloco.supervisor import EventLog, FaultInjector, Supervisor
-from diloco.worker import preflight
+from diloco.worker import preflight, resume_folders
 
 FAULT_HORIZON_S = 7 * 24 * 3600.0  # the plan outlasts any local run; firing stops when the job ends
 
@@ -27,19 +28,23 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
 
     The summary's ``ok`` says whether model.pt is the final global model every group holds
     (``failure`` says why not). A job the supervisor gave up on raises ``JobFailed`` after
-    writing its summary. Ctrl-C or SIGTERM stops every process of the job before returning
-    (KeyboardInterrupt).
+    writing its summary. Ctrl-C or SIGTERM is a planned stop: every group stops after its
+    current round (saving its checkpoint if ``trainer.checkpoint.every`` is set), model.pt
+    gets the newest committed global model, summary.json says ``interrupted``, and
+    ``JobInterrupted`` is raised; a second Ctrl-C stops every process at once.
     """
     paths = RunPaths(run_dir)
     refuse_reused_run_dir(paths)
     paths.root.mkdir(parents=True, exist_ok=True)
-    n_params, signature = preflight(job)
+    n_params, signature = preflight(job, paths)
     cluster = LocalCluster(job, paths, signature)
     say(
         f"model: {n_params:,} parameters; {job.cluster.groups} group(s) x {job.cluster.workers_per_group} "
         f"worker(s); lighthouse status page {cluster.lighthouse_url}/",
         out,
     )
+    if job.trainer.resume:
+        say(f"resuming: {describe_checkpoints(resume_folders(job, paths))}", out)
     start = time.monotonic()
     events = EventLog(paths.events, time.time())
     supervisor = Supervisor(
@@ -58,6 +63,7 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
         min_alive=job.faults.min_alive,
     )
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    planned_stop = False
     try:
         if job.algo.name != "local":
             cluster.start_lighthouse()
@@ -77,12 +83,32 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
         summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
         write_json_atomically(paths.summary, summary | {"ok": False, "failure": str(failure).splitlines()[0]})
         raise
+    except KeyboardInterrupt:
+        planned_stop = True
+        _stop_planned(cluster, job.cluster.timeouts.stop, out)
     finally:
         cluster.stop()
         signal.signal(signal.SIGTERM, previous_sigterm)
     summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
+    if planned_stop and not summary["ok"]:  # (a stop asked for after every group had finished changes nothing)
+        summary |= interrupted_summary(paths, summary)
+        write_json_atomically(paths.summary, summary)
+        raise JobInterrupted(summary["failure"])
     write_json_atomically(paths.summary, summary)
     return summary
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """A planned stop (Ctrl-C, SIGTERM) ended the job; its summary and newest global model are written."""
+
+
+def _stop_planned(cluster: LocalCluster, timeout_s: float, out: TextIO) -> None:
+    say(f"stopping: each group stops after its current round (up to {timeout_s:g}s; Ctrl-C again: at once)", out)
+    try:
+        if not cluster.stop_planned(timeout_s):
+            say(f"stopping: some workers were still running after {timeout_s:g}s (cluster.timeouts.stop)", out)
+    except KeyboardInterrupt:
+        say("stopping at once", out)
 
 
 def refuse_reused_run_dir(paths: RunPaths) -> None:

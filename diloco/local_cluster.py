@@ -283,13 +283,31 @@ class LocalCluster:
     def finished(self) -> bool:
         return all(w.process.poll() == 0 for workers in self.groups.values() for w in workers)
 
+    def stop_planned(self, timeout_s: float) -> bool:
+        """Ask every worker for a planned stop (SIGTERM: each group stops after its current round,
+        saving its state) and wait up to ``timeout_s`` for all of them to exit; True if they did.
+        The lighthouse stays up meanwhile: the groups' last round needs it."""
+        workers = [w.process for group in self.groups.values() for w in group]
+        for process in workers:
+            process.terminate()
+            process.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + timeout_s
+        for process in workers:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
     def stop(self) -> None:
         """Stop every process of the job; nothing is left behind.
 
         Cutting the lifeline last also ends any process a failed start left unrecorded.
         """
-        processes = [w.process for workers in self.groups.values() for w in workers]
-        stop_processes(processes + ([self.lighthouse] if self.lighthouse else []))
+        workers = [w.process for group in self.groups.values() for w in group]
+        for process in workers:  # SIGTERM would ask a worker for a planned stop (stop_planned); this is at once
+            process.kill()
+        stop_processes(workers + ([self.lighthouse] if self.lighthouse else []))
         if self.fork_server is not None:
             self.fork_server.stop(TERMINATE_GRACE_S)
         if self.lifeline is not None:

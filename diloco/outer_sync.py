@@ -107,6 +107,18 @@ class OuterSync(Synchronizer):
             self._land(flight, step, outcome)
         return outcome
 
+    def between_rounds(self, step: int) -> bool:
+        """After a fragment's apply step nothing is in flight (τ < H/P): the next launch is later."""
+        return self._flight is None and bool(self._schedule(fragments_to_apply, step))
+
+    def progress_state(self) -> dict[str, Any]:
+        return super().progress_state() | {"tokens_since_sync": [f.tokens_since_sync for f in self.fragments]}
+
+    def load_progress_state(self, state: dict[str, Any]) -> None:
+        super().load_progress_state(state)
+        for fragment, tokens in zip(self.fragments, state["tokens_since_sync"], strict=True):
+            fragment.tokens_since_sync = int(tokens)
+
     def load_global_into_local(self) -> None:
         """θ_l ← θ_g everywhere: the model to evaluate and save at the end is the global one."""
         for f in self.fragments:

@@ -44,6 +44,10 @@ class RunPaths:
     def result(self, group: int) -> Path:
         return self.root / "results" / f"group{group}.json"
 
+    def interrupted_weights(self, group: int) -> Path:
+        """The global model a group held when a planned stop ended it (the launcher keeps the newest as model.pt)."""
+        return self.root / "results" / f"group{group}.model.pt"
+
     def commits(self, group: int) -> Path:
         return self.root / "commits" / f"group{group}.jsonl"
 
@@ -53,4 +57,5 @@ class RunPaths:
     def outputs_present(self) -> list[str]:
         """What an earlier run left here (the launcher refuses to run a second job on top of it)."""
         names = [JOB_FILE, "summary.json", "model.pt", "events.jsonl", "results", "commits", "metrics", "logs"]
+        names.append("checkpoints")
         return [name for name in names if (self.root / name).exists()]

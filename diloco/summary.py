@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from typing import Any
 
+from diloco.checkpoint import whole_group_checkpoints
 from diloco.config import JobConfig
 from diloco.config_base import ConfigError
 from diloco.files import write_json_atomically
@@ -129,6 +131,30 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "survivor_stall_s": _stats(survivor_stalls(events, commits)),
         "groups_missing_results": sorted(set(range(job.cluster.groups)) - {r["group"] for r in results}),
         "per_group": results,
+    }
+
+
+def interrupted_summary(paths: RunPaths, summary: dict[str, Any]) -> dict[str, Any]:
+    """What a planned stop changes in the summary: not ok, ``interrupted``, and model.pt set to the
+    newest committed global model a group kept when it stopped (the other groups' copies removed)."""
+    kept = [r for r in summary["per_group"] if r.get("interrupted") and paths.interrupted_weights(r["group"]).exists()]
+    newest = max(kept, key=lambda r: (r.get("rounds", 0), -r["group"]), default=None)
+    if newest is not None:
+        os.replace(paths.interrupted_weights(newest["group"]), paths.weights)
+    for r in kept:
+        paths.interrupted_weights(r["group"]).unlink(missing_ok=True)
+    resumable = bool(whole_group_checkpoints(paths.root))
+    resume = f"resume with trainer.resume={paths.root}" if resumable else "no checkpoint (trainer.checkpoint.every=0)"
+    if newest is None:
+        kept_model = "no group kept a model"
+    else:
+        kept_model = f"model.pt holds round {newest.get('rounds', 0)}'s global model (group {newest['group']})"
+    return {
+        "ok": False,
+        "interrupted": True,
+        "failure": f"interrupted (planned stop): {kept_model}; {resume}",
+        "model_saved_by_groups": [] if newest is None else [newest["group"]],
+        "final_round": None if newest is None else newest.get("rounds", 0),
     }
 
 

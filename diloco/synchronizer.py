@@ -26,6 +26,8 @@ from diloco.ft.state import HealState, Position
 log = logging.getLogger(__name__)
 
 NO_QUORUM_PAUSE_S = 0.2  # between a finished group's asks while the lighthouse is unreachable
+# What a checkpoint keeps of a synchronizer besides its tensors, so a resumed job's report goes on counting.
+_COUNTERS = ("attempted", "committed_here", "bytes_sent", "tokens", "tokens_committed", "recoveries")
 
 
 @dataclass
@@ -89,6 +91,22 @@ class Synchronizer:
     def after_inner_step(self, step: int, tokens: int) -> OuterOutcome:
         """After inner step ``step`` consumed ``tokens``."""
         return OuterOutcome()
+
+    def between_rounds(self, step: int) -> bool:
+        """Whether no round is in flight after inner step ``step`` and one just ended there:
+        where a planned stop or a checkpoint leaves every group at the same round."""
+        return True
+
+    def progress_state(self) -> dict[str, Any]:
+        """The committed round and the counters, JSON-friendly, for a checkpoint."""
+        return {"committed": self.manager.committed} | {name: getattr(self, name) for name in _COUNTERS}
+
+    def load_progress_state(self, state: dict[str, Any]) -> None:
+        self.manager.adopt(int(state["committed"]))
+        for name in _COUNTERS:
+            setattr(self, name, type(getattr(self, name))(state[name]))
+        self._recoveries_recorded = self.recoveries
+        self._state_changed()
 
     def load_global_into_local(self) -> None:
         """Make the model hold the job's result (θ_g for DiLoCo) before the final eval and save."""

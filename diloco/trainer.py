@@ -7,7 +7,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from diloco.checkpoint import CheckpointConfig
 from diloco.config_base import check
 from diloco.data import ShardedBatches
 from diloco.logger import perplexity
@@ -38,12 +39,15 @@ class TrainerConfig:
     eval_batches: int = 8
     log_every: int = 10
     seed: int = 0
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str = ""  # a checkpoint, a run directory or "latest" (see diloco/checkpoint.resolve_resume)
 
     def validate(self) -> None:
         for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every"):
             value = getattr(self, key)
             check(value >= 1, f"trainer.{key}", value, "must be a positive integer")
         check(self.eval_every >= 0, "trainer.eval_every", self.eval_every, "must be >= 0 (0: evaluate only at the end)")
+        self.checkpoint.validate()
 
 
 @dataclass(frozen=True)
@@ -55,14 +59,18 @@ class TrainResult:
     final_train_loss: float
     final_eval_loss: float
     train_seconds: float
+    interrupted: bool = False  # a planned stop (SIGTERM, Ctrl-C) ended it before max_steps
+    resumed_tokens: int = 0  # of tokens_seen, those trained before the checkpoint it resumed from
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens_seen / self.train_seconds if self.train_seconds > 0 else 0.0
+        trained_here = self.tokens_seen - self.resumed_tokens
+        return trained_here / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 MetricsCallback = Callable[[dict[str, float], int], None]
+CheckpointCallback = Callable[["Trainer"], None]
 
 
 class Trainer:
@@ -82,7 +90,12 @@ class Trainer:
         sharded: bool,
         on_metrics: MetricsCallback | None = None,
         outer: Synchronizer | None = None,
+        on_checkpoint: CheckpointCallback | None = None,
+        stop_requested: Callable[[], bool] | None = None,
     ) -> None:
+        """``on_checkpoint(trainer)`` saves the worker's state (every ``cfg.checkpoint.every`` steps,
+        at a planned stop and at the end); ``stop_requested`` says a planned stop was asked for
+        (a signal): training then stops after the next round, with every group at that round."""
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -94,7 +107,12 @@ class Trainer:
         self.sharded = sharded
         self.on_metrics = on_metrics
         self.outer = outer
+        self.on_checkpoint = on_checkpoint
+        self.stop_requested = stop_requested
         self.step = 0
+        self.resumed_tokens = 0  # tokens this group trained before the checkpoint it resumed from
+        self.trained_steps = 0
+        self._saved_at: int | None = None  # the step of this process's last checkpoint
         self.sync_metrics: dict[str, float] = {}
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,12 +160,12 @@ class Trainer:
         start = window_start = time.perf_counter()
         window_loss = torch.zeros(2, dtype=torch.float64)
         train_loss = eval_loss = math.nan
-        trained = 0  # steps this process took itself (a group that heals jumps over others)
+        self.trained_steps = 0  # steps this process took itself (a group that heals jumps over others)
         if self.outer is not None:
             self._follow(self.outer.join())
         while self.step < cfg.max_steps:
             loss, grad_norm = self.train_step()
-            trained += 1
+            self.trained_steps += 1
             window_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
             metrics, self.sync_metrics = self.sync_metrics, {}
             if self.outer is not None:
@@ -175,29 +193,82 @@ class Trainer:
                 window_start = time.perf_counter()  # evaluation time is not training throughput
             if metrics and self.on_metrics is not None:
                 self.on_metrics(metrics, self.step)
+            if not last and self._checkpoint_due():
+                self._save_checkpoint()
+            if not last and self._stop_agreed():
+                return self._stopped(tokens_per_step * self.trained_steps, time.perf_counter() - start, train_loss)
         train_seconds = time.perf_counter() - start
         # The final evaluation, also for a group that healed straight to the last step.
         if self.outer is not None:
             self.outer.finish(self.step)  # until every group has finished: the state may still change
+        self._save_checkpoint()
+        if self.outer is not None:
             self.outer.load_global_into_local()  # the result of DiLoCo is θ_g
         eval_loss = self.evaluate()
         if self.on_metrics is not None:
             self.on_metrics({"eval/loss": eval_loss, "eval/ppl": perplexity(eval_loss)}, self.step)
         return TrainResult(
             steps=self.step,
-            tokens_seen=tokens_per_step * trained,
+            tokens_seen=self.resumed_tokens + tokens_per_step * self.trained_steps,
             final_train_loss=train_loss,
             final_eval_loss=eval_loss,
             train_seconds=train_seconds,
+            resumed_tokens=self.resumed_tokens,
+        )
+
+    def _save_checkpoint(self) -> None:
+        """Save once per step (a planned stop right after a periodic checkpoint writes nothing new)."""
+        if self.on_checkpoint is not None and self._saved_at != self.step:
+            self.on_checkpoint(self)
+            self._saved_at = self.step
+
+    def _checkpoint_due(self) -> bool:
+        every = self.cfg.checkpoint.every
+        if self.on_checkpoint is None or not every or self.step % every:
+            return False
+        return self.outer is None or self.outer.between_rounds(self.step)
+
+    def _stop_agreed(self) -> bool:
+        """A planned stop, once a round has ended (every ``log_every`` steps without rounds); every
+        rank of the group decides the same, so all of them stop at this step."""
+        if self.stop_requested is None:
+            return False
+        at_boundary = (
+            self.outer.between_rounds(self.step) if self.outer is not None else self.step % self.cfg.log_every == 0
+        )
+        if not at_boundary:
+            return False
+        asked = torch.tensor([float(self.stop_requested())], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+        return bool(asked.item())
+
+    def _stopped(self, tokens: int, train_seconds: float, train_loss: float) -> TrainResult:
+        """A planned stop: save the state if checkpoints are on; the model is evaluated no more."""
+        self._save_checkpoint()
+        return TrainResult(
+            steps=self.step,
+            tokens_seen=self.resumed_tokens + tokens,
+            final_train_loss=train_loss,
+            final_eval_loss=math.nan,
+            train_seconds=train_seconds,
+            interrupted=True,
+            resumed_tokens=self.resumed_tokens,
         )
 
     def progress_state(self) -> dict[str, Any]:
-        """The group's position (step and data read position), JSON-friendly, so a restart does not replay data."""
-        return {"step": self.step, "data": self.batches.state_dict()}
+        """The group's position (step, data read position, tokens trained), JSON-friendly, so a
+        restart does not replay data."""
+        return {
+            "step": self.step,
+            "data": self.batches.state_dict(),
+            "tokens_seen": self.resumed_tokens + self.batches.tokens_per_step * self.trained_steps,
+        }
 
     def load_progress_state(self, state: dict[str, Any]) -> None:
         self.batches.load_state_dict(state["data"])
         self.set_step(int(state["step"]))
+        self.resumed_tokens = int(state.get("tokens_seen", 0))
 
     def set_step(self, step: int) -> None:
         """Move to inner step ``step``: lr schedule and data read position follow it.

@@ -11,7 +11,10 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from diloco import lifeline
+from diloco.checkpoint import check_compatible, rank_dir, resolve_resume, verify_rank
 from diloco.config import JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
 from diloco.data import ShardedBatches, eval_batches, load_corpus
@@ -33,7 +37,8 @@ from diloco.outer_setup import build_outer_sync, group_name
 from diloco.process_logging import setup_process_logging
 from diloco.run_paths import RunPaths
 from diloco.synchronizer import Synchronizer
-from diloco.trainer import MetricsCallback, Trainer, TrainResult
+from diloco.trainer import CheckpointCallback, MetricsCallback, Trainer, TrainResult
+from diloco.worker_state import WorkerState
 
 
 def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tuple[ShardedBatches, list]:
@@ -64,6 +69,8 @@ def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tup
 
 # A worker refused because the job had ended exits with this: too late, not crashed.
 JOB_ENDED_EXIT_CODE = 3
+# A worker that stopped because it was asked to (SIGTERM, SIGINT) before the end: not finished, not crashed.
+INTERRUPTED_EXIT_CODE = 4
 
 InnerOptimizer = tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
 
@@ -85,6 +92,8 @@ def build_trainer(
     sharded: bool = False,
     outer: Synchronizer | None = None,
     on_metrics: MetricsCallback | None = None,
+    on_checkpoint: CheckpointCallback | None = None,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> Trainer:
     """The inner loop of one worker, complete: optimizer, schedule and data for its place in the job.
 
@@ -105,6 +114,8 @@ def build_trainer(
         sharded=sharded,
         on_metrics=on_metrics,
         outer=outer,
+        on_checkpoint=on_checkpoint,
+        stop_requested=stop_requested,
     )
 
 
@@ -120,19 +131,27 @@ def refuse_finished_group(paths: RunPaths, group: int) -> None:
         )
 
 
-def preflight(job: JobConfig) -> tuple[int, str]:
+def preflight(job: JobConfig, paths: RunPaths) -> tuple[int, str]:
     """Check, in the launching process, what would otherwise fail inside every worker.
 
     Loads the data for every group (a missing or corrupt path, or a shard too small, is
-    reported before any process starts) and checks the device exists; returns the model's
-    parameter count and signature.
+    reported before any process starts), checks the device exists and that every group has
+    a checkpoint of this job's shape to resume from; returns the model's parameter count and
+    signature.
     """
     check_device(job.cluster.device)
     for group in range(job.cluster.groups):
         build_data(job, group, 0, job.cluster.workers_per_group)
     with torch.device("meta"):
         model = Transformer(job.model)
-    return count_parameters(model), param_signature(job.model, model)
+    signature = param_signature(job.model, model)
+    if job.trainer.resume:
+        identity = checkpoint_identity(job, signature, job.cluster.workers_per_group)
+        for folder in resume_folders(job, paths).values():
+            check_compatible(folder, identity)
+            for rank in range(job.cluster.workers_per_group):
+                verify_rank(rank_dir(folder, rank))
+    return count_parameters(model), signature
 
 
 def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: float = 0.0) -> dict[str, Any]:
@@ -143,6 +162,7 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: floa
     (fault requests before it were meant for an earlier process of the group).
     """
     setup_process_logging()
+    stop = _stop_on_signals()
     group = job.group.id
     leader = env.rank == 0
     device = select_device(job.cluster.device, env.local_rank)
@@ -174,6 +194,13 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: floa
         if leader:
             print(f"group {group}: model has {n_params:,} parameters", flush=True)
             logger = _metrics_logger(job, paths)
+        state = WorkerState(
+            model=model,
+            inner_optimizer=inner[0],
+            outer=outer,
+            rank=env.rank,
+            identity=checkpoint_identity(job, signature, env.world_size),
+        )
         trainer = build_trainer(
             job,
             model,
@@ -185,7 +212,13 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: floa
             sharded=sharded,
             outer=outer,
             on_metrics=None if logger is None else logger.log,
+            on_checkpoint=(lambda t: state.save(t, paths.root, group)) if job.trainer.checkpoint.enabled else None,
+            stop_requested=stop.is_set,
         )
+        if job.trainer.resume:
+            folder = resume_folders(job, paths)[group]
+            check_compatible(folder, state.identity)
+            state.restore(trainer, folder)
         try:
             if outer is not None:
                 outer.start()
@@ -193,19 +226,55 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: floa
         finally:
             if outer is not None:
                 outer.close()
+        if result.interrupted and outer is not None:
+            outer.load_global_into_local()  # what a planned stop keeps is the last committed global model
         weights = _full_state_dict(model, sharded)
         report = _result_record(group, result, n_params)
         if outer is not None:
             report |= outer.report()
         if leader:
-            report["saved_model"] = saves_final_model(job, report)
-            if report["saved_model"]:
-                write_atomically(paths.weights, lambda fh: torch.save(weights, fh))
+            report["saved_model"] = not result.interrupted and saves_final_model(job, report)
+            if report["saved_model"] or result.interrupted:
+                target = paths.interrupted_weights(group) if result.interrupted else paths.weights
+                write_atomically(target, lambda fh: torch.save(weights, fh))
             write_json_atomically(paths.result(group), report)
             logger.close(report)
         return report
     finally:
         dist.destroy_process_group()
+
+
+def resume_folders(job: JobConfig, paths: RunPaths) -> dict[int, Path]:
+    """Each group's checkpoint folder for ``trainer.resume`` (see ``checkpoint.resolve_resume``)."""
+    search_dir = Path(job.trainer.checkpoint.search_dir)
+    return resolve_resume(job.trainer.resume, paths.root, search_dir, job.cluster.groups)
+
+
+def checkpoint_identity(job: JobConfig, signature: str, workers: int) -> dict[str, object]:
+    """What a checkpoint must share with the job resuming from it: each worker restores its own shard."""
+    return {
+        "signature": signature,
+        "groups": job.cluster.groups,
+        "workers": workers,
+        "algo": job.algo.name,
+        "fragments": job.algo.fragments,
+    }
+
+
+def _stop_on_signals() -> threading.Event:
+    """SIGTERM or SIGINT asks for a planned stop (after the current round, state saved); a second one stops at once."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        return stop  # signal handlers belong to the main thread (a test driving a worker from a thread)
+
+    def ask(signum: int, frame: object) -> None:
+        if stop.is_set():
+            os._exit(128 + signum)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, ask)
+    return stop
 
 
 def _fault_hook(job: JobConfig, paths: RunPaths, started_at: float) -> FaultHook | None:
@@ -257,6 +326,7 @@ def _result_record(group: int, result: TrainResult, n_params: int) -> dict[str, 
         "train_seconds": result.train_seconds,
         "tokens_per_s": result.tokens_per_s,
         "parameters": n_params,
+        "interrupted": result.interrupted,
     }
 
 
@@ -275,10 +345,10 @@ def main(argv: list[str] | None = None) -> None:
 def run_launched_worker(paths: RunPaths, group: int, env: WorkerEnv, started_at: float) -> NoReturn:
     """What a worker the local launcher started does, exec'd or forked: train ``group``'s part, then leave."""
     try:
-        run_worker(load_job(paths, group), env, paths, started_at=started_at)
+        report = run_worker(load_job(paths, group), env, paths, started_at=started_at)
     except JobEndedError as error:
         exit_without_teardown(JOB_ENDED_EXIT_CODE, f"error: {error}")
-    exit_without_teardown()
+    exit_without_teardown(INTERRUPTED_EXIT_CODE if report.get("interrupted") else 0)
 
 
 def load_job(paths: RunPaths, group: int) -> JobConfig:

@@ -189,7 +189,7 @@ class ClusterRun:
         self.job = job
         self.paths = RunPaths(run_dir)
         self.paths.root.mkdir(parents=True, exist_ok=True)
-        self.n_params, signature = preflight(job)
+        self.n_params, signature = preflight(job, self.paths)
         self.cluster = LocalCluster(job, self.paths, signature)
 
     def __enter__(self) -> ClusterRun:

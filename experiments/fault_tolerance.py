@@ -430,7 +430,7 @@ def settings(args: argparse.Namespace) -> Settings:
         # A smoke test: a kill that lands in the last seconds leaves a restarted group that
         # cannot heal, and the supervisor waits cluster.timeouts.quorum (60 s) before stopping
         # it; 20 s keeps the test short. The default run keeps the config's timeouts.
-        return Settings(args.minutes or 0.75, args.kill_every or 10.0, 10.0, 8.0, 2.0, ["cluster.timeouts.quorum=20"])
+        return Settings(args.minutes or 0.75, args.kill_every or 10.0, 10.0, 5.0, 2.0, ["cluster.timeouts.quorum=20"])
     return Settings(args.minutes or 5.0, args.kill_every or 15.0, 20.0, 20.0, 5.0, [])
 
 

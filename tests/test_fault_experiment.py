@@ -19,7 +19,7 @@ TIMEOUT_S = 300
 
 @pytest.mark.slow
 def test_fault_tolerance_quick(tmp_path):
-    args = ["--quick", "--minutes", "0.5", "--kill-every", "8", "--results", str(tmp_path)]
+    args = ["--quick", "--minutes", "0.35", "--kill-every", "6", "--results", str(tmp_path)]
     run_experiment("fault_tolerance.py", args, TIMEOUT_S)
     table = (tmp_path / "fault_tolerance.md").read_text()
     assert "| kills injected |" in table and "every killed group recovers:" in table, table

@@ -68,12 +68,7 @@ class HealState:
         return named
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        named = self.global_tensors()
-        for i, param in enumerate(_params(self.inner_optimizer)):
-            for key, value in self.inner_optimizer.state[param].items():
-                if isinstance(value, torch.Tensor):
-                    named[f"inner.{i}.{key}"] = local_tensor(value)
-        return named
+        return self.global_tensors() | inner_optimizer_tensors(self.inner_optimizer)
 
     def send(self, lane: dist.ProcessGroup, dst: int, position: Position, timeout_s: float) -> bool:
         """Send our state to lane rank ``dst``; False if the transfer failed (the receiver retries later)."""
@@ -96,19 +91,31 @@ class HealState:
             log.warning("receiving state from lane rank %d failed: %s", src, error)
             return None
 
-    @torch.no_grad()
     def apply(self, bundle: StateBundle) -> Position:
         """Copy a received state into the live tensors; returns where the sender stood."""
+        self.load_tensors(bundle.tensors)
+        return Position(**{f.name: int(bundle.meta[f.name]) for f in dataclasses.fields(Position)})
+
+    @torch.no_grad()
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` (named as ``tensors()`` names them) into the live state."""
         live = self.tensors()
-        for name, tensor in bundle.tensors.items():
+        for name, tensor in tensors.items():
             if not name.startswith("outer."):
                 live[name].copy_(tensor)
         for p, opt in enumerate(self.outer_optimizers):
             prefix = f"outer.{p}."
-            load_optimizer_state_tensors(
-                opt, {k[len(prefix) :]: v for k, v in bundle.tensors.items() if k.startswith(prefix)}
-            )
-        return Position(**{f.name: int(bundle.meta[f.name]) for f in dataclasses.fields(Position)})
+            load_optimizer_state_tensors(opt, {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+
+
+def inner_optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The inner optimizer's per-parameter tensor state (this worker's shard), by reference."""
+    named = {}
+    for i, param in enumerate(_params(optimizer)):
+        for key, value in optimizer.state[param].items():
+            if isinstance(value, torch.Tensor):
+                named[f"inner.{i}.{key}"] = local_tensor(value)
+    return named
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

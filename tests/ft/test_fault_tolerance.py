@@ -69,7 +69,7 @@ class Job:
         self.job = compose_job(FT + list(overrides))
         self.paths = RunPaths(tmp_path / "run")
         self.paths.root.mkdir(parents=True)
-        _, self.signature = preflight(self.job)
+        _, self.signature = preflight(self.job, self.paths)
         self.cluster = LocalCluster(self.job, self.paths, self.signature)
 
     def start(self, groups: range | list[int]) -> None:

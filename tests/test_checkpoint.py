@@ -1,0 +1,187 @@
+"""Planned stop and resume (diloco/checkpoint.py, worker_state.py): files refused by name when
+partial or corrupt, the resume source chosen as documented, and with real processes a resumed
+job equal bit for bit to an uninterrupted one, and Ctrl-C keeping summary, model and checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.checkpoint import (
+    CheckpointError,
+    check_compatible,
+    group_dir,
+    load_rank,
+    mark_complete,
+    rank_dir,
+    resolve_resume,
+    save_rank,
+    step_dir,
+)
+from diloco.config_base import ConfigError
+from diloco.launcher import launch
+from diloco.local_cluster import wait_until
+from diloco.run_paths import RunPaths
+from tests.conftest import REPO, compose_job
+
+TENSORS = {"model.w": torch.arange(6.0).view(2, 3), "inner.0.step": torch.tensor(7.0)}
+
+
+def _save_group(run_dir: Path, group: int, step: int, workers: int = 1, **info) -> Path:
+    folder = group_dir(step_dir(run_dir, step), group)
+    for rank in range(workers):
+        save_rank(rank_dir(folder, rank), {k: v + rank for k, v in TENSORS.items()}, {"step": step, "rank": rank})
+    mark_complete(folder, {"step": step, "committed": step // 10} | info)
+    return folder
+
+
+def test_a_rank_saved_is_loaded_exactly_with_its_progress(tmp_path):
+    folder = _save_group(tmp_path, 0, 20, workers=2)
+    template = {k: torch.zeros_like(v) for k, v in TENSORS.items()}
+    loaded, progress = load_rank(rank_dir(folder, 1), template)
+    assert progress == {"step": 20, "rank": 1}
+    for name, tensor in TENSORS.items():
+        assert torch.equal(loaded[name], tensor + 1)
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in template.values()), "the template is left untouched"
+
+
+def test_a_corrupt_or_partial_checkpoint_is_refused_naming_the_file(tmp_path):
+    folder = _save_group(tmp_path, 0, 20)
+    template = {k: torch.zeros_like(v) for k, v in TENSORS.items()}
+    shard = next(p for p in rank_dir(folder, 0).iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard}: corrupt"):
+        load_rank(rank_dir(folder, 0), template)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard}: missing"):
+        load_rank(rank_dir(folder, 0), template)
+    (rank_dir(folder, 0) / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest.json: missing; the checkpoint is partial"):
+        load_rank(rank_dir(folder, 0), template)
+
+
+def test_a_checkpoint_of_other_state_is_refused(tmp_path):
+    folder = _save_group(tmp_path, 0, 20)
+    with pytest.raises(CheckpointError, match="holds other state than this job's workers"):
+        load_rank(rank_dir(folder, 0), {"model.w": torch.zeros(2, 3)})
+    check_compatible(folder, {"step": 20})
+    with pytest.raises(CheckpointError, match=r"written with step=20, this job has 30"):
+        check_compatible(folder, {"step": 30})
+
+
+def test_resume_takes_each_groups_newest_whole_checkpoint_of_a_run(tmp_path):
+    run = tmp_path / "outputs" / "day" / "run1"
+    _save_group(run, 0, 20)
+    _save_group(run, 1, 20)
+    _save_group(run, 0, 40)
+    group_dir(step_dir(run, 40), 1).mkdir(parents=True)  # group 1's step 40 never completed
+    expected = {0: group_dir(step_dir(run, 40), 0), 1: group_dir(step_dir(run, 20), 1)}
+    assert resolve_resume(str(run), tmp_path / "new", tmp_path, groups=2) == expected
+    assert resolve_resume(str(step_dir(run, 20)), tmp_path / "new", tmp_path, 2) == {
+        g: group_dir(step_dir(run, 20), g) for g in (0, 1)
+    }
+    with pytest.raises(CheckpointError, match="group 1's checkpoint is partial or absent"):
+        resolve_resume(str(step_dir(run, 40)), tmp_path / "new", tmp_path, 2)
+    with pytest.raises(CheckpointError, match="no whole checkpoint of group 2"):
+        resolve_resume(str(run), tmp_path / "new", tmp_path, 3)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        resolve_resume(str(tmp_path / "nowhere"), tmp_path / "new", tmp_path, 2)
+
+
+def test_resume_latest_is_the_run_with_the_newest_whole_checkpoint_but_this_one(tmp_path):
+    outputs = tmp_path / "outputs"
+    older, newer, this = outputs / "a" / "r1", outputs / "b" / "r2", outputs / "b" / "r3"
+    _save_group(older, 0, 90)
+    time.sleep(0.05)
+    _save_group(newer, 0, 10)
+    time.sleep(0.05)
+    _save_group(this, 0, 50)
+    assert resolve_resume("latest", this, outputs, 1) == {0: group_dir(step_dir(newer, 10), 0)}
+    with pytest.raises(CheckpointError, match="trainer.resume=latest: no run under"):
+        resolve_resume("latest", this, tmp_path / "empty", 1)
+
+
+def test_checkpoint_every_must_fall_between_rounds():
+    compose_job(["trainer.checkpoint.every=100", "algo.sync_every=50"]).validate()
+    compose_job(["trainer.checkpoint.every=7", "algo=ddp"]).validate()
+    with pytest.raises(ConfigError, match=r"trainer.checkpoint.every=75: must be a multiple of algo.sync_every=50"):
+        compose_job(["trainer.checkpoint.every=75", "algo.sync_every=50"]).validate()
+    with pytest.raises(ConfigError, match="trainer.checkpoint.every=-1"):
+        compose_job(["trainer.checkpoint.every=-1"]).validate()
+
+
+RESUMABLE = ["logger=none", "cluster.min_groups=2", "algo.sync_every=10", "trainer.eval_every=0"]
+RESUMABLE += ["trainer.checkpoint.every=20", "trainer.max_steps=40"]
+
+
+@pytest.mark.slow
+def test_a_resumed_job_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
+    """2 groups x 2 FSDP-sharded workers: each worker saves and restores only its own shard."""
+    whole = launch(compose_job(RESUMABLE), tmp_path / "whole")
+    assert whole["ok"], whole["failure"]
+    halfway = step_dir(tmp_path / "whole", 20)
+    resumed = launch(compose_job([*RESUMABLE, f"trainer.resume={halfway}"]), tmp_path / "resumed")
+    assert resumed["ok"], resumed["failure"]
+    digests = {r["digest"] for s in (whole, resumed) for r in s["per_group"]}
+    assert len(digests) == 1, "θ_g and the outer state after the resume are the uninterrupted job's"
+    assert resumed["final_eval_loss"] == whole["final_eval_loss"]
+    assert resumed["tokens_seen"] == whole["tokens_seen"], "the tokens before the checkpoint still count"
+    metrics = [json.loads(line) for line in (tmp_path / "resumed" / "metrics" / "group0.jsonl").open()]
+    assert min(m["step"] for m in metrics) > 20, "the resumed job trained only the steps after the checkpoint"
+    with pytest.raises(ConfigError, match="written with workers=2, this job has 1"):
+        launch(compose_job([*RESUMABLE, "cluster.workers_per_group=1", f"trainer.resume={halfway}"]), tmp_path / "x")
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_summary_model_and_a_checkpoint_to_resume_from(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["logger=none", "cluster.workers_per_group=1", "algo.sync_every=10", "trainer.max_steps=80"]
+    args += ["trainer.checkpoint.every=20", "trainer.eval_every=0"]
+    launcher = subprocess.Popen(
+        [sys.executable, "run.py", *args, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        commits = RunPaths(run_dir).commits(0)
+        wait_until(lambda: commits.exists() and len(commits.read_text().splitlines()) >= 3, 120, "two rounds", 0.2)
+        launcher.send_signal(signal.SIGINT)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1, output
+    assert "interrupted (planned stop): model.pt holds round" in output, output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] and not summary["ok"] and summary["steps"] < 80, summary
+    weights = torch.load(run_dir / "model.pt", weights_only=True)
+    assert weights and all(torch.isfinite(t).all() for t in weights.values())
+    assert not list((run_dir / "results").glob("*.model.pt")), "only the newest group's model is kept, as model.pt"
+    stopped_at = {r["group"]: r["steps"] for r in summary["per_group"]}
+    for group, step in stopped_at.items():
+        assert (group_dir(step_dir(run_dir, step), group) / "complete.json").exists(), "a stop checkpoint per group"
+
+    resumed = subprocess.run(
+        [sys.executable, "run.py", *args, f"trainer.resume={run_dir}", f"hydra.run.dir={tmp_path / 'resumed'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming: group 0 from" in resumed.stdout
+    assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["steps"] == 80
