@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -91,6 +92,15 @@ class Synchronizer:
     def after_inner_step(self, step: int, tokens: int) -> OuterOutcome:
         """After inner step ``step`` consumed ``tokens``."""
         return OuterOutcome()
+
+    def observe(self, step: int, metrics: dict[str, float]) -> None:
+        """The trainer's latest numbers, for the lighthouse's status page (sent with heartbeats)."""
+        loss, rate = (metrics.get(k) for k in ("train/loss", "train/tokens_per_s"))
+        self.manager.note_progress(
+            inner_step=step,
+            train_loss=loss if loss is not None and math.isfinite(loss) else None,  # a diverged group sends none
+            tokens_per_s=rate if rate is not None and math.isfinite(rate) else None,
+        )
 
     def between_rounds(self, step: int) -> bool:
         """Whether no round is in flight after inner step ``step`` and one just ended there:
@@ -208,6 +218,9 @@ class Synchronizer:
         self.tokens_committed += tokens
         healed = self.recoveries > self._recoveries_recorded
         self._recoveries_recorded = self.recoveries
+        digest = self.group_digest() if committed or healed else None
+        if digest is not None:
+            self.manager.note_progress(digest=digest)
         self.commit_log(
             {
                 "round": self.manager.committed,
@@ -222,7 +235,7 @@ class Synchronizer:
                 "tokens": tokens,
                 "recoveries": self.recoveries,
                 "pid": os.getpid(),
-                "digest": self.group_digest() if committed or healed else None,
+                "digest": digest,
             }
         )
         return {

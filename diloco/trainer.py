@@ -187,6 +187,8 @@ class Trainer:
                 )
                 window_loss.zero_()
                 window_start = time.perf_counter()
+                if self.outer is not None:
+                    self.outer.observe(self.step, metrics)
             if (cfg.eval_every and self.step % cfg.eval_every == 0) and not last:
                 eval_loss = self.evaluate()
                 metrics.update({"eval/loss": eval_loss, "eval/ppl": perplexity(eval_loss)})

@@ -18,6 +18,7 @@ from diloco.ft.protocol import (
     ErrorAnswer,
     ErrorCode,
     GroupMessage,
+    GroupProgress,
     Heartbeat,
     LighthouseRefused,
     LighthouseUnavailable,
@@ -55,9 +56,19 @@ class LighthouseClient:
         self._lock = threading.Lock()  # the id is updated by a heartbeat thread and the long poll alike
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy from the env
 
-    def heartbeat(self, step: int, quorum_id: int, finished: bool = False) -> None:
+    def heartbeat(
+        self, step: int, quorum_id: int, finished: bool = False, progress: GroupProgress | None = None
+    ) -> None:
         self._seen(quorum_id)
-        beat = Heartbeat(self.job_id, self.signature, self.group, step=step, quorum_id=quorum_id, finished=finished)
+        beat = Heartbeat(
+            self.job_id,
+            self.signature,
+            self.group,
+            step=step,
+            quorum_id=quorum_id,
+            finished=finished,
+            progress={} if progress is None else progress.to_json(),
+        )
         self._post(beat, self.connect_timeout_s)
 
     def quorum(

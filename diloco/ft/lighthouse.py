@@ -34,6 +34,7 @@ from diloco.ft.protocol import (
     MAX_BODY_BYTES,
     ErrorAnswer,
     ErrorCode,
+    GroupProgress,
     Heartbeat,
     LighthouseRefused,
     QuorumAsk,
@@ -92,6 +93,7 @@ class Lighthouse:
         self._waiters: dict[str, _Waiter] = {}
         self._current: tuple[Quorum, float] | None = None  # (quorum, formed at clock time)
         self._history: deque[dict[str, Any]] = deque(maxlen=cfg.history)
+        self._board = status_page.StatusBoard()  # what only the status page shows
         self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._store: dist.TCPStore | None = None
@@ -184,6 +186,7 @@ class Lighthouse:
                 beat.group, self._clock(), quorum_id_seen=beat.quorum_id, step=beat.step, finished=beat.finished
             )
             self._steps[beat.group] = beat.step
+            self._board.progress(beat.group, GroupProgress.from_json(beat.progress))
 
     def _quorum(self, ask: QuorumAsk, store_host: str) -> QuorumGrant | JobEnd | ErrorAnswer:
         """Wait (at most ``ask.timeout_s``, capped by ``MAX_POLL_S``) for this request's fate."""
@@ -269,9 +272,11 @@ class Lighthouse:
         """Run the pure rules once and wake every waiter whose fate they settled."""
         woken = False
         quorum = self._book.decide(now)
+        self._board.membership(self._book.healthy(now))
         if quorum is not None:
             self._current = (quorum, now)
             self._history.append({**quorum.to_json(), "formed_at": time.time()})
+            self._board.quorum_formed(quorum)
             log.info("quorum formed: %s", json.dumps(quorum.to_json()))
             if quorum.round_floor:
                 log.warning(
@@ -292,6 +297,7 @@ class Lighthouse:
         self._book.turned_away.clear()
         if self._book.ended is None and (end := self._book.end_of_job(now)) is not None:
             log.info("the job ended at round %d, held by %s", end.round, ", ".join(end.holders))
+            self._board.event("end", "", f"round {end.round}, held by {', '.join(end.holders)}")
         if self._book.ended is not None:
             for group, waiter in list(self._waiters.items()):
                 self._answer_after_end(waiter, group in self._book.finished)
@@ -313,6 +319,7 @@ class Lighthouse:
                 self._current,
                 self._history,
                 self._clock(),
+                self._board,
             )
 
 

@@ -8,6 +8,7 @@ is what the lighthouse compares to decide who is behind and must heal.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -22,7 +23,14 @@ import torch.distributed as dist
 
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import LaneError, Lanes
-from diloco.ft.protocol import ErrorCode, LighthouseRefused, LighthouseUnavailable, QuorumSuperseded, QuorumTimeout
+from diloco.ft.protocol import (
+    ErrorCode,
+    GroupProgress,
+    LighthouseRefused,
+    LighthouseUnavailable,
+    QuorumSuperseded,
+    QuorumTimeout,
+)
 from diloco.ft.quorum import JobEnd, Quorum
 
 log = logging.getLogger(__name__)
@@ -95,6 +103,7 @@ class Manager:
         self._retry_at = 0.0
         self._without_quorum = False
         self.refused: str | None = None
+        self._progress = GroupProgress()  # what the heartbeats show of the group on the status page
         self._stop = threading.Event()
         self._heartbeats: threading.Thread | None = None
 
@@ -139,6 +148,10 @@ class Manager:
         """Give up the current round everywhere: the lane is aborted, so its pending and later
         collectives fail at once on every member; the next quorum builds a fresh lane."""
         self.lanes.drop()
+
+    def note_progress(self, **changes: Any) -> None:
+        """Update what the next heartbeats report for the status page (``GroupProgress`` fields)."""
+        self._progress = dataclasses.replace(self._progress, **changes)
 
     def adopt(self, committed: int) -> None:
         """A peer's state was applied: this group now stands at the peer's committed round."""
@@ -306,7 +319,7 @@ class Manager:
         assert self.client is not None
         while not self._stop.wait(self.heartbeat_interval_s):
             try:
-                self.client.heartbeat(self.committed, self.lanes.quorum_id or 0, self.finished)
+                self.client.heartbeat(self.committed, self.lanes.quorum_id or 0, self.finished, self._progress)
                 self._retry_at = 0.0  # the lighthouse answers again: stop backing off
             except LighthouseRefused as error:
                 self.refused = str(error)

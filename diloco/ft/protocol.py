@@ -175,12 +175,56 @@ class GroupMessage:
 
 @dataclass(frozen=True)
 class Heartbeat(GroupMessage):
-    """A sign of life: the group's committed step and the last quorum id it saw."""
+    """A sign of life: the group's committed step and the last quorum id it saw.
+
+    ``progress`` is what the status page shows of the group (``GroupProgress``); the
+    lighthouse decides nothing from it.
+    """
 
     path: ClassVar[str] = "/heartbeat"
     step: int
     quorum_id: int
     finished: bool = False
+    progress: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        GroupProgress.from_json(self.progress)  # refused (400) here, with the field named, if malformed
+
+
+MAX_DIGEST_CHARS = 64
+
+
+@dataclass(frozen=True)
+class GroupProgress:
+    """A group's training progress as its heartbeats report it, for operators only."""
+
+    inner_step: int = 0
+    train_loss: float | None = None
+    tokens_per_s: float | None = None
+    digest: str = ""  # of the group's global state at its last committed round (or heal)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, "")}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GroupProgress:
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise _bad_request(f"unknown progress field {unknown[0]!r}")
+        step, digest = data.get("inner_step", 0), data.get("digest", "")
+        if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+            raise _bad_request(f"progress field 'inner_step'={step!r} must be a non-negative integer")
+        if not (isinstance(digest, str) and len(digest) <= MAX_DIGEST_CHARS):
+            raise _bad_request(f"progress field 'digest' must be a string of at most {MAX_DIGEST_CHARS} characters")
+        numbers = {}
+        for name in ("train_loss", "tokens_per_s"):
+            value = data.get(name)
+            if value is not None and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+            ):
+                raise _bad_request(f"progress field {name!r}={value!r} must be a finite non-negative number")
+            numbers[name] = None if value is None else float(value)
+        return cls(inner_step=step, digest=digest, **numbers)
 
 
 @dataclass(frozen=True)

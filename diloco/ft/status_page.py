@@ -1,21 +1,77 @@
 """The lighthouse's operator views: the /status snapshot and the HTML page that shows it.
 
 Pure functions of the lighthouse's state, so the page can be checked without a server. The
-page is self-contained (no scripts, no external assets) and refreshes itself every 2 s;
-every value that came from a request (group ids above all) is escaped.
+page is self-contained (no scripts, no external assets: the loss curve and the timeline are
+inline SVG) and refreshes itself every 2 s; every value that came from a request (group ids
+above all) is escaped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from html import escape
 from typing import Any
 
+from diloco.ft.protocol import GroupProgress
 from diloco.ft.quorum import Quorum, QuorumBook
 
 REFRESH_S = 2
+TIMELINE_EVENTS = 500
+CURVE_POINTS = 400  # per group; a full curve is thinned to every other point, so the whole run fits
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+EVENT_COLORS = {"joined": "#1f77b4", "lost": "#d62728", "heal": "#2ca02c", "end": "#000000"}
+
+
+class Curve:
+    """One group's (inner step, train loss) points from its heartbeats, at most ``CURVE_POINTS``."""
+
+    def __init__(self, limit: int = CURVE_POINTS) -> None:
+        self.limit = limit
+        self.points: list[tuple[int, float]] = []
+
+    def add(self, step: int, loss: float) -> None:
+        """A new point; one at a step not past the last (a restarted group) starts the curve over."""
+        if self.points and step == self.points[-1][0]:
+            return
+        if self.points and step < self.points[-1][0]:
+            self.points = []
+        self.points.append((step, loss))
+        if len(self.points) > self.limit:
+            self.points = self.points[::2]
+
+
+class StatusBoard:
+    """What the lighthouse keeps for the status page only: each group's reported progress and
+    loss curve, and a timeline of joins, losses, heals and the end. It decides nothing."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, GroupProgress] = {}
+        self.curves: dict[str, Curve] = {}
+        self.timeline: deque[dict[str, Any]] = deque(maxlen=TIMELINE_EVENTS)
+        self._healthy: set[str] = set()
+
+    def progress(self, group: str, progress: GroupProgress) -> None:
+        self.latest[group] = progress
+        if progress.train_loss is not None and progress.inner_step > 0:
+            self.curves.setdefault(group, Curve()).add(progress.inner_step, progress.train_loss)
+
+    def membership(self, healthy: set[str]) -> None:
+        """Events for the groups that started or stopped heartbeating since the last call."""
+        for group in sorted(healthy - self._healthy):
+            self.event("joined", group)
+        for group in sorted(self._healthy - healthy):
+            self.event("lost", group, "no heartbeat within cluster.timeouts.heartbeat")
+        self._healthy = set(healthy)
+
+    def quorum_formed(self, quorum: Quorum) -> None:
+        for group, source in sorted(quorum.heal_from.items()):
+            self.event("heal", group, f"from {source} in quorum {quorum.quorum_id}")
+
+    def event(self, kind: str, group: str, detail: str = "") -> None:
+        self.timeline.append({"time": time.time(), "kind": kind, "group": group, "detail": detail})
 
 
 def build_status(
@@ -26,13 +82,16 @@ def build_status(
     current: tuple[Quorum, float] | None,
     history: Iterable[dict[str, Any]],
     now: float,
+    board: StatusBoard | None = None,
 ) -> dict[str, Any]:
-    """The /status JSON: groups, the current quorum and recent ones, and the rules. No secrets.
+    """The /status JSON: groups, the current quorum and recent ones, the rules, each group's
+    loss curve and the timeline of joins, losses, heals and the end. No secrets.
 
-    ``now`` and ``current``'s formation time are on the lighthouse's clock; ``history`` holds
-    wall-clock formation times, and ``now`` in the answer is wall-clock too.
+    ``now`` and ``current``'s formation time are on the lighthouse's clock; ``history`` and
+    ``timeline`` hold wall-clock times, and ``now`` in the answer is wall-clock too.
     """
     healthy = book.healthy(now)
+    board = board or StatusBoard()
     groups = [
         {
             "id": g,
@@ -42,6 +101,7 @@ def build_status(
             "waiting_for_quorum": g in book.pending,
             "finished": g in book.finished,
         }
+        | board.latest.get(g, GroupProgress()).to_json()
         for g, t in sorted(book.last_heartbeat.items())
     ]
     quorum = None if current is None else {**current[0].to_json(), "age_s": round(now - current[1], 3)}
@@ -53,6 +113,8 @@ def build_status(
         "quorum": quorum,
         "ended": None if book.ended is None else book.ended.to_json(),
         "history": list(history),
+        "timeline": list(board.timeline),
+        "curves": {g: curve.points for g, curve in sorted(board.curves.items())},
         "rules": dataclasses.asdict(book.rules),
     }
 
@@ -60,16 +122,28 @@ def build_status(
 def render_html(status: Mapping[str, Any]) -> str:
     """A small page with the same content as ``status`` (the /status JSON), as tables."""
     groups = _table(
-        ["group", "committed round", "since heartbeat (s)", "healthy", "waiting for quorum", "finished"],
+        ["group", "inner step", "train loss", "tokens/s", "committed round", "digest", "since heartbeat (s)"]
+        + ["healthy", "waiting for quorum", "finished"],
         [
-            [g["id"], g["step"], g["since_heartbeat_s"], g["healthy"], g["waiting_for_quorum"], g["finished"]]
+            [
+                g["id"],
+                g.get("inner_step", "-"),
+                _number(g.get("train_loss"), ".4f"),
+                _number(g.get("tokens_per_s"), ",.0f"),
+            ]
+            + [g["step"], g.get("digest", "-")[:12], g["since_heartbeat_s"], g["healthy"], g["waiting_for_quorum"]]
+            + [g["finished"]]
             for g in status["groups"]
         ],
     )
     end = status["ended"]
     ended = (
-        "" if end is None else f"<p><b>the job ended at round {end['round']}</b>; {escape(end['writer'])} saves it</p>"
+        ""
+        if end is None
+        else f"<p><b>the job ended at round {end['round']}</b>; saved by {escape(', '.join(end['holders']))}</p>"
     )
+    ids = sorted({g["id"] for g in status["groups"]} | set(status["curves"]))
+    color = {g: COLORS[i % len(COLORS)] for i, g in enumerate(ids)}
     q = status["quorum"]
     current = (
         "<p>no quorum yet</p>"
@@ -95,9 +169,85 @@ def render_html(status: Mapping[str, Any]) -> str:
 td,th{{border:1px solid #bbb;padding:.2em .6em;text-align:left}}th{{background:#eee}}</style></head>
 <body><h1>lighthouse: job {job}</h1>
 <p>model signature {escape(str(status["model_signature"]))}; at {_clock(status["now"])}</p>
-{ended}<h2>groups</h2>{groups}<h2>current quorum</h2>{current}<h2>recent quorums</h2>{history}
+{ended}<h2>groups</h2>{groups}<h2>train loss</h2>{loss_svg(status["curves"], color)}
+<h2>timeline</h2>{timeline_svg(status["timeline"], status["history"], ids, status["now"])}
+<h2>current quorum</h2>{current}<h2>recent quorums</h2>{history}
 <h2>rules</h2>{rules}<p>JSON: <a href="/status">/status</a></p></body></html>
 """
+
+
+WIDTH, HEIGHT, MARGIN = 720, 240, 48
+
+
+def loss_svg(curves: Mapping[str, list], color: Mapping[str, str]) -> str:
+    """Each group's train loss against its inner step, one polyline per group, as inline SVG."""
+    drawn = {g: points for g, points in curves.items() if points}
+    if not drawn:
+        return "<p>no loss reported yet</p>"
+    steps = [s for points in drawn.values() for s, _ in points]
+    losses = sorted(v for points in drawn.values() for _, v in points)
+    top = losses[int(0.98 * (len(losses) - 1))]  # the first steps' loss would flatten the rest
+    x = _scale(min(steps), max(steps), MARGIN, WIDTH - 8)
+    y = _scale(losses[0], top, HEIGHT - 24, 8)
+    lines = []
+    for g, points in sorted(drawn.items()):
+        coords = " ".join(f"{x(s):.1f},{y(min(v, top)):.1f}" for s, v in points)
+        lines.append(f'<polyline fill="none" stroke="{color[g]}" stroke-width="1.5" points="{coords}"/>')
+    legend = "".join(
+        f'<text x="{MARGIN + 8 + 90 * i}" y="18" fill="{color[g]}" font-size="12">{escape(g)}</text>'
+        for i, g in enumerate(sorted(drawn))
+    )
+    axes = (
+        f'<text x="2" y="14" font-size="11">{top:.3f}</text><text x="2" y="{HEIGHT - 24}" font-size="11">'
+        f'{losses[0]:.3f}</text><text x="{MARGIN}" y="{HEIGHT - 6}" font-size="11">step {min(steps)}</text>'
+        f'<text x="{WIDTH - 90}" y="{HEIGHT - 6}" font-size="11">step {max(steps)}</text>'
+    )
+    return _svg(axes + "".join(lines) + legend, "train loss of each group against its inner step")
+
+
+def timeline_svg(events: list[dict[str, Any]], history: list[dict[str, Any]], ids: list[str], now: float) -> str:
+    """One row per group over wall time: quorums it took part in (grey ticks), joins, losses,
+    heals (coloured marks) and the job's end (a black line), as inline SVG."""
+    times = [e["time"] for e in events] + [h["formed_at"] for h in history]
+    if not times or not ids:
+        return "<p>nothing yet</p>"
+    row = {g: 24 + 22 * i for i, g in enumerate(ids)}
+    height = 24 + 22 * len(ids) + 16
+    x = _scale(min(times), max(now, max(times) + 1e-3), MARGIN + 40, WIDTH - 8)
+    marks = [f'<text x="2" y="{row[g] + 4}" font-size="11">{escape(g[:14])}</text>' for g in ids]
+    for h in history:
+        for g in h["participants"]:
+            if g in row:
+                px = x(h["formed_at"])
+                marks.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{row[g] - 6}" y2="{row[g] + 6}" stroke="#bbb"/>')
+    for e in events:
+        px, fill = x(e["time"]), EVENT_COLORS.get(e["kind"], "#000")
+        title = f"<title>{escape(e['kind'])} {escape(e.get('group', ''))} {escape(e.get('detail', ''))}</title>"
+        if e["kind"] == "end" or e.get("group") not in row:
+            marks.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="8" y2="{height - 14}" stroke="{fill}">{title}</line>')
+        else:
+            marks.append(f'<circle cx="{px:.1f}" cy="{row[e["group"]]}" r="4" fill="{fill}">{title}</circle>')
+    legend = " ".join(f'<tspan fill="{c}">{k}</tspan>' for k, c in EVENT_COLORS.items())
+    marks.append(
+        f'<text x="{MARGIN + 40}" y="{height - 2}" font-size="11">{legend} <tspan fill="#888">quorum</tspan></text>'
+    )
+    return _svg("".join(marks), "joins, losses, heals and quorums of each group over time", height)
+
+
+def _svg(body: str, label: str, height: int = HEIGHT) -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" role="img" '
+        f'aria-label="{escape(label)}" style="border:1px solid #ddd">{body}</svg>'
+    )
+
+
+def _scale(low: float, high: float, start: float, end: float) -> Any:
+    span = (high - low) or 1.0
+    return lambda v: start + (v - low) / span * (end - start)
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:

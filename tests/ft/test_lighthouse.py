@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,7 +31,15 @@ from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import Lanes
 from diloco.ft.lighthouse import Lighthouse
 from diloco.ft.manager import JobEndedError, Manager
-from diloco.ft.protocol import ErrorCode, LighthouseRefused, LighthouseUnavailable, QuorumSuperseded, QuorumTimeout
+from diloco.ft import status_page
+from diloco.ft.protocol import (
+    ErrorCode,
+    GroupProgress,
+    LighthouseRefused,
+    LighthouseUnavailable,
+    QuorumSuperseded,
+    QuorumTimeout,
+)
 from diloco.ft.quorum import JobEnd, QuorumRules
 
 JOB, SIG, TOKEN = "job-1", "sig-abc", "s3cret"
@@ -418,6 +427,75 @@ def test_status_json_and_html_page(start):
     assert code == 200 and '<meta http-equiv="refresh" content="2">' in html
     assert "<td>A</td>" in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html and evil not in html
     assert JOB in html and SIG in html and TOKEN not in html
+
+
+def _report(lh: Lighthouse, group: str, inner_step: int, loss: float, digest: str = "", committed: int = 0) -> None:
+    progress = GroupProgress(inner_step=inner_step, train_loss=loss, tokens_per_s=1234.0, digest=digest)
+    client(lh, group).heartbeat(committed, 0, progress=progress)
+
+
+def test_the_page_shows_each_groups_progress_a_loss_curve_and_a_timeline(start):
+    lh = start()
+    evil = "<b>x</b>"
+    for step, loss in ((10, 3.0), (20, 2.5), (30, 2.0)):
+        _report(lh, "A", step, loss, digest="d" * 64, committed=1)
+        _report(lh, evil, step, loss + 0.1)
+    quorums(ask_all(lh, {"A": 1, evil: 0}))  # evil is behind: it heals from A
+    wait_until(lambda: {e["kind"] for e in status(lh)["timeline"]} >= {"joined", "heal"})
+    s = status(lh)
+    groups = {g["id"]: g for g in s["groups"]}
+    assert groups["A"]["inner_step"] == 30 and groups["A"]["train_loss"] == 2.0 and groups["A"]["digest"] == "d" * 64
+    assert groups["A"]["tokens_per_s"] == 1234.0 and "digest" not in groups[evil]
+    assert s["curves"]["A"] == [[10, 3.0], [20, 2.5], [30, 2.0]]
+    assert {(e["kind"], e["group"]) for e in s["timeline"]} >= {("joined", "A"), ("joined", evil), ("heal", evil)}
+    html = get(lh, "/")[1].decode()
+    assert html.count("<polyline") == 2 and "<svg" in html and "<circle" in html
+    assert "&lt;b&gt;x&lt;/b&gt;" in html and evil not in html
+    assert "dddddddddddd" in html and "1,234" in html  # the digest (short) and tokens/s in the groups table
+
+    ended = s | {"ended": {"round": 4, "digest": "d4", "holders": ["A", evil]}}
+    assert "the job ended at round 4</b>; saved by A, &lt;b&gt;" in status_page.render_html(ended)
+
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome", "headless_shell")
+
+
+@pytest.mark.slow
+def test_the_page_renders_in_a_real_headless_browser(start, tmp_path):
+    """Debian's chromium (``apt install chromium``) loads the page and builds the groups table,
+    both SVG drawings and the refresh; skipped where no such browser is installed."""
+    browser = next((found for name in BROWSERS if (found := shutil.which(name))), None)
+    if browser is None:
+        pytest.skip(f"no headless browser here (looked for {', '.join(BROWSERS)})")
+    lh = start()
+    for step, loss in ((10, 3.0), (20, 2.5)):
+        _report(lh, "A", step, loss, digest="e" * 64)
+        _report(lh, "B", step, loss + 0.2)
+    quorums(ask_all(lh, {"A": 1, "B": 0}))
+    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run(
+        [*command, "--dump-dom", lh.url + "/"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert "lighthouse: job" in dom and dom.count("<polyline") == 2 and dom.count("<svg") == 2, dom[:2000]
+    assert "<td>eeeeeeeeeeee</td>" in dom and "<circle" in dom
+    subprocess.run(
+        [*command, f"--screenshot={tmp_path / 'page.png'}", "--window-size=1000,1400", lh.url + "/"],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    assert (tmp_path / "page.png").stat().st_size > 10_000, "a page with drawings, not a blank one"
+
+
+def test_a_loss_curve_keeps_the_whole_run_in_bounded_points():
+    curve = status_page.Curve(limit=8)
+    for step in range(1, 101):
+        curve.add(step, 1.0 / step)
+    assert len(curve.points) <= 8 and curve.points[0][0] == 1 and curve.points[-1][0] > 50
+    curve.add(curve.points[-1][0], 0.0)
+    assert curve.points[-1][1] != 0.0, "a repeated step adds nothing"
+    curve.add(1, 5.0)
+    assert curve.points == [(1, 5.0)], "a group that went back (restarted) starts its curve over"
 
 
 def test_history_keeps_the_last_quorums(start):

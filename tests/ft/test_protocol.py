@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -14,6 +15,7 @@ from diloco.ft.protocol import (
     MAX_BODY_BYTES,
     ErrorAnswer,
     ErrorCode,
+    GroupProgress,
     Heartbeat,
     LighthouseRefused,
     LighthouseUnavailable,
@@ -35,8 +37,17 @@ WHO = {"job": "job-1", "signature": "sig", "group": "A"}
 
 def test_the_field_names_on_the_wire_are_fixed():
     """Clients and lighthouses of one release talk JSON with exactly these keys."""
-    beat = Heartbeat(**WHO, step=3, quorum_id=2)
-    assert beat.to_json() == {**WHO, "step": 3, "quorum_id": 2, "finished": False}
+    progress = GroupProgress(inner_step=40, train_loss=2.5, tokens_per_s=1000.0, digest="ab12")
+    beat = Heartbeat(**WHO, step=3, quorum_id=2, progress=progress.to_json())
+    assert beat.to_json() == {
+        **WHO,
+        "step": 3,
+        "quorum_id": 2,
+        "finished": False,
+        "progress": {"inner_step": 40, "train_loss": 2.5, "tokens_per_s": 1000.0, "digest": "ab12"},
+    }
+    assert GroupProgress.from_json(beat.progress) == progress
+    assert GroupProgress().to_json() == {"inner_step": 0}, "unknown numbers are left out, not sent as null"
     ask = QuorumAsk(**WHO, step=3, commit_failed=True, timeout_s=1.5, config={"algo.name": "diloco"})
     assert ask.to_json() == {
         **WHO,
@@ -156,3 +167,20 @@ def test_a_4xx_without_a_code_is_refused_as_not_the_lighthouse():
         server.shutdown()
         server.server_close()
         thread.join(timeout=5.0)
+
+
+@pytest.mark.parametrize(
+    ("progress", "message"),
+    [
+        ({"inner_step": -1}, "progress field 'inner_step'=-1 must be a non-negative integer"),
+        ({"train_loss": "low"}, "progress field 'train_loss'='low' must be a finite non-negative number"),
+        ({"tokens_per_s": True}, "progress field 'tokens_per_s'=True must be a finite"),
+        ({"digest": "f" * 65}, "progress field 'digest' must be a string of at most 64"),
+        ({"loss": 1.0}, "unknown progress field 'loss'"),
+    ],
+)
+def test_a_heartbeat_with_malformed_progress_is_refused_naming_the_field(progress, message):
+    body = json.dumps({**WHO, "step": 1, "quorum_id": 0, "progress": progress}).encode()
+    with pytest.raises(LighthouseRefused, match=re.escape(message)) as refused:
+        parse_request("/heartbeat", body)
+    assert refused.value.status == 400
