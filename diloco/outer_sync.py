@@ -208,11 +208,10 @@ class OuterSync(Synchronizer):
             if healed is not None:
                 step = outcome.healed_to_step = healed.inner_step
                 flight = self._joining_flight(round_, healed.round_step)
-            if not flight.fragments:  # a join round moves no tensors: commit it now
-                self.attempted += 1
-                committed = self.manager.commit(round_, ok)
+            if not flight.fragments:  # a join round moves no tensors and commits no new state
+                self.manager.settle(ok)
                 sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
-                outcome.metrics.update(self._record(round_, committed, step, sync_ms))
+                outcome.metrics.update(self._record(round_, False, step, sync_ms, join=True))
                 return
             if ok:
                 self._reduce(flight)

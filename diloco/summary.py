@@ -95,8 +95,9 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
     eval_loss = statistics.fmean(r["final_eval_loss"] for r in current) if current else math.nan
     events = read_jsonl(paths.events)
     commits = {g: read_jsonl(paths.commits(g)) for g in range(job.cluster.groups)}
-    # Counted from the commit logs, which every process of a group appends to (restarts included).
-    rounds = [r for records in commits.values() for r in records if not r.get("closing")]
+    # Counted from the commit logs, which every process of a group appends to (restarts included);
+    # closing and join rounds move the job's state to a group, they are no syncs.
+    rounds = [r for records in commits.values() for r in records if not (r.get("closing") or r.get("join"))]
     committed_tokens = sum(r.get("tokens", 0.0) for r in rounds if r["committed"])
     bytes_sent = sum(r.get("bytes_sent", 0) for r in results)
     return {

@@ -207,12 +207,13 @@ class Synchronizer:
         return True, healed
 
     def _record(
-        self, round_: Round, committed: bool, step: int, sync_ms: float, tokens: float = 0.0
+        self, round_: Round, committed: bool, step: int, sync_ms: float, tokens: float = 0.0, join: bool = False
     ) -> dict[str, float]:
         """Log the round (with the group's digest when committed or healed) and return its metrics.
 
         ``tokens``: the inner-step tokens this round brought into the global model. A closing
-        round (finished groups handing over the final state) commits nothing.
+        round (finished groups handing over the final state) and a group's join round
+        (``join``: it takes a peer's state or starts from the shared initial one) commit nothing.
         """
         self.committed_here += int(committed)
         self.tokens_committed += tokens
@@ -227,6 +228,7 @@ class Synchronizer:
                 "committed": committed,
                 "healed": healed,
                 "closing": round_.quorum.closing,
+                "join": join,
                 "quorum_id": round_.quorum.quorum_id,
                 "participants": list(round_.quorum.participants),
                 "inner_step": step,

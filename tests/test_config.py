@@ -244,3 +244,17 @@ def test_a_group_pointed_at_no_lighthouse_fails_at_once_naming_the_address(tmp_p
     assert reason.startswith(f"error: group group0 cannot reach the lighthouse at http://127.0.0.1:{nothing_there} ")
     assert "within cluster.timeouts.connect=2s" in reason and "Traceback" not in result.stderr
     assert not (tmp_path / "model.pt").exists() and not (tmp_path / "results").exists()
+
+
+def test_every_job_of_every_sweep_preset_composes():
+    """An ``experiment`` preset that carries a sweep (``hydra.sweeper.params``) gives valid jobs
+    for every value it sweeps: ``python run.py -m +experiment=NAME`` runs that grid."""
+    sweeps = 0
+    for option in _options("experiment"):
+        preset = yaml.safe_load((CONF_DIR / "experiment" / f"{option}.yaml").read_text()) or {}
+        params = preset.get("hydra", {}).get("sweeper", {}).get("params", {})
+        for key, values in params.items():
+            for value in str(values).split(","):
+                compose_job([f"+experiment={option}", f"{key}={value.strip()}"])
+                sweeps += 1
+    assert sweeps >= 7, "compare_ddp_sweep (4 algorithms) and sync_every_sweep (3 values of H)"

@@ -137,7 +137,7 @@ def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), local[n], rtol=0, atol=1e-5, msg=f"θ_l {n}")
         torch.testing.assert_close(got_global[n].detach(), global_[n], rtol=0, atol=1e-5, msg=f"θ_g {n}")
-    assert outer.manager.committed == 1 + steps // H * P  # the join round plus every fragment sync
+    assert outer.manager.committed == steps // H * P  # every fragment sync (the join round commits nothing)
 
 
 def test_pseudo_gradient_points_from_local_to_global(tmp_path):
@@ -216,7 +216,7 @@ def test_one_group_sync_every_step_with_sgd_and_averaging_is_plain_sgd(tmp_path)
         diloco = _sgd_trainer(job, 0, 1, tmp_path)
         diloco.fit()
         diloco.outer.close()
-    assert diloco.outer.committed_here == 1 + job.trainer.max_steps  # the join round, then every step's sync
+    assert diloco.outer.committed_here == job.trainer.max_steps  # every step's sync (the join round commits nothing)
     for a, b in zip(plain.model.parameters(), diloco.model.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=1e-6)
 
@@ -305,7 +305,7 @@ def test_overlap_hides_the_quorum_wait_a_group_launches_and_trains_on_before_its
             outers[g].close()
 
         run_threads(lambda: group(0), lambda: group(1))
-    assert outers[0].committed_here == outers[1].committed_here == 1 + P  # the join round, then each fragment
+    assert outers[0].committed_here == outers[1].committed_here == P  # each fragment (the join round commits nothing)
     assert outers[0].group_digest() == outers[1].group_digest()
     assert_cached_digest_is_fresh(outers[0])
 

@@ -223,10 +223,16 @@ class Manager:
 
     def commit(self, round_: Round, local_ok: bool) -> bool:
         """Commit the round iff every rank of this group succeeded; a failure drops the lane."""
-        ok = self.all_ranks(local_ok)
+        ok = self.settle(local_ok)
         if ok:
             self._committed = max(self._committed, round_.quorum.round_floor) + 1
-        else:
+        return ok
+
+    def settle(self, local_ok: bool) -> bool:
+        """End a round that changes no global state (a group's join): True iff every rank of
+        this group succeeded; a failure drops the lane. The committed count stays."""
+        ok = self.all_ranks(local_ok)
+        if not ok:
             self.lanes.drop()
         self.last_commit_failed = not ok
         return ok
