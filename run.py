@@ -34,7 +34,7 @@ from diloco.model import ModelConfig
 from diloco.outcome import group_outcome
 from diloco.progress import say
 from diloco.run_paths import RunPaths
-from diloco.summary import summarize_finished_run
+from diloco.summary import summarize_after_the_end, summarize_finished_run
 from diloco.worker import (
     INTERRUPTED_EXIT_CODE,
     JOB_ENDED_EXIT_CODE,
@@ -96,14 +96,19 @@ def main(cfg: DictConfig) -> float | None:
             refuse_finished_group(paths, job.group.id)
         if job.role != "summary":  # the summary reads a run; it is not one
             (paths.root / "config.yaml").write_text(OmegaConf.to_yaml(raw))
-        if job.role == "lighthouse":
-            serve_forever(job.cluster.lighthouse, job.cluster.quorum_rules(), job.name)
-            return None
         if job.role == "group":
             run_group(job, paths)
         if job.role in ("eval", "sample"):
             return use_trained_model(job, paths)
-        summary = summarize_finished_run(job, paths) if job.role == "summary" else launch(job, paths.root)
+        if job.role == "lighthouse":
+            serve_forever(job.cluster.lighthouse, job.cluster.quorum_rules(), job.name)
+            if not paths.all_commits():  # its own run directory, not the one the groups share
+                return None
+            summary = summarize_after_the_end(job, paths, wait_s=job.cluster.timeouts.end)
+        elif job.role == "summary":
+            summary = summarize_finished_run(job, paths)
+        else:
+            summary = launch(job, paths.root)
     except (ConfigError, DataError, OutputError) as error:
         sys.exit(f"error: {error}")
     except JobFailed as error:
@@ -121,7 +126,7 @@ def main(cfg: DictConfig) -> float | None:
         f"summary in {paths.summary}",
         sys.stdout,
     )
-    if not summary["ok"]:
+    if not summary["ok"] and job.role != "lighthouse":  # a lighthouse's exit 0 says only that the job ended
         sys.exit(f"job failed: {summary['failure']}")
     return summary["final_eval_loss"]  # the objective a hydra sweeper minimises
 

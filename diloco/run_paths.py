@@ -41,6 +41,10 @@ class RunPaths:
         """Every group's metrics file written so far."""
         return sorted((self.root / "metrics").glob("group*.jsonl"))
 
+    def all_commits(self) -> list[Path]:
+        """Every group's commit log written so far (a lighthouse finds them where the groups write)."""
+        return sorted((self.root / "commits").glob("group*.jsonl"))
+
     def result(self, group: int) -> Path:
         return self.root / "results" / f"group{group}.json"
 

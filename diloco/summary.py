@@ -10,6 +10,7 @@ import json
 import math
 import os
 import statistics
+import time
 from typing import Any
 
 from diloco.checkpoint import whole_group_checkpoints
@@ -20,6 +21,7 @@ from diloco.logger import perplexity, read_jsonl
 from diloco.outcome import job_outcome
 from diloco.run_paths import RunPaths
 
+RESULT_POLL_S = 0.2
 FAILURES = ("kill", "hang", "crash")  # event kinds that take a group out: what stalls and recoveries follow
 
 
@@ -157,6 +159,15 @@ def interrupted_summary(paths: RunPaths, summary: dict[str, Any]) -> dict[str, A
         "model_saved_by_groups": [] if newest is None else [newest["group"]],
         "final_round": None if newest is None else newest.get("rounds", 0),
     }
+
+
+def summarize_after_the_end(job: JobConfig, paths: RunPaths, wait_s: float) -> dict[str, Any]:
+    """A multi-host job's lighthouse in the groups' run directory, once the job has ended: wait
+    (at most ``wait_s``) for every group's result, then write summary.json as ``role=summary`` does."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not all(paths.result(g).exists() for g in range(job.cluster.groups)):
+        time.sleep(RESULT_POLL_S)
+    return summarize_finished_run(job, paths)
 
 
 def summarize_finished_run(job: JobConfig, paths: RunPaths) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""A multi-host job on loopback, run as its README section says: a lighthouse, each group under
-torchrun as a separate command, then ``role=summary`` over the run directory they share."""
+"""A multi-host job on loopback, run as its README section says: a lighthouse and each group
+under torchrun as separate commands sharing one run directory; the lighthouse writes the job's
+summary.json once it ends (``role=summary`` writes the same from the directory afterwards)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_a_multi_host_job_on_loopback_ends_with_one_summary_whose_digests_agree(
     common += [f"cluster.lighthouse.port={free_port('127.0.0.1')}", "cluster.lighthouse.token=SECRET"]
     run_dir = tmp_path / "run"
     lighthouse = subprocess.Popen(
-        [sys.executable, "run.py", "role=lighthouse", *common, f"hydra.run.dir={tmp_path / 'lighthouse'}"],
+        [sys.executable, "run.py", "role=lighthouse", *common, f"hydra.run.dir={run_dir}"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -46,8 +47,10 @@ def test_a_multi_host_job_on_loopback_ends_with_one_summary_whose_digests_agree(
                 process.kill()
     for process, output in zip([*groups, lighthouse], outputs):
         assert process.returncode == 0, output[-3000:]
-    assert "job 'run42' ended at round" in outputs[-1]
-
+    assert "job 'run42' ended at round" in outputs[-1] and "done: eval loss" in outputs[-1], outputs[-1]
+    by_lighthouse = json.loads((run_dir / "summary.json").read_text())
+    assert by_lighthouse["ok"] and by_lighthouse["groups_missing_results"] == [], by_lighthouse["failure"]
+    (run_dir / "summary.json").unlink()
     summarized = subprocess.run(
         [sys.executable, "run.py", "role=summary", *common, f"hydra.run.dir={run_dir}"],
         cwd=REPO,
@@ -61,6 +64,9 @@ def test_a_multi_host_job_on_loopback_ends_with_one_summary_whose_digests_agree(
     assert summary["ok"] and summary["groups_missing_results"] == [], summary["failure"]
     assert len({r["digest"] for r in summary["per_group"]}) == 1 and summary["final_round"] >= 4
     assert sorted(summary["model_saved_by_groups"]) == [0, 1] and (run_dir / "model.pt").exists()
+    assert {k: v for k, v in summary.items() if k != "wall_seconds"} == {
+        k: v for k, v in by_lighthouse.items() if k != "wall_seconds"
+    }
 
 
 def test_role_summary_of_a_directory_without_results_says_where_to_point_it(tmp_path):
