@@ -27,10 +27,9 @@ from diloco.distributed import WorkerEnv
 from diloco.files import OutputError, write_atomically, write_json_atomically
 from diloco.ft.lighthouse import serve_forever
 from diloco.ft.manager import JobEndedError, MembershipError
-from diloco.inference import evaluate_checkpoint, sample_text, weights_file
+from diloco.inference import evaluate_checkpoint, locate_weights, sample_text
 from diloco.launcher import JobInterrupted, launch, refuse_reused_run_dir
 from diloco.local_cluster import JobFailed
-from diloco.model import ModelConfig
 from diloco.outcome import group_outcome
 from diloco.progress import say
 from diloco.run_paths import RunPaths
@@ -161,12 +160,12 @@ def write_sweep_table(sweep_dir: Path) -> None:
 def use_trained_model(job: JobConfig, paths: RunPaths) -> float | None:
     """``role=eval``: the loss of ``checkpoint``'s model on the data options' held-out windows
     (also in eval.json); ``role=sample``: text continuing ``sample.prompt``."""
-    weights = weights_file(job.checkpoint)
-    model_cfg = trained_model_config(weights, job)
+    weights, run_dir = locate_weights(job.checkpoint)
+    trained = trained_job_config(run_dir, job)
     if job.role == "sample":
-        print(sample_text(job, weights, model_cfg))
+        print(sample_text(job, weights, trained))
         return None
-    record = evaluate_checkpoint(job, weights, model_cfg)
+    record = evaluate_checkpoint(job, weights, trained)
     write_json_atomically(paths.root / "eval.json", record)
     say(
         f"eval loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.2f}) on {record['tokens']:,} held-out "
@@ -176,12 +175,12 @@ def use_trained_model(job: JobConfig, paths: RunPaths) -> float | None:
     return record["eval_loss"]
 
 
-def trained_model_config(weights: Path, job: JobConfig) -> ModelConfig:
-    """The shape of the model in ``weights``: from the config.yaml its run wrote beside it, else the command line's."""
-    saved = weights.parent / "config.yaml"
+def trained_job_config(run_dir: Path, job: JobConfig) -> JobConfig:
+    """The job that trained a model (its shape, its algorithm): from the config.yaml its run wrote, else the command line's."""
+    saved = run_dir / "config.yaml"
     if not saved.is_file():
-        return job.model
-    return job_config_from_dict(OmegaConf.to_container(OmegaConf.load(saved), resolve=True)).model
+        return job
+    return job_config_from_dict(OmegaConf.to_container(OmegaConf.load(saved), resolve=True))
 
 
 def run_group(job: JobConfig, paths: RunPaths) -> NoReturn:

@@ -82,7 +82,8 @@ def save_rank(folder: Path, tensors: dict[str, torch.Tensor], progress: dict[str
     with _single_process():
         dcp.save(snapshot, checkpoint_id=str(partial), no_dist=True)
     files = {p.name: _file_record(p) for p in sorted(partial.iterdir()) if p.is_file()}
-    manifest = {"tensors": sorted(snapshot), "files": files, "progress": progress}
+    layout = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in snapshot.items()}
+    manifest = {"tensors": sorted(snapshot), "layout": layout, "files": files, "progress": progress}
     write_json_atomically(partial / MANIFEST, manifest)
     shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt at the same step
     os.replace(partial, folder)
@@ -125,6 +126,13 @@ def _single_process() -> Iterator[None]:
         yield
 
 
+def read_rank(folder: Path) -> dict[str, torch.Tensor]:
+    """One worker's shard as it was saved (names, shapes and dtypes from its manifest), checked."""
+    layout = verify_rank(folder).get("layout", {})
+    template = {name: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for name, v in layout.items()}
+    return load_rank(folder, template)[0]
+
+
 def verify_rank(folder: Path) -> dict[str, Any]:
     """The rank's manifest, once every file it names is present with its recorded size and sha256."""
     manifest_path = folder / MANIFEST
@@ -158,7 +166,7 @@ def complete_info(group_folder: Path) -> dict[str, Any] | None:
     """The group's ``complete.json``, or None while the group's checkpoint is partial."""
     try:
         return json.loads((group_folder / COMPLETE).read_text())
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # missing, or group_folder is no folder at all
         return None
 
 

@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from diloco.checkpoint import complete_info, group_dir, rank_dir, read_rank
 from diloco.config_base import ConfigError, check
 from diloco.data import ByteTokenizer, eval_batches, load_corpus
 from diloco.distributed import select_device
+from diloco.fragments import fragment_parameter_names
 from diloco.logger import perplexity
 from diloco.model import ModelConfig, Transformer
 from diloco.trainer import Batch, next_token_loss
@@ -50,26 +52,63 @@ class SampleConfig:
         check(self.top_k >= 0, "sample.top_k", self.top_k, "must be >= 0 (0: sample from every token)")
 
 
-def weights_file(checkpoint: str | None) -> Path:
-    """The ``model.pt`` that ``checkpoint`` names: a run directory, or the file itself."""
-    check(checkpoint is not None, "checkpoint", checkpoint, "required: a run directory or its model.pt")
+def locate_weights(checkpoint: str | None) -> tuple[Path, Path]:
+    """The model ``checkpoint`` names and the run directory that trained it (its config.yaml
+    gives the model's shape): a run directory or its model.pt, or a training checkpoint
+    (``checkpoints/step-N``: group 0's global model, or one group's folder in it)."""
+    check(checkpoint is not None, "checkpoint", checkpoint, "required: a run directory, its model.pt or a checkpoint")
     path = Path(checkpoint)
+    if complete_info(group_dir(path, 0)) is not None:
+        return group_dir(path, 0), path.parents[1]
+    if complete_info(path) is not None:
+        return path, path.parents[2]
     weights = path / "model.pt" if path.is_dir() else path
     if not weights.is_file():
         where = f"{path} holds no model.pt" if path.is_dir() else f"{path} does not exist"
-        raise ConfigError(f"checkpoint={checkpoint}: {where}; point it at a finished run's directory or its model.pt")
-    return weights
+        raise ConfigError(
+            f"checkpoint={checkpoint}: {where}; point it at a finished run's directory, its model.pt, "
+            "or a checkpoint (RUN/checkpoints/step-N)"
+        )
+    return weights, weights.parent
 
 
-def load_model(weights: Path, cfg: ModelConfig, device: torch.device) -> Transformer:
-    """The model of shape ``cfg`` holding ``weights``; a file that is not such a model is refused by name.
-
-    ``weights_only`` loading: tensors and containers only, never arbitrary pickled objects.
-    """
+def read_weights(weights: Path, trained: JobConfig) -> dict[str, torch.Tensor]:
+    """The weights of a model.pt (``weights_only``: tensors, never arbitrary pickled objects), or
+    the global model of a group's checkpoint (``trained``: the job that wrote it), its workers'
+    shards put back together."""
+    if weights.is_dir():
+        return checkpoint_global_weights(weights, trained)
     try:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
+        return torch.load(weights, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
         raise ConfigError(f"checkpoint={weights}: not a readable model file ({error})") from None
+
+
+def checkpoint_global_weights(group_folder: Path, trained: JobConfig) -> dict[str, torch.Tensor]:
+    """θ_g of a group's checkpoint by parameter name (θ_l for algo=local, which has no θ_g).
+
+    Each worker saved its FSDP shard (a run of dim 0); they are concatenated in rank order.
+    """
+    with torch.device("meta"):
+        names = [name for name, _ in Transformer(trained.model).named_parameters()]
+    algo = trained.algo
+    if algo.name == "local":
+        key_of = {name: f"model.{name}" for name in names}
+    elif algo.name == "ddp":
+        key_of = {name: f"global.0.{i}" for i, name in enumerate(names)}
+    else:
+        parts = fragment_parameter_names(names, trained.model.n_layers, algo.fragments, algo.pattern)
+        key_of = {name: f"global.{p}.{i}" for p, part in enumerate(parts) for i, name in enumerate(part)}
+    workers = (complete_info(group_folder) or {}).get("workers", 1)
+    shards = [read_rank(rank_dir(group_folder, rank)) for rank in range(workers)]
+    return {name: torch.cat([shard[key] for shard in shards], dim=0) for name, key in key_of.items()}
+
+
+def load_model(weights: Path, trained: JobConfig, device: torch.device) -> Transformer:
+    """The model ``trained`` (the job that wrote ``weights``) describes, holding ``weights``
+    (``read_weights``); weights that are not such a model are refused by name."""
+    cfg = trained.model
+    state = read_weights(weights, trained)
     model = Transformer(cfg)
     try:
         model.load_state_dict(state)
@@ -126,20 +165,20 @@ def generate(model: Transformer, prompt: torch.Tensor, cfg: SampleConfig, device
     return ids[0, prompt.numel() :].cpu()
 
 
-def evaluate_checkpoint(job: JobConfig, weights: Path, model_cfg: ModelConfig) -> dict[str, Any]:
+def evaluate_checkpoint(job: JobConfig, weights: Path, trained: JobConfig) -> dict[str, Any]:
     """``role=eval``: the loss of the model in ``weights`` on the held-out windows of ``job``'s data.
 
     The windows a group of a training job with the same data and trainer options evaluated
     on (``batch_size`` sequences per worker), so a finished run's final eval loss reproduces.
     """
     check(
-        model_cfg.vocab_size == job.data.vocab_size,
+        trained.model.vocab_size == job.data.vocab_size,
         "data.vocab_size",
         job.data.vocab_size,
-        f"differs from the trained model's vocabulary ({model_cfg.vocab_size}); evaluate on a corpus of its tokenizer",
+        f"differs from the trained model's vocabulary ({trained.model.vocab_size}); evaluate on a corpus of its tokenizer",
     )
     device = select_device(job.cluster.device, 0)
-    model = load_model(weights, model_cfg, device)
+    model = load_model(weights, trained, device)
     t = job.trainer
     batches = eval_batches(
         load_corpus(job.data).val,
@@ -154,10 +193,10 @@ def evaluate_checkpoint(job: JobConfig, weights: Path, model_cfg: ModelConfig) -
     return {"checkpoint": str(weights), "tokens": tokens, "eval_loss": loss, "eval_ppl": perplexity(loss)}
 
 
-def sample_text(job: JobConfig, weights: Path, model_cfg: ModelConfig) -> str:
+def sample_text(job: JobConfig, weights: Path, trained: JobConfig) -> str:
     """``role=sample``: ``job.sample.prompt`` followed by the text the model in ``weights`` continues it with."""
-    tokenizer = byte_tokenizer(model_cfg)
+    tokenizer = byte_tokenizer(trained.model)
     device = select_device(job.cluster.device, 0)
-    model = load_model(weights, model_cfg, device)
+    model = load_model(weights, trained, device)
     continuation = generate(model, tokenizer.encode(job.sample.prompt), job.sample, device)
     return job.sample.prompt + tokenizer.decode(continuation)

@@ -27,6 +27,7 @@ from diloco.checkpoint import (
     step_dir,
 )
 from diloco.config_base import ConfigError
+from diloco.inference import locate_weights, read_weights
 from diloco.launcher import launch
 from diloco.local_cluster import wait_until
 from diloco.run_paths import RunPaths
@@ -138,6 +139,11 @@ def test_a_resumed_job_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
     assert resumed["tokens_seen"] == whole["tokens_seen"], "the tokens before the checkpoint still count"
     metrics = [json.loads(line) for line in (tmp_path / "resumed" / "metrics" / "group0.jsonl").open()]
     assert min(m["step"] for m in metrics) > 20, "the resumed job trained only the steps after the checkpoint"
+    weights, run_dir = locate_weights(str(step_dir(tmp_path / "whole", 40)))  # role=eval checkpoint=...
+    assert run_dir == tmp_path / "whole"
+    final = read_weights(weights, compose_job(RESUMABLE))  # group 0's two shards of θ_g, put together
+    saved = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in saved)
     with pytest.raises(ConfigError, match="written with workers=2, this job has 1"):
         launch(compose_job([*RESUMABLE, "cluster.workers_per_group=1", f"trainer.resume={halfway}"]), tmp_path / "x")
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from diloco.config import JobConfig
 from diloco.config_base import ConfigError
 from diloco.data import ByteTokenizer, eval_batches, load_corpus
 from diloco.inference import (
@@ -17,14 +18,18 @@ from diloco.inference import (
     generate,
     load_model,
     mean_loss,
+    locate_weights,
     sample_text,
-    weights_file,
 )
 from diloco.model import ModelConfig, Transformer
 from tests.conftest import compose_job
 
 CPU = torch.device("cpu")
 SMALL = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=16)
+
+
+def trained_with(cfg: ModelConfig) -> JobConfig:
+    return dataclasses.replace(JobConfig(), model=cfg)
 
 
 def saved_model(tmp_path, cfg: ModelConfig = SMALL, seed: int = 0) -> tuple[Transformer, object]:
@@ -74,18 +79,18 @@ def test_bad_sample_options_are_refused_by_name(change, message):
 
 def test_a_checkpoint_that_is_missing_corrupt_or_of_another_shape_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint=None: required"):
-        weights_file(None)
+        locate_weights(None)
     with pytest.raises(ConfigError, match="holds no model.pt"):
-        weights_file(str(tmp_path))
+        locate_weights(str(tmp_path))
     with pytest.raises(ConfigError, match="does not exist"):
-        weights_file(str(tmp_path / "nothing.pt"))
+        locate_weights(str(tmp_path / "nothing.pt"))
     _, path = saved_model(tmp_path)
-    assert weights_file(str(tmp_path)) == path == weights_file(str(path))
+    assert locate_weights(str(tmp_path)) == (path, tmp_path) == locate_weights(str(path))
     with pytest.raises(ConfigError, match="does not fit a model of dim 64, 1 layers"):
-        load_model(path, dataclasses.replace(SMALL, dim=64), CPU)
+        load_model(path, trained_with(dataclasses.replace(SMALL, dim=64)), CPU)
     path.write_bytes(path.read_bytes()[:100])  # torn
     with pytest.raises(ConfigError, match="not a readable model file"):
-        load_model(path, SMALL, CPU)
+        load_model(path, trained_with(SMALL), CPU)
 
 
 def test_sampling_needs_a_byte_level_model():
@@ -97,11 +102,11 @@ def test_eval_of_a_saved_model_is_its_mean_loss_on_the_groups_eval_windows(tmp_p
     job = compose_job(["trainer.seq_len=16", "trainer.batch_size=2", "trainer.eval_batches=3"])
     cfg = dataclasses.replace(SMALL, vocab_size=job.data.vocab_size)
     model, path = saved_model(tmp_path, cfg)
-    record = evaluate_checkpoint(job, path, cfg)
+    record = evaluate_checkpoint(job, path, trained_with(cfg))
     windows = eval_batches(load_corpus(job.data).val, seq_len=16, batch_size=2, max_batches=3, worker=0, num_workers=2)
     windows += eval_batches(load_corpus(job.data).val, seq_len=16, batch_size=2, max_batches=3, worker=1, num_workers=2)
     assert record["tokens"] == 2 * 2 * 3 * 16  # batch_size x workers_per_group x eval_batches x seq_len
     assert record["eval_loss"] == pytest.approx(mean_loss(model, windows, CPU), rel=1e-6)
     assert record["eval_ppl"] == pytest.approx(math.exp(record["eval_loss"]))
-    text = sample_text(dataclasses.replace(job, sample=SampleConfig(prompt="import ", max_new_tokens=5)), path, cfg)
+    text = sample_text(dataclasses.replace(job, sample=SampleConfig(prompt="import ", max_new_tokens=5)), path, trained_with(cfg))
     assert text.startswith("import ")
