@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import re
 import sys
 
 import pytest
@@ -258,3 +259,29 @@ def test_every_job_of_every_sweep_preset_composes():
                 compose_job([f"+experiment={option}", f"{key}={value.strip()}"])
                 sweeps += 1
     assert sweeps >= 7, "compare_ddp_sweep (4 algorithms) and sync_every_sweep (3 values of H)"
+
+
+def test_the_readme_lists_every_key_with_the_default_python_run_py_uses():
+    """README's key reference cannot go stale: every key, and each default as composed."""
+    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| ([^|]*) \|", (REPO / "README.md").read_text(), re.MULTILINE))
+
+    def shown(value: object) -> str:
+        if value is None:
+            return "null"
+        if isinstance(value, bool):
+            return str(value).lower()
+        if isinstance(value, (list, tuple)):
+            return "[" + ", ".join(map(str, value)) + "]"
+        return '""' if value == "" else str(value)
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in d.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    composed = flat(to_dict(compose_job([])))
+    missing = sorted(set(composed) - set(rows))
+    assert not missing, f"README's key reference lacks {missing}"
+    wrong = {k: (rows[k].strip(), shown(v)) for k, v in composed.items() if rows[k].strip() != shown(v)}
+    assert not wrong, f"README shows other defaults than python run.py composes: {wrong}"
