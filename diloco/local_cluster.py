@@ -127,17 +127,26 @@ def wait_until(
 
 def stop_processes(processes: list[ProcessHandle]) -> None:
     """SIGTERM (and SIGCONT, in case one is stopped), then SIGKILL what is left after a grace period."""
+    for process in terminate_and_wait(processes, TERMINATE_GRACE_S):
+        process.kill()
+        process.wait()
+
+
+def terminate_and_wait(processes: list[ProcessHandle], timeout_s: float) -> list[ProcessHandle]:
+    """SIGTERM (and SIGCONT, in case one is stopped) to each, then wait up to ``timeout_s`` in all;
+    returns those still running."""
     for process in processes:
         if process.poll() is None:
             process.terminate()
             process.send_signal(signal.SIGCONT)
-    deadline = time.monotonic() + TERMINATE_GRACE_S
+    deadline = time.monotonic() + timeout_s
+    running = []
     for process in processes:
         try:
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            running.append(process)
+    return running
 
 
 class LocalCluster:
@@ -287,17 +296,7 @@ class LocalCluster:
         """Ask every worker for a planned stop (SIGTERM: each group stops after its current round,
         saving its state) and wait up to ``timeout_s`` for all of them to exit; True if they did.
         The lighthouse stays up meanwhile: the groups' last round needs it."""
-        workers = [w.process for group in self.groups.values() for w in group]
-        for process in workers:
-            process.terminate()
-            process.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + timeout_s
-        for process in workers:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                return False
-        return True
+        return not terminate_and_wait([w.process for group in self.groups.values() for w in group], timeout_s)
 
     def stop(self) -> None:
         """Stop every process of the job; nothing is left behind.

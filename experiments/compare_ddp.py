@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,7 +184,7 @@ def plot(results: list[RunResult], path: Path, title: str) -> str:
         ax.set_ylabel("eval loss (nats/byte)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 60 * len(group_counts)), fontsize=9)
     return save_figure(fig, path)
 
 
