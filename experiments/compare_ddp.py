@@ -1,6 +1,8 @@
 """Does DiLoCo train as well as data parallel? Every algorithm at equal tokens, side by side, one table.
 
 ``python experiments/compare_ddp.py [--model mini|midi] [--steps N] [--only NAME ...] [--quick]``
+``python experiments/compare_ddp.py --collect DIR [DIR ...]``: one table from runs kept (``--keep-runs``)
+by earlier invocations, e.g. a long grid split over several sessions.
 
 Each configuration is a whole job (``conf/experiment/compare_ddp.yaml`` plus its overrides) run
 through the launcher, one after the other on this machine: ``ddp`` (gradients all-reduced
@@ -18,6 +20,7 @@ multiple of H it is evaluated right after a sync, so for DiLoCo it is the global
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -46,6 +49,7 @@ from experiments.common import (  # noqa: E402
 )
 
 EXPERIMENT = "compare_ddp"
+CONFIG_FILE = "compare_ddp.json"  # in each run directory: which row of the table it is
 EVAL_EVERY = 100  # a multiple of every H below: DiLoCo is evaluated right after a sync
 
 
@@ -106,6 +110,23 @@ def collect(config: Config, run_dir: Path) -> RunResult:
     curve = [(r["step"] * tokens_per_step, r["eval/loss"]) for r in read_jsonl(paths.metrics(0)) if "eval/loss" in r]
     curve.append((summary["tokens_seen"], summary["final_eval_loss"]))
     return RunResult(config, summary, sorted(dict(curve).items()))
+
+
+def collect_kept(roots: list[Path]) -> tuple[list[RunResult], str, int]:
+    """Every finished run under ``roots`` that names its row (``CONFIG_FILE``), in the table's
+    order, and the model and steps they share (runs of another model or length are refused)."""
+    order = {(c.name, c.groups): i for i, c in enumerate(CONFIGS)}
+    found, shapes = [], set()
+    for marker in sorted(m for root in roots for m in root.glob(f"**/{CONFIG_FILE}")):
+        if RunPaths(marker.parent).summary.exists():
+            saved = json.loads(marker.read_text())
+            config = Config(saved["name"], saved["groups"], tuple(saved["overrides"]))
+            found.append(collect(config, marker.parent))
+            shapes.add((saved["model"], saved["steps"]))
+    if len(shapes) != 1:
+        sys.exit(f"--collect: need finished runs of one model and length under {roots}, found {sorted(shapes)}")
+    model, steps = shapes.pop()
+    return sorted(found, key=lambda r: order.get((r.config.name, r.config.groups), len(order))), model, steps
 
 
 def baseline(results: list[RunResult], algo: str, groups: int) -> float | None:
@@ -199,6 +220,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help=f"tiny model, {QUICK_STEPS} steps, ddp/local/diloco M=2: a smoke test"
     )
+    parser.add_argument(
+        "--collect", nargs="+", metavar="DIR", type=Path, help="run nothing: one table from runs kept under DIR"
+    )
     add_output_arguments(parser)
     return parser.parse_args(argv)
 
@@ -224,12 +248,16 @@ def main() -> None:
     began = time.monotonic()
     shared = [f"model={model}", f"trainer.max_steps={steps}", f"trainer.eval_every={EVAL_EVERY}"]
     results = []
+    if args.collect:
+        results, model, steps = collect_kept(args.collect)
     with runs_root(args.keep_runs, EXPERIMENT) as root:
-        for i, config in enumerate(chosen(args)):
+        for i, config in enumerate([] if args.collect else chosen(args)):
             job = compose_job([*shared, f"cluster.groups={config.groups}", *config.overrides], EXPERIMENT)
             run_dir = root / f"run{i}"
             started = time.monotonic()
             run_job(job, run_dir, keep_failure=True)
+            row = dataclasses.asdict(config) | {"model": model, "steps": steps}
+            (run_dir / CONFIG_FILE).write_text(json.dumps(row))
             results.append(collect(config, run_dir))
             print(
                 f"{config.name} M={config.groups}: eval {results[-1].loss:.4f} "

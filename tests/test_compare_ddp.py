@@ -15,7 +15,18 @@ import torch
 from diloco.model import Transformer, count_parameters
 from diloco.run_paths import RunPaths
 from experiments.common import NO_MATPLOTLIB, compose_job
-from experiments.compare_ddp import CONFIGS, EXPERIMENT, Config, chosen, collect, parse_args, table, targets
+from experiments.compare_ddp import (
+    CONFIG_FILE,
+    CONFIGS,
+    EXPERIMENT,
+    Config,
+    chosen,
+    collect,
+    collect_kept,
+    parse_args,
+    table,
+    targets,
+)
 from tests.conftest import compose_job as compose_like_run_py
 from tests.conftest import run_experiment
 
@@ -113,6 +124,25 @@ def test_table_gives_ratio_to_ddp_and_gap_closed_against_the_same_group_count(tm
     assert results[2].curve == [(100 * 2048, 2.2), (200 * 2048, 1.35)]
     assert [v for _, v in results[0].curve] == [2.0, 1.30]
     assert math.isnan(results[5].loss)
+
+
+def test_runs_kept_by_several_invocations_make_one_table_in_the_tables_order(tmp_path):
+    def kept(where: Path, config: Config, loss: float, steps: int = 5000) -> None:
+        canned_run(where, loss, [2.0, loss])
+        row = {"name": config.name, "groups": config.groups, "overrides": list(config.overrides)}
+        (where / CONFIG_FILE).write_text(json.dumps(row | {"model": "mini", "steps": steps}))
+
+    kept(tmp_path / "session2" / "run0", by_name("diloco H=50", 4), 1.10)
+    kept(tmp_path / "session1" / "run1", by_name("diloco H=50"), 1.07)
+    kept(tmp_path / "session1" / "run0", by_name("ddp"), 1.06)
+    (tmp_path / "session2" / "unfinished").mkdir()
+    (tmp_path / "session2" / "unfinished" / CONFIG_FILE).write_text("{}")  # no summary yet: left out
+    results, model, steps = collect_kept([tmp_path / "session1", tmp_path / "session2"])
+    assert [(r.config.name, r.config.groups) for r in results] == [("ddp", 2), ("diloco H=50", 2), ("diloco H=50", 4)]
+    assert (model, steps) == ("mini", 5000) and results[1].loss == 1.07
+    kept(tmp_path / "session3" / "run0", by_name("local"), 1.2, steps=1000)
+    with pytest.raises(SystemExit, match="need finished runs of one model and length"):
+        collect_kept([tmp_path])
 
 
 @pytest.mark.slow

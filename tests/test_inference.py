@@ -108,5 +108,7 @@ def test_eval_of_a_saved_model_is_its_mean_loss_on_the_groups_eval_windows(tmp_p
     assert record["tokens"] == 2 * 2 * 3 * 16  # batch_size x workers_per_group x eval_batches x seq_len
     assert record["eval_loss"] == pytest.approx(mean_loss(model, windows, CPU), rel=1e-6)
     assert record["eval_ppl"] == pytest.approx(math.exp(record["eval_loss"]))
-    text = sample_text(dataclasses.replace(job, sample=SampleConfig(prompt="import ", max_new_tokens=5)), path, trained_with(cfg))
+    text = sample_text(
+        dataclasses.replace(job, sample=SampleConfig(prompt="import ", max_new_tokens=5)), path, trained_with(cfg)
+    )
     assert text.startswith("import ")
