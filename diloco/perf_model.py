@@ -1,0 +1,94 @@
+"""A performance model of a sync plan: the wall time of a window of inner steps, the compute
+utilization it leaves, and the bandwidth a plan needs to reach a utilization.
+
+Pure functions of plain numbers, so they can be checked on recorded measurements and fed
+with published ones (``experiments/simulate_scale.py``). Seconds, bytes and bits per second.
+
+The model: each of the M groups computes an inner step in ``step_s``; a sync all-reduces
+the payload over a ring of the M groups (each sends and receives 2(M−1)/M of it, in 2(M−1)
+latency-bound hops); a fragment's all-reduce hides behind the ``overlap_steps`` inner steps
+that follow its launch (Streaming DiLoCo's τ) and behind ``overlap_backward`` of a step (a
+data-parallel gradient all-reduce overlapping the backward pass); whatever is not hidden
+stalls every group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link between groups: bandwidth in bits per second, one-way latency per hop in seconds."""
+
+    bandwidth_bps: float
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """How groups synchronize: every ``sync_every`` inner steps (1: data parallel), in
+    ``fragments`` pieces each overlapped with ``overlap_steps`` inner steps, at ``bits_per_param``
+    on the wire."""
+
+    sync_every: int = 1
+    fragments: int = 1
+    overlap_steps: int = 0
+    bits_per_param: float = 32.0
+    overlap_backward: float = 0.0  # fraction of a step the all-reduce hides behind (the backward pass)
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1 or self.fragments < 1 or self.sync_every % self.fragments:
+            raise ValueError(f"need fragments dividing sync_every, got H={self.sync_every}, P={self.fragments}")
+        if not 0 <= self.overlap_steps < self.sync_every // self.fragments or not 0 <= self.overlap_backward <= 1:
+            raise ValueError(f"need 0 <= overlap_steps < H/P and 0 <= overlap_backward <= 1: {self}")
+
+
+def ring_factor(groups: int) -> float:
+    """The share of the payload each group sends (and receives) in a ring all-reduce: 2(M−1)/M."""
+    return 2 * (groups - 1) / groups
+
+
+def allreduce_seconds(payload_bytes: float, groups: int, link: Link) -> float:
+    """One ring all-reduce of ``payload_bytes`` over ``groups`` groups (0 for a single group)."""
+    if groups <= 1:
+        return 0.0
+    return ring_factor(groups) * payload_bytes * 8 / link.bandwidth_bps + 2 * (groups - 1) * link.latency_s
+
+
+def fragment_bytes(plan: SyncPlan, params: float) -> float:
+    return params * plan.bits_per_param / 8 / plan.fragments
+
+
+def hidden_seconds(plan: SyncPlan, step_s: float) -> float:
+    """How long a fragment's all-reduce may take without stalling anyone."""
+    return (plan.overlap_steps + plan.overlap_backward) * step_s
+
+
+def window_seconds(plan: SyncPlan, params: float, step_s: float, groups: int, link: Link) -> float:
+    """Wall time of one window of H inner steps: their compute, plus each fragment's unhidden transfer."""
+    stall = max(0.0, allreduce_seconds(fragment_bytes(plan, params), groups, link) - hidden_seconds(plan, step_s))
+    return plan.sync_every * step_s + plan.fragments * stall
+
+
+def utilization(plan: SyncPlan, params: float, step_s: float, groups: int, link: Link) -> float:
+    """Compute utilization: the share of wall time spent on inner steps."""
+    return plan.sync_every * step_s / window_seconds(plan, params, step_s, groups, link)
+
+
+def bandwidth_for(
+    target: float, plan: SyncPlan, params: float, step_s: float, groups: int, latency_s: float = 0.0
+) -> float:
+    """The least bandwidth (bits/s) at which ``plan`` reaches compute utilization ``target``
+    (inf when latency alone keeps it below; 0 with one group)."""
+    if not 0 < target <= 1:
+        raise ValueError(f"target utilization must be in (0, 1], got {target}")
+    if groups <= 1:
+        return 0.0
+    # window <= H·step/target  <=>  each fragment's transfer <= hidden + H·step·(1/target − 1)/P
+    budget = hidden_seconds(plan, step_s) + plan.sync_every * step_s * (1 / target - 1) / plan.fragments
+    budget -= 2 * (groups - 1) * latency_s
+    if budget <= 0:
+        return math.inf
+    return ring_factor(groups) * fragment_bytes(plan, params) * 8 / budget
