@@ -159,8 +159,9 @@ def test_pseudo_gradient_points_from_local_to_global(tmp_path):
         torch.testing.assert_close(new_local.detach(), (start + end) / 2, rtol=0, atol=1e-6)
 
 
-def _two_groups_mock(job, tmp_path, scales, steps):
-    """Two groups (threads) with different deterministic inner updates; returns models and outers."""
+def _two_groups_mock(job, tmp_path, scales, steps, tokens=(1, 1)):
+    """Two groups (threads) with different deterministic inner updates, each reporting ``tokens[g]``
+    tokens per inner step; returns models, outers and each group's θ_l just before the last sync."""
     torch.manual_seed(0)
     models = [Transformer(job.model) for _ in scales]
     for m in models[1:]:
@@ -177,7 +178,7 @@ def _two_groups_mock(job, tmp_path, scales, steps):
             for step in range(1, steps + 1):
                 mock_inner_step(models[g], step, scales[g])
                 pre_sync[g] = [p.detach().clone() for p in models[g].parameters()]
-                outers[g].after_inner_step(step, tokens=1)
+                outers[g].after_inner_step(step, tokens=tokens[g])
             outers[g].close()
 
         run_threads(lambda: group(0), lambda: group(1))
@@ -191,6 +192,19 @@ def test_avg_outer_optimizer_is_parameter_averaging(tmp_path):
         torch.testing.assert_close(a.detach(), (la + lb) / 2, rtol=0, atol=1e-6)
         assert torch.equal(a, b)
     assert outers[0].group_digest() == outers[1].group_digest()
+
+
+def test_token_weighting_averages_by_tokens_and_is_plain_averaging_for_equal_groups(tmp_path):
+    """algo.weighting=tokens: Δ̄ = Σ tokens_m·Δ_m / Σ tokens_m over the window; equal groups give the plain mean."""
+    common = BASE + ["cluster.groups=2", "algo.sync_every=5", "trainer.max_steps=5", "outer_opt=avg"]
+    tokens = compose_job(common + ["algo.weighting=tokens"])
+    models, _, pre_sync = _two_groups_mock(tokens, tmp_path / "unequal", scales=(1.0, 3.0), steps=5, tokens=(1, 3))
+    for a, la, lb in zip(models[0].parameters(), *pre_sync):
+        torch.testing.assert_close(a.detach(), (1 * la + 3 * lb) / 4, rtol=0, atol=1e-6)
+    weighted, _, _ = _two_groups_mock(tokens, tmp_path / "equal", scales=(1.0, 3.0), steps=5, tokens=(7, 7))
+    plain, _, _ = _two_groups_mock(compose_job(common), tmp_path / "plain", scales=(1.0, 3.0), steps=5)
+    for a, b in zip(weighted[0].parameters(), plain[0].parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # the same mean, rounded through 7·Δ
 
 
 def _sgd_trainer(job, group: int, num_groups: int, tmp_path: Path | None = None) -> Trainer:
