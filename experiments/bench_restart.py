@@ -9,7 +9,8 @@ time, as soon as the survivors committed a round without it, it is restarted
 appears in its commit log (the record carries the new leader's pid):
 
 - seconds from ``start_group`` to that commit: start-up, rendezvous, quorum, healing from a
-  live peer and the round itself;
+  live peer in its join round (which commits nothing), then the wait for the peers' next
+  round and that round itself;
 - CPU seconds the new worker spent until then (``/proc/<pid>/stat``: user + system).
 
 The fork server's own start-up (imports and corpus, paid once per job, not per restart) is

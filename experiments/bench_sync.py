@@ -10,7 +10,8 @@ DiLoCo at H=10 (``conf/experiment/bench_sync.yaml``), one job per M:
 2. SIGKILL the last group, wait until the survivors commit a round without it, restart it
    (``LocalCluster.start_group``) and time from that call to the first committed record in
    its commit log whose participants are all M groups (start-up, rendezvous, quorum,
-   healing from a live peer, and the round itself).
+   healing from a live peer in its join round, which commits nothing, then the peers' next
+   round).
 
     python experiments/bench_sync.py            # M = 2, 3, 4; a few minutes on two cores
     python experiments/bench_sync.py --quick    # M = 2, fewer steps: a smoke test
