@@ -20,7 +20,8 @@ def run_experiment(script: str, args: list[str], timeout_s: float) -> tuple[str,
     """Run ``experiments/<script>`` with ``args``; its (stdout, stderr), the test failing if it
     fails or outlasts ``timeout_s``.
 
-    Popen, not run: on a timeout the script gets SIGTERM, which stops the job's processes too.
+    Popen, not run: on a timeout the script is SIGKILLed (SIGTERM would be a planned stop, which
+    waits for the groups' rounds), and the job's processes die with it (they watch its lifeline).
     """
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "experiments" / script), *args],
@@ -32,7 +33,7 @@ def run_experiment(script: str, args: list[str], timeout_s: float) -> tuple[str,
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        proc.terminate()
+        proc.kill()
         out, err = proc.communicate(timeout=60)
         pytest.fail(f"{script} took over {timeout_s}s:\n{out}\n{err[-12000:]}")
     assert proc.returncode == 0, f"{script} failed:\n{out}\n{err[-12000:]}"
