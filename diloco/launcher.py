@@ -62,7 +62,9 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
         down_s=job.faults.lighthouse_down_seconds,
         min_alive=job.faults.min_alive,
     )
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # Both explicitly: a launcher started with SIGINT ignored (a background job of a
+    # non-interactive shell) still stops as planned on Ctrl-C.
+    previous = {s: signal.signal(s, _raise_keyboard_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     planned_stop = False
     try:
         if job.algo.name != "local":
@@ -88,7 +90,8 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
         _stop_planned(cluster, job.cluster.timeouts.stop, out)
     finally:
         cluster.stop()
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
     if planned_stop and not summary["ok"]:  # (a stop asked for after every group had finished changes nothing)
         summary |= interrupted_summary(paths, summary)
