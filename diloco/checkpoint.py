@@ -82,7 +82,9 @@ def save_rank(folder: Path, tensors: dict[str, torch.Tensor], progress: dict[str
     with _single_process():
         dcp.save(snapshot, checkpoint_id=str(partial), no_dist=True)
     files = {p.name: _file_record(p) for p in sorted(partial.iterdir()) if p.is_file()}
-    layout = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in snapshot.items()}
+    layout = {
+        name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in snapshot.items()
+    }
     manifest = {"tensors": sorted(snapshot), "layout": layout, "files": files, "progress": progress}
     write_json_atomically(partial / MANIFEST, manifest)
     shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt at the same step
@@ -101,7 +103,12 @@ def load_rank(folder: Path, template: dict[str, torch.Tensor]) -> tuple[dict[str
     checkpoint must hold exactly those. Returns new CPU tensors: nothing live is touched
     here, so a refused checkpoint leaves the worker as it was.
     """
-    manifest = verify_rank(folder)
+    return _load_verified(folder, template, verify_rank(folder))
+
+
+def _load_verified(
+    folder: Path, template: dict[str, torch.Tensor], manifest: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     expected, found = sorted(template), manifest["tensors"]
     if expected != found:
         missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
@@ -128,9 +135,14 @@ def _single_process() -> Iterator[None]:
 
 def read_rank(folder: Path) -> dict[str, torch.Tensor]:
     """One worker's shard as it was saved (names, shapes and dtypes from its manifest), checked."""
-    layout = verify_rank(folder).get("layout", {})
-    template = {name: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for name, v in layout.items()}
-    return load_rank(folder, template)[0]
+    manifest = verify_rank(folder)
+    template = {}
+    for name, saved in manifest.get("layout", {}).items():
+        dtype = getattr(torch, str(saved.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"{folder / MANIFEST}: tensor {name} has no known dtype ({saved.get('dtype')!r})")
+        template[name] = torch.empty(saved["shape"], dtype=dtype)
+    return _load_verified(folder, template, manifest)[0]
 
 
 def verify_rank(folder: Path) -> dict[str, Any]:
