@@ -80,6 +80,9 @@ class ClusterConfig:
     # How the local launcher starts workers: forked from a warm fork server (a restart costs
     # a fork, not seconds of imports; Linux only) or exec'd as a fresh python each.
     spawn: Literal["fork", "exec"] = "fork"
+    # Warm spares the local launcher keeps built and waiting: a dead group is replaced by one at
+    # once (diloco.spares) instead of by fresh workers after the backoff. Each is N processes.
+    spares: int = 0
     lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
 
@@ -98,6 +101,7 @@ class ClusterConfig:
             f"must be in [1, cluster.groups={self.groups}]",
         )
         check(self.max_restarts >= 0, "cluster.max_restarts", self.max_restarts, "must be >= 0")
+        check(self.spares >= 0, "cluster.spares", self.spares, "must be >= 0 (warm spares kept by the local launcher)")
         check(self.restart_backoff >= 0, "cluster.restart_backoff", self.restart_backoff, "must be >= 0 seconds")
         self.lighthouse.validate()
         self.timeouts.validate()

@@ -80,6 +80,13 @@ class JobConfig:
             f"must be a multiple of algo.sync_every={h}: a checkpoint is taken between rounds",
         )
         check(
+            self.cluster.spares == 0 or self.role in ("local", "summary", "eval", "sample"),
+            "cluster.spares",
+            self.cluster.spares,
+            f"warm spares are kept by the local launcher (role=local), not with role={self.role}: under "
+            "torchrun or Slurm keep spare nodes with the orchestrator, or set cluster.spares=0",
+        )
+        check(
             0 <= self.group.id < self.cluster.groups,
             "group.id",
             self.group.id,

@@ -5,7 +5,7 @@ corpus before it can heal; on a two-core machine that is most of a group's resta
 ``python -m diloco.ft`` spends as long importing before it serves, and no group has a quorum
 meanwhile. This process (a "zygote") pays for it once: it imports the worker's and the
 lighthouse's code, loads the corpus of DIR/job.json, then forks one child per request, and
-each child runs exactly what ``diloco.worker.main`` (a worker) or ``python -m diloco.ft``
+each child runs exactly what ``diloco.worker.main`` (a worker or a spare's worker) or ``python -m diloco.ft``
 (the lighthouse) runs.
 
 Forking is only safe from a single-threaded process (a lock another thread held at the
@@ -17,7 +17,8 @@ signal handler, so a child starts with a fresh interpreter's.
 
 The protocol is JSON lines. Requests on stdin: a worker
 ``{"id", "role": "worker", "group", "rank", "env": {RANK, ...}, "threads", "log", "started_at"}``
-("role" may be left out), the lighthouse ``{"id", "role": "lighthouse", "log", "signature"}``.
+("role" may be left out), a worker of a warm spare the same with ``"spare": K`` in place of
+"group" (it waits for the group it replaces: diloco.spares), the lighthouse ``{"id", "role": "lighthouse", "log", "signature"}``.
 Answers on stdout: ``{"id", "pid"}`` per request, then ``{"exited": pid, "code": c}`` when a
 child exits, ``c`` as ``Popen.returncode`` (minus the signal number for a signal death). When
 the launcher closes stdin or its lifeline, the server kills its children and exits.
@@ -41,6 +42,7 @@ from diloco import lifeline
 from diloco.data import DataError, load_corpus
 from diloco.distributed import WorkerEnv
 from diloco.ft.__main__ import run_lighthouse
+from diloco.process_logging import output_to
 from diloco.run_paths import RunPaths
 from diloco.spawn import become_subreaper
 from diloco.worker import load_job, run_launched_worker
@@ -154,7 +156,8 @@ def fork_child(request: dict[str, Any], paths: RunPaths, lifeline_fd: int) -> in
         else:
             os.environ.update(request["env"])
             torch.set_num_threads(request["threads"])  # OMP_NUM_THREADS is read once, when libgomp loads
-            run_launched_worker(paths, request["group"], WorkerEnv.from_environ(os.environ), request["started_at"])
+            env = WorkerEnv.from_environ(os.environ)
+            run_launched_worker(paths, request.get("group"), env, request["started_at"], spare=request.get("spare"))
     except SystemExit as request_to_exit:  # leave with its code, as a fresh interpreter would
         code = exit_code(request_to_exit)
     except BaseException:  # noqa: BLE001  (the child must leave here, never in the server's loop)
@@ -176,12 +179,9 @@ def become_launched(request: dict[str, Any], lifeline_fd: int) -> None:
     """Turn the fresh child into what the launcher would have exec'd: own session, own log, the lifeline."""
     os.setsid()  # like start_new_session: only the launcher decides when a worker or the lighthouse stops
     devnull = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(devnull, 0)  # dup2 onto 0 and 1 also drops the server's request and answer pipes
-    os.dup2(log, 1)
-    os.dup2(log, 2)
     os.close(devnull)
-    os.close(log)
+    output_to(Path(request["log"]))
     lifeline.watch(lifeline_fd)
 
 

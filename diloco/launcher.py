@@ -53,6 +53,7 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
         max_restarts=job.cluster.max_restarts,
         backoff_s=job.cluster.restart_backoff,
         end_grace_s=job.cluster.timeouts.quorum,
+        spares=job.cluster.spares,
     )
     injector = FaultInjector(
         cluster,
@@ -78,7 +79,7 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
             injector.fire_due(elapsed, new_faults=not supervisor.job_over)
             supervisor.check(elapsed)
             view.update(elapsed)
-            time.sleep(POLL_INTERVAL_S)
+            cluster.nap(POLL_INTERVAL_S)
         view.update(time.monotonic() - start, final=True)
     except JobFailed as failure:
         cluster.stop()

@@ -29,6 +29,7 @@ from diloco.distributed import WorkerEnv
 from diloco.faults import request_fault
 from diloco.lifeline import Lifeline
 from diloco.run_paths import RunPaths
+from diloco.spares import Assignment, assign, make_pipes
 from diloco.spawn import (
     ForkedProcess,
     ForkServer,
@@ -55,10 +56,22 @@ class JobFailed(RuntimeError):
 
 @dataclass
 class WorkerProcess:
-    group: int
+    group: int | None  # None: a worker of a warm spare not yet assigned
     rank: int
     process: ProcessHandle
     log_path: Path
+
+
+@dataclass
+class Spare:
+    """A warm spare (diloco.spares): a group's worth of built workers waiting for a group to replace."""
+
+    index: int
+    workers: list[WorkerProcess]
+    pipes: list[Path]
+
+    def dead(self) -> bool:
+        return any(w.process.poll() is not None for w in self.workers)
 
 
 def free_port(host: str) -> int:
@@ -125,6 +138,13 @@ def wait_until(
     return time.monotonic() - start
 
 
+def _kill_and_reap(processes: list[ProcessHandle]) -> None:
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.wait()
+
+
 def stop_processes(processes: list[ProcessHandle]) -> None:
     """SIGTERM (and SIGCONT, in case one is stopped), then SIGKILL what is left after a grace period."""
     for process in terminate_and_wait(processes, TERMINATE_GRACE_S):
@@ -158,6 +178,8 @@ class LocalCluster:
         self.signature = signature
         self.lighthouse: ProcessHandle | None = None
         self.groups: dict[int, list[WorkerProcess]] = {}
+        self.spares: list[Spare] = []
+        self._spares_started = 0
         self.lifeline: Lifeline | None = None  # made when the first process starts, cut by stop()
         self.fork_server: ForkServer | None = None  # started by the first process started with cluster.spawn=fork
         paths.logs.mkdir(parents=True, exist_ok=True)
@@ -215,18 +237,59 @@ class LocalCluster:
         With ``cluster.spawn=fork`` the first call starts the fork server (it imports
         everything once, so this call waits for it), and a call after it died starts another.
         """
+        self.groups[group] = self._start_workers(group, None)
+
+    def start_spare(self) -> Spare:
+        """Start a warm spare: N workers that build what any group builds, then wait to replace one."""
+        index = self._spares_started
+        self._spares_started += 1
+        pipes = make_pipes(self.paths, index, self.job.cluster.workers_per_group)
+        spare = Spare(index, self._start_workers(None, index), pipes)
+        self.spares.append(spare)
+        return spare
+
+    def _start_workers(self, group: int | None, spare: int | None) -> list[WorkerProcess]:
         n = self.job.cluster.workers_per_group
         port = free_port(self.job.cluster.master_addr)
-        threads = threads_per_worker(self.job.cluster.groups * n)
+        threads = threads_per_worker(self.job.cluster.groups * n)  # a spare's take the cores of the group it replaces
         started_at = time.time()
         workers = []
         for rank in range(n):
             env = WorkerEnv(
                 rank=rank, world_size=n, local_rank=rank, master_addr=self.job.cluster.master_addr, master_port=port
             )
-            spec = WorkerSpec(group, env, threads, self.paths.logs / f"group{group}_rank{rank}.log", started_at)
+            log_path = self.paths.worker_log(group, rank) if spare is None else self.paths.spare_log(spare, rank)
+            spec = WorkerSpec(group, env, threads, log_path, started_at, spare)
             workers.append(WorkerProcess(group, rank, self._spawn(spec), spec.log_path))
-        self.groups[group] = workers
+        return workers
+
+    def take_spare(self, group: int) -> int | None:
+        """Hand ``group`` to a spare whose every worker is built and waiting; its index, or None if none is.
+
+        From then on its workers are the group's (they log to the group's files).
+        """
+        for spare in self.spares:
+            if not spare.dead() and assign(spare.pipes, Assignment(group, time.time())):
+                self.spares.remove(spare)
+                self.groups[group] = [
+                    WorkerProcess(group, w.rank, w.process, self.paths.worker_log(group, w.rank))
+                    for w in spare.workers
+                ]
+                return spare.index
+        return None
+
+    def remove_dead_spares(self) -> list[Spare]:
+        """Spares with a worker that exited (a spare never exits on its own): the rest of each is killed."""
+        dead = [spare for spare in self.spares if spare.dead()]
+        for spare in dead:
+            self.spares.remove(spare)
+            _kill_and_reap([w.process for w in spare.workers])
+        return dead
+
+    def stop_spares(self) -> None:
+        """The job has ended: no group will need one."""
+        _kill_and_reap([w.process for spare in self.spares for w in spare.workers])
+        self.spares.clear()
 
     def _spawn(self, spec: WorkerSpec) -> ProcessHandle:
         if self.job.cluster.spawn == "exec":
@@ -264,6 +327,14 @@ class LocalCluster:
         if signum == signal.SIGKILL:
             for w in self.groups.pop(group):
                 w.process.wait()
+
+    def nap(self, timeout_s: float) -> None:
+        """Sleep up to ``timeout_s``, waking as soon as the fork server reports a process's exit
+        (a dead group is then replaced at once instead of at the next poll)."""
+        if self.fork_server is not None and self.fork_server.alive():
+            self.fork_server.wait_for_answer(timeout_s)
+        else:
+            time.sleep(timeout_s)
 
     def request_fault(self, group: int, fault: str) -> None:
         """Make ``group`` inject ``fault`` into its next round (see FaultHook; needs ``faults.in_workers``)."""
@@ -303,6 +374,7 @@ class LocalCluster:
 
         Cutting the lifeline last also ends any process a failed start left unrecorded.
         """
+        self.stop_spares()
         workers = [w.process for group in self.groups.values() for w in group]
         for process in workers:  # SIGTERM would ask a worker for a planned stop (stop_planned); this is at once
             process.kill()

@@ -58,6 +58,16 @@ class RunPaths:
     def fault_requests(self, group: int) -> Path:
         return self.root / "faults" / f"group{group}.requests"
 
+    def worker_log(self, group: int, rank: int) -> Path:
+        return self.logs / f"group{group}_rank{rank}.log"
+
+    def spare_log(self, spare: int, rank: int) -> Path:
+        return self.logs / f"spare{spare}_rank{rank}.log"
+
+    def spare_pipe(self, spare: int, rank: int) -> Path:
+        """Where the launcher tells rank ``rank`` of warm spare ``spare`` which group it replaces."""
+        return self.root / "spares" / f"spare{spare}_rank{rank}.fifo"
+
     def outputs_present(self) -> list[str]:
         """What an earlier run left here (the launcher refuses to run a second job on top of it)."""
         names = [JOB_FILE, "summary.json", "model.pt", "events.jsonl", "results", "commits", "metrics", "logs"]

@@ -41,16 +41,25 @@ class ForkServerGone(ForkServerError):
 class WorkerSpec:
     """One worker to start: its place in its group, its share of the cores, its log."""
 
-    group: int
+    group: int | None  # None: a worker of warm spare ``spare``, which waits for the group it replaces
     env: WorkerEnv
     threads: int
     log_path: Path
     started_at: float  # when the launcher asked for it (fault requests before it were meant for an earlier worker)
+    spare: int | None = None
+
+    def place_args(self) -> list[str]:
+        """``diloco.worker``'s arguments naming where this worker belongs."""
+        return ["--group", str(self.group)] if self.spare is None else ["--spare", str(self.spare)]
+
+    def describe(self) -> str:
+        place = f"group {self.group}" if self.spare is None else f"spare {self.spare}"
+        return f"worker {self.env.rank} of {place}"
 
 
 def exec_worker(spec: WorkerSpec, run_dir: Path, lifeline: Lifeline) -> subprocess.Popen:
     """Start ``python -m diloco.worker`` for ``spec``: a fresh interpreter that imports everything itself."""
-    argv = [sys.executable, "-m", "diloco.worker", "--run-dir", str(run_dir), "--group", str(spec.group)]
+    argv = [sys.executable, "-m", "diloco.worker", "--run-dir", str(run_dir), *spec.place_args()]
     with spec.log_path.open("ab") as log_file:
         return subprocess.Popen(
             [*argv, "--started-at", str(spec.started_at), *lifeline.argv()],
@@ -174,16 +183,17 @@ class ForkServer:
 
     def spawn(self, spec: WorkerSpec, timeout_s: float) -> ForkedProcess:
         """Ask for one worker and wait (up to ``timeout_s``, the server may still be importing) for its pid."""
+        place = {"group": spec.group} if spec.spare is None else {"spare": spec.spare}
         request = {
             "role": "worker",
-            "group": spec.group,
+            **place,
             "rank": spec.env.rank,
             "env": spec.env.to_environ(),
             "threads": spec.threads,
             "log": str(spec.log_path),
             "started_at": spec.started_at,
         }
-        return self._request(request, f"worker {spec.env.rank} of group {spec.group}", timeout_s)
+        return self._request(request, spec.describe(), timeout_s)
 
     def spawn_lighthouse(self, signature: str, log_path: Path, timeout_s: float) -> ForkedProcess:
         """Ask for the lighthouse of this server's job and wait (up to ``timeout_s``) for its pid."""
@@ -212,6 +222,10 @@ class ForkServer:
             select.select([self._answers_fd], [], [], remaining)
             self.read_answers()
         return self._started.pop(request_id)
+
+    def wait_for_answer(self, timeout_s: float) -> None:
+        """Block until the server writes something (an exit report, say) or ``timeout_s`` passes."""
+        select.select([self._answers_fd], [], [], timeout_s)
 
     def read_answers(self) -> None:
         """Take in every answer written so far, without blocking; notice when the server is gone."""

@@ -23,6 +23,7 @@ from diloco.run_paths import RunPaths
 
 RESULT_POLL_S = 0.2
 FAILURES = ("kill", "hang", "crash")  # event kinds that take a group out: what stalls and recoveries follow
+DEATHS = ("kill", "crash")  # the failures after which a replacement takes the group's place
 
 
 def times_to_heal(events: list[dict], commits: dict[int, list[dict]]) -> list[float]:
@@ -34,6 +35,20 @@ def times_to_heal(events: list[dict], commits: dict[int, list[dict]]) -> list[fl
         if after:
             healed.append(min(after) - event["time"])
     return healed
+
+
+def times_from_death_to_commit(events: list[dict], commits: dict[int, list[dict]]) -> list[float]:
+    """Seconds from each death of a group (SIGKILL, crash) to the first round its replacement committed.
+
+    Counts everything a replacement costs: noticing the death, any backoff, starting or
+    taking over workers, joining, healing from a peer and that first round.
+    """
+    times = []
+    for event in (e for e in events if e["kind"] in DEATHS):
+        back = [c["time"] for c in commits.get(event["group"], []) if c["committed"] and not c.get("join")]
+        if after := [t for t in back if t > event["time"]]:
+            times.append(min(after) - event["time"])
+    return times
 
 
 def survivor_stalls(events: list[dict], commits: dict[int, list[dict]], rounds_after: int = 2) -> list[float]:
@@ -73,6 +88,7 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {
         "count": len(values),
         "median": statistics.median(values),
+        "p90": statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0],
         "max": max(values),
         "mean": statistics.fmean(values),
     }
@@ -131,6 +147,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "faults": {kind: sum(e["kind"] == kind for e in events) for kind in sorted({e["kind"] for e in events})},
         "lighthouse_restarts": sum(e["kind"] == "lighthouse_restart" for e in events),
         "time_to_heal_s": _stats(times_to_heal(events, commits)),
+        "death_to_first_commit_s": _stats(times_from_death_to_commit(events, commits)),
         "survivor_stall_s": _stats(survivor_stalls(events, commits)),
         "groups_missing_results": sorted(set(range(job.cluster.groups)) - {r["group"] for r in results}),
         "per_group": results,

@@ -2,7 +2,9 @@
 
 A group that crashes is restarted after a backoff that doubles with each crash, up to a
 limit of crashes in a row without progress; a group killed on purpose by the fault plan is
-restarted without counting against it. Every return is a live recovery: the restarted group
+restarted without counting against it. With ``cluster.spares=K`` the supervisor keeps K warm
+spares (diloco.spares) and a group that dies after holding the job's state is replaced by a
+ready one at once, no backoff; the pool is refilled in the background. Every return is a live recovery: the restarted group
 heals from a peer, never a checkpoint.
 """
 
@@ -91,12 +93,15 @@ class Supervisor:
         max_restarts: int,
         backoff_s: float,
         end_grace_s: float,
+        spares: int = 0,
     ) -> None:
         self.cluster = cluster
         self.events = events
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
         self.end_grace_s = end_grace_s
+        self.spares = spares
+        self.spare_crashes = 0  # spares that died in a row before one took a group over
         self.over_since: float | None = None
         self.crashes: dict[int, int] = {}
         self.lighthouse_crashes = 0  # unplanned deaths in a row, each soon after its start
@@ -109,10 +114,11 @@ class Supervisor:
     def check(self, now: float) -> None:
         """Notice a dead lighthouse, dead and finished groups; restart groups whose backoff has passed."""
         self._check_lighthouse(now)
+        self._keep_spares()
         for group in range(self.cluster.job.cluster.groups):
             workers = self.cluster.groups.get(group)
             if workers is None:
-                self.restart_at.setdefault(group, now + self.backoff_s)  # killed on purpose
+                self.restart_at.setdefault(group, now + self._restart_delay(0))  # killed on purpose
             elif all(w.process.poll() == 0 for w in workers):
                 self.finished_groups.add(group)
             elif any(w.process.poll() == JOB_ENDED_EXIT_CODE for w in workers):
@@ -127,8 +133,46 @@ class Supervisor:
         for group, at in sorted(self.restart_at.items()):
             if now >= at:
                 del self.restart_at[group]
-                self.cluster.start_group(group)
-                self.events.write("restart", group)
+                self._restart(group)
+
+    def _restart(self, group: int) -> None:
+        """A warm spare that is ready takes the group over; else fresh workers start."""
+        spare = self.cluster.take_spare(group) if self.spares else None
+        if spare is None:
+            self.cluster.start_group(group)
+            self.events.write("restart", group)
+            return
+        self.spare_crashes = 0
+        self.events.write("restart", group, spare=spare)
+        self._keep_spares()  # refill the pool now: the next failure may come before the next check
+
+    def _restart_delay(self, crashes: int) -> float:
+        """No wait for a group that failed after holding the job's state when spares are kept
+        (replacing it at once is their point); else the backoff, doubling per crash in a row."""
+        if self.spares and crashes <= 1:
+            return 0.0
+        return self.backoff_s * 2 ** max(crashes - 1, 0)
+
+    def _keep_spares(self) -> None:
+        """Replace dead spares and refill the pool to ``spares``; none once the job is over.
+
+        A spare never exits on its own, so one that did crashed (its log says why); more
+        than ``max_restarts`` of them in a row fails the job, as a crash-looping group does.
+        """
+        for spare in self.cluster.remove_dead_spares():
+            self.spare_crashes += 1
+            failed = next(w for w in spare.workers if w.process.poll() is not None)
+            self.events.write("spare_crash", spare=spare.index, rank=failed.rank, code=failed.process.returncode)
+            if self.spare_crashes > self.max_restarts:
+                raise JobFailed(
+                    f"warm spares failed {self.spare_crashes} times in a row (cluster.max_restarts={self.max_restarts}); "
+                    f"last lines of {failed.log_path}:\n{log_tail(failed.log_path)}"
+                )
+        if self.job_over:
+            self.cluster.stop_spares()
+            return
+        while len(self.cluster.spares) < self.spares:
+            self.cluster.start_spare()
 
     @property
     def job_over(self) -> bool:
@@ -196,7 +240,7 @@ class Supervisor:
                 f"group {group} failed {self.crashes[group]} times (cluster.max_restarts={self.max_restarts}); "
                 f"last lines of {failed.log_path}:\n{log_tail(failed.log_path)}"
             )
-        self.restart_at[group] = now + self.backoff_s * 2 ** (self.crashes[group] - 1)
+        self.restart_at[group] = now + self._restart_delay(self.crashes[group])
 
 
 class FaultInjector:

@@ -2,12 +2,14 @@
 
 Run by the embedded launcher as ``python -m diloco.worker --run-dir DIR --group G`` with
 torchrun's variables in the environment (``cluster.spawn=exec``), forked from a warm
-``diloco.forkserver`` (``cluster.spawn=fork``), or through ``run.py role=group`` under torchrun.
+``diloco.forkserver`` (``cluster.spawn=fork``), or through ``run.py role=group`` under torchrun;
+as part of a warm spare (``--spare K``), it builds first and learns its group later.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -15,15 +17,17 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from diloco import lifeline
 from diloco.checkpoint import check_compatible, rank_dir, resolve_resume, verify_rank
-from diloco.config import JobConfig, job_config_from_dict
+from diloco.config import GroupConfig, JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
 from diloco.data import ShardedBatches, eval_batches, load_corpus
 from diloco.distributed import WorkerEnv, check_device, init_group, select_device, shard_model
@@ -34,8 +38,9 @@ from diloco.inner_opt import build_inner_optimizer
 from diloco.logger import MetricsLogger, start_wandb
 from diloco.model import Transformer, count_parameters, param_signature
 from diloco.outer_setup import build_outer_sync, group_name
-from diloco.process_logging import setup_process_logging
+from diloco.process_logging import output_to, setup_process_logging
 from diloco.run_paths import RunPaths
+from diloco.spares import SpareAssignmentError, wait_for_assignment
 from diloco.synchronizer import Synchronizer
 from diloco.trainer import CheckpointCallback, MetricsCallback, Trainer, TrainResult
 from diloco.worker_state import WorkerState
@@ -154,17 +159,39 @@ def preflight(job: JobConfig, paths: RunPaths) -> tuple[int, str]:
     return count_parameters(model), signature
 
 
-def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: float = 0.0) -> dict[str, Any]:
+@dataclass
+class Replica:
+    """What every worker builds alike, whichever group it is in: a warm spare builds it before it knows its group."""
+
+    device: torch.device
+    model: torch.nn.Module
+    sharded: bool
+    inner: InnerOptimizer
+    n_params: int
+    signature: str
+
+
+def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device) -> Replica:
+    torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
+    model = Transformer(job.model).to(device)
+    n_params, signature = count_parameters(model), param_signature(job.model, model)
+    sharded = shard_model(model, model.layers, mesh, device)
+    return Replica(device, model, sharded, build_inner(job, model), n_params, signature)
+
+
+def run_worker(
+    job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: float = 0.0, spare_pipe: Path | None = None
+) -> dict[str, Any]:
     """Train this worker's part of replica group ``job.group.id``; returns the group's result record.
 
     The leader logs, writes the result and, if the lighthouse named this group at the job's
     end, saves the final model. ``started_at`` is when the launcher started this process
-    (fault requests before it were meant for an earlier process of the group).
+    (fault requests before it were meant for an earlier process of the group). With
+    ``spare_pipe`` this worker is part of a warm spare (diloco.spares): it builds its replica,
+    then waits there for the group it replaces, and from then on is that group's worker.
     """
     setup_process_logging()
-    stop = _stop_on_signals()
-    group = job.group.id
-    leader = env.rank == 0
+    stop = _stop_on_signals() if spare_pipe is None else None  # a waiting spare just dies when told to
     device = select_device(job.cluster.device, env.local_rank)
     mesh = init_group(
         env,
@@ -173,75 +200,94 @@ def run_worker(job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: floa
         collective_timeout_s=job.cluster.timeouts.collective,
     )
     try:
-        torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
-        model = Transformer(job.model).to(device)
-        n_params, signature = count_parameters(model), param_signature(job.model, model)
-        sharded = shard_model(model, model.layers, mesh, device)
-        inner = build_inner(job, model)
-        outer = None
-        if job.algo.name != "local":
-            outer = build_outer_sync(
-                job,
-                env,
-                model=model,
-                inner_optimizer=inner[0],
-                signature=signature,
-                device=device,
-                commits_path=paths.commits(group),
-                faults=_fault_hook(job, paths, started_at),
-            )
-        logger = None
-        if leader:
-            print(f"group {group}: model has {n_params:,} parameters", flush=True)
-            logger = _metrics_logger(job, paths)
-        state = WorkerState(
-            model=model,
-            inner_optimizer=inner[0],
-            outer=outer,
-            rank=env.rank,
-            identity=checkpoint_identity(job, signature, env.world_size),
-        )
-        trainer = build_trainer(
-            job,
-            model,
-            group=group,
-            worker=env.rank,
-            num_workers=env.world_size,
-            device=device,
-            inner=inner,
-            sharded=sharded,
-            outer=outer,
-            on_metrics=None if logger is None else logger.log,
-            on_checkpoint=(lambda t: state.save(t, paths.root, group)) if job.trainer.checkpoint.enabled else None,
-            stop_requested=stop.is_set,
-        )
-        if job.trainer.resume:
-            folder = resume_folders(job, paths)[group]
-            check_compatible(folder, state.identity)
-            state.restore(trainer, folder)
-        try:
-            if outer is not None:
-                outer.start()
-            result = trainer.fit()
-        finally:
-            if outer is not None:
-                outer.close()
-        if result.interrupted and outer is not None:
-            outer.load_global_into_local()  # what a planned stop keeps is the last committed global model
-        weights = _full_state_dict(model, sharded)
-        report = _result_record(group, result, n_params)
-        if outer is not None:
-            report |= outer.report()
-        if leader:
-            report["saved_model"] = not result.interrupted and saves_final_model(job, report)
-            if report["saved_model"] or result.interrupted:
-                target = paths.interrupted_weights(group) if result.interrupted else paths.weights
-                write_atomically(target, lambda fh: torch.save(weights, fh))
-            write_json_atomically(paths.result(group), report)
-            logger.close(report)
-        return report
+        replica = build_replica(job, mesh, device)
+        if spare_pipe is not None:
+            job, started_at = _take_assignment(job, env, paths, spare_pipe)
+            stop = _stop_on_signals()
+        return _train_group(job, env, paths, replica, stop, started_at)
     finally:
         dist.destroy_process_group()
+
+
+def _take_assignment(job: JobConfig, env: WorkerEnv, paths: RunPaths, pipe: Path) -> tuple[JobConfig, float]:
+    """Wait for the group this spare replaces; from then on log where that group's worker logs."""
+    assignment = wait_for_assignment(pipe)
+    if assignment.group >= job.cluster.groups:
+        raise SpareAssignmentError(f"{pipe}: group {assignment.group} is not in this job of {job.cluster.groups}")
+    output_to(paths.worker_log(assignment.group, env.rank))
+    print(f"warm spare {pipe.name} takes over group {assignment.group}", flush=True)
+    return dataclasses.replace(job, group=GroupConfig(id=assignment.group)), assignment.started_at
+
+
+def _train_group(
+    job: JobConfig, env: WorkerEnv, paths: RunPaths, replica: Replica, stop: threading.Event, started_at: float
+) -> dict[str, Any]:
+    """Join the job as a worker of ``job.group.id`` with a built replica, train, report."""
+    group = job.group.id
+    leader = env.rank == 0
+    model, sharded, inner, signature = replica.model, replica.sharded, replica.inner, replica.signature
+    outer = None
+    if job.algo.name != "local":
+        outer = build_outer_sync(
+            job,
+            env,
+            model=model,
+            inner_optimizer=inner[0],
+            signature=signature,
+            device=replica.device,
+            commits_path=paths.commits(group),
+            faults=_fault_hook(job, paths, started_at),
+        )
+    logger = None
+    if leader:
+        print(f"group {group}: model has {replica.n_params:,} parameters", flush=True)
+        logger = _metrics_logger(job, paths)
+    state = WorkerState(
+        model=model,
+        inner_optimizer=inner[0],
+        outer=outer,
+        rank=env.rank,
+        identity=checkpoint_identity(job, signature, env.world_size),
+    )
+    trainer = build_trainer(
+        job,
+        model,
+        group=group,
+        worker=env.rank,
+        num_workers=env.world_size,
+        device=replica.device,
+        inner=inner,
+        sharded=sharded,
+        outer=outer,
+        on_metrics=None if logger is None else logger.log,
+        on_checkpoint=(lambda t: state.save(t, paths.root, group)) if job.trainer.checkpoint.enabled else None,
+        stop_requested=stop.is_set,
+    )
+    if job.trainer.resume:
+        folder = resume_folders(job, paths)[group]
+        check_compatible(folder, state.identity)
+        state.restore(trainer, folder)
+    try:
+        if outer is not None:
+            outer.start()
+        result = trainer.fit()
+    finally:
+        if outer is not None:
+            outer.close()
+    if result.interrupted and outer is not None:
+        outer.load_global_into_local()  # what a planned stop keeps is the last committed global model
+    weights = _full_state_dict(model, sharded)
+    report = _result_record(group, result, replica.n_params)
+    if outer is not None:
+        report |= outer.report()
+    if leader:
+        report["saved_model"] = not result.interrupted and saves_final_model(job, report)
+        if report["saved_model"] or result.interrupted:
+            target = paths.interrupted_weights(group) if result.interrupted else paths.weights
+            write_atomically(target, lambda fh: torch.save(weights, fh))
+        write_json_atomically(paths.result(group), report)
+        logger.close(report)
+    return report
 
 
 def resume_folders(job: JobConfig, paths: RunPaths) -> dict[int, Path]:
@@ -333,19 +379,26 @@ def _result_record(group: int, result: TrainResult, n_params: int) -> dict[str, 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", type=Path, required=True)
-    parser.add_argument("--group", type=int, required=True)
+    place = parser.add_mutually_exclusive_group(required=True)
+    place.add_argument("--group", type=int, help="the replica group this worker belongs to")
+    place.add_argument("--spare", type=int, help="the warm spare this worker belongs to (diloco.spares)")
     parser.add_argument("--started-at", type=float, default=0.0, help="when the launcher spawned this process")
     lifeline.add_argument(parser)
     args = parser.parse_args(argv)
     if args.lifeline_fd is not None:
         lifeline.watch(args.lifeline_fd)
-    run_launched_worker(RunPaths(args.run_dir), args.group, WorkerEnv.from_environ(os.environ), args.started_at)
+    env = WorkerEnv.from_environ(os.environ)
+    run_launched_worker(RunPaths(args.run_dir), args.group, env, args.started_at, spare=args.spare)
 
 
-def run_launched_worker(paths: RunPaths, group: int, env: WorkerEnv, started_at: float) -> NoReturn:
-    """What a worker the local launcher started does, exec'd or forked: train ``group``'s part, then leave."""
+def run_launched_worker(
+    paths: RunPaths, group: int | None, env: WorkerEnv, started_at: float, spare: int | None = None
+) -> NoReturn:
+    """What a worker the local launcher started does, exec'd or forked: train ``group``'s part, then
+    leave; a worker of warm spare ``spare`` (``group`` None) first waits for the group it replaces."""
+    pipe = None if spare is None else paths.spare_pipe(spare, env.rank)
     try:
-        report = run_worker(load_job(paths, group), env, paths, started_at=started_at)
+        report = run_worker(load_job(paths, 0 if group is None else group), env, paths, started_at=started_at, spare_pipe=pipe)
     except JobEndedError as error:
         exit_without_teardown(JOB_ENDED_EXIT_CODE, f"error: {error}")
     exit_without_teardown(INTERRUPTED_EXIT_CODE if report.get("interrupted") else 0)

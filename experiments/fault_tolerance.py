@@ -2,26 +2,28 @@
 group SIGKILLed every 15 s.
 
 Four replica groups of one CPU process each train the tiny model with DiLoCo, H=20
-(``conf/experiment/fault_tolerance.yaml``). The same job runs twice, one after the other:
+(``conf/experiment/fault_tolerance.yaml``). The same job runs three times, one after the other:
 
 - ``faults=none``: nothing is injected;
 - ``faults=kill_every``: a random group is SIGKILLed every 15 s (never the same group twice
   in a row). The supervisor restarts it after its backoff; there are no checkpoints in this
   system, so every return is a live recovery: the new process takes θ_g, the outer optimizer
-  state and the step from a live peer at its first quorum.
+  state and the step from a live peer at its first quorum;
+- the same with ``cluster.spares=1`` (left out with ``--no-spares``): a warm spare, built and
+  waiting, takes the killed group's place at once and heals the same way; the pool is refilled.
 
-Both runs train the same ``trainer.max_steps``, chosen from a short fault-free calibration so
+Every run trains the same ``trainer.max_steps``, chosen from a short fault-free calibration so
 that each lasts at least ``--minutes``. Everything reported comes from the run directories:
 ``summary.json`` (goodput, time to heal, survivors' stall, final eval loss, per-group digests),
 ``events.jsonl`` (kills and restarts) and the groups' commit logs, which hold the records of
 every process a group had (summary.json sees only each group's last process).
 
-    python experiments/fault_tolerance.py            # 2 x >= 5 minutes, after a ~30 s calibration
-    python experiments/fault_tolerance.py --quick    # 2 x ~60 s with a kill every 10 s: a smoke test
+    python experiments/fault_tolerance.py            # 3 x >= 5 minutes, after a ~30 s calibration
+    python experiments/fault_tolerance.py --quick    # 3 x ~45 s with a kill every 10 s: a smoke test
 
 Prints a markdown table and the target checks and writes them to
 experiments/results/fault_tolerance.md (the numbers also to fault_tolerance.json); plots train
-loss against wall time for both runs, kills and recoveries marked, to
+loss against wall time for every run, kills and recoveries marked, to
 experiments/results/fault_tolerance.png when matplotlib is installed (``pip install -e .[experiments]``).
 """
 
@@ -64,6 +66,9 @@ from experiments.common import (  # noqa: E402
 EXPERIMENT = "fault_tolerance"
 FAULT_FREE = "fault-free"
 FAULTY = "faulty"
+SPARES = "faulty, 1 warm spare"
+MIN_GOODPUT_WITH_SPARES = 0.95  # goodput ratio to fault-free with a warm spare
+MAX_DEATH_TO_COMMIT_S = 1.0  # median seconds from a group's death to its replacement's first committed round
 LOSS_TOLERANCE = 0.03  # final eval loss of the faulty run within 3% of the fault-free one
 MAX_STALL_S = 1.0  # survivors' median stall per failure
 MARGIN = 1.15  # calibration on a noisy machine: aim past the minimum wall time
@@ -247,6 +252,12 @@ def _pair(stats: dict[str, float]) -> str:
     return f"{stats['median']:.2f} / {stats['max']:.2f} (n={stats['count']})"
 
 
+def _spread(stats: dict[str, float]) -> str:
+    if not stats.get("count"):
+        return "n/a"
+    return f"{stats['median']:.2f} / {stats['p90']:.2f} / {stats['max']:.2f} (n={stats['count']})"
+
+
 def digests_equal(summary: dict[str, Any]) -> tuple[bool, str]:
     """Invariant 1 from outside: every group that reported ended holding the same θ_g and outer state."""
     results = summary["per_group"]
@@ -268,6 +279,7 @@ def numbers(run: Run, base: Run) -> dict[str, Any]:
         "steps": s["steps"],
         "kills": run.count("kill"),
         "restarts": run.count("restart"),
+        "spare_takeovers": sum(e["kind"] == "restart" and "spare" in e for e in run.events),
         "recoveries": run.healed(),
         "late_failures": len(run.late_failures()),
         "summary_recoveries": s["recoveries"],
@@ -278,6 +290,7 @@ def numbers(run: Run, base: Run) -> dict[str, Any]:
         "goodput_to_last_step": run.goodput_to_last_step(),
         "goodput_to_last_step_ratio": run.goodput_to_last_step() / base.goodput_to_last_step(),
         "time_to_heal_s": s["time_to_heal_s"],
+        "death_to_first_commit_s": s["death_to_first_commit_s"],
         "survivor_stall_s": s["survivor_stall_s"],
         "final_eval_loss": s["final_eval_loss"],
         "digests_equal": digests_equal(s)[0],
@@ -290,7 +303,7 @@ ROWS = [
     ("last training step logged at s", lambda n, s: f"{n['training_ended_s']:.0f}"),
     ("inner steps per group", lambda n, s: str(n["steps"])),
     ("kills injected", lambda n, s: str(n["kills"])),
-    ("restarts", lambda n, s: str(n["restarts"])),
+    ("restarts (of them by a warm spare)", lambda n, s: f"{n['restarts']} ({n['spare_takeovers']})"),
     ("recoveries (restarted groups healed)", lambda n, s: str(n["recoveries"])),
     ("committed / attempted syncs", lambda n, s: f"{n['syncs_committed']} / {n['syncs_attempted']}"),
     ("goodput (committed tokens/s)", lambda n, s: f"{n['goodput_tokens_per_s']:,.0f}"),
@@ -300,6 +313,7 @@ ROWS = [
         lambda n, s: f"{n['goodput_to_last_step']:,.0f} ({n['goodput_to_last_step_ratio']:.3f})",
     ),
     ("time to heal s (median / max)", lambda n, s: _pair(n["time_to_heal_s"])),
+    ("death to first commit s (median / p90 / max)", lambda n, s: _spread(n["death_to_first_commit_s"])),
     ("survivors' stall per failure s (median / max)", lambda n, s: _pair(n["survivor_stall_s"])),
     ("final eval loss", lambda n, s: f"{n['final_eval_loss']:.4f}"),
     ("digests of all groups equal", lambda n, s: digests_equal(s)[1]),
@@ -333,7 +347,19 @@ def targets(figures: dict[str, dict[str, Any]]) -> list[str]:
         f"time to heal measured for {heals} of {restarts} restarts; "
         f"{faulty['late_failures']} kill(s) too close to the end of the job to recover)"
     )
-    return [loss_line, stall_line, recovery_line]
+    lines = [loss_line, stall_line, recovery_line]
+    if spared := figures.get(SPARES):
+        back = spared["death_to_first_commit_s"]
+        back_median = back["median"] if back.get("count") else math.nan
+        lines += [
+            f"with a warm spare, goodput ratio >= {MIN_GOODPUT_WITH_SPARES}: "
+            f"{verdict(spared['goodput_ratio'] >= MIN_GOODPUT_WITH_SPARES)} ({spared['goodput_ratio']:.3f}; "
+            f"without: {faulty['goodput_ratio']:.3f})",
+            f"with a warm spare, median death to first commit <= {MAX_DEATH_TO_COMMIT_S:g} s: "
+            f"{verdict(back_median <= MAX_DEATH_TO_COMMIT_S)} ({back_median:.2f} s over {back.get('count', 0)} "
+            f"deaths; without: {_spread(faulty['death_to_first_commit_s'])})",
+        ]
+    return lines
 
 
 def notes(runs: dict[str, Run]) -> list[str]:
@@ -430,7 +456,7 @@ def settings(args: argparse.Namespace) -> Settings:
         # A smoke test: a kill that lands in the last seconds leaves a restarted group that
         # cannot heal, and the supervisor waits cluster.timeouts.quorum (60 s) before stopping
         # it; 20 s keeps the test short. The default run keeps the config's timeouts.
-        return Settings(args.minutes or 0.75, args.kill_every or 10.0, 10.0, 5.0, 2.0, ["cluster.timeouts.quorum=20"])
+        return Settings(args.minutes or 0.75, args.kill_every or 10.0, 6.0, 5.0, 2.0, ["cluster.timeouts.quorum=20"])
     return Settings(args.minutes or 5.0, args.kill_every or 15.0, 20.0, 20.0, 5.0, [])
 
 
@@ -440,6 +466,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, help="least wall time of each run (default 5; --quick: 0.75)")
     parser.add_argument("--kill-every", type=float, help="seconds between kills (default 15; --quick: 10)")
     parser.add_argument("--steps", type=int, help="inner steps per run, a multiple of H (default: from a calibration)")
+    parser.add_argument(
+        "--no-spares", dest="spares", action="store_false", help="leave out the faulty run with a warm spare"
+    )
     add_output_arguments(parser)
     return parser.parse_args()
 
@@ -465,7 +494,9 @@ def main() -> None:
         ]
         faults = ["faults=kill_every", f"faults.kill_every={cfg.kill_every}", f"faults.start_after={cfg.start_after}"]
         runs = {}
-        for name, overrides in ((FAULT_FREE, ["faults=none"]), (FAULTY, faults)):
+        plans = [(FAULT_FREE, ["faults=none"]), (FAULTY, faults)]
+        plans += [(SPARES, [*faults, "cluster.spares=1"])] if args.spares else []
+        for name, overrides in plans:
             started = time.monotonic()
             runs[name] = run_one(name, overrides + shared, root / name)
             print(f"{name} run done in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
@@ -474,7 +505,8 @@ def main() -> None:
             f"DiLoCo H={h}, 4 groups x 1 CPU process, {runs[FAULT_FREE].summary['parameters'] / 1e6:.2f}M parameters, "
             f"{steps} inner steps per run ({how}); faulty run: SIGKILL of a random group every {cfg.kill_every:g} s "
             f"from {cfg.start_after:g} s, never the same group twice in a row, every return a live recovery from a "
-            "peer. Stall and heal times: median / max over failures (n)."
+            "peer: fresh workers after cluster.restart_backoff, or (last column) a warm spare that takes over at "
+            "once (cluster.spares=1). Stall and heal times: median / max over failures (n)."
         )
         folder = Path(args.results) if args.results else RESULTS
         drawn = plot(runs, folder / "fault_tolerance.png", cfg.bin_s)

@@ -155,6 +155,8 @@ def test_an_unknown_key_is_refused_at_composition():
         (["outer_opt.name=adagrad"], r"outer_opt\.name='adagrad': must be one of"),
         (["cluster.min_groups=3"], r"cluster\.min_groups=3"),
         (["role=boss"], r"role='boss': must be one of local, lighthouse, group"),
+        (["cluster.spares=-1"], r"cluster\.spares=-1: must be >= 0"),
+        (["role=group", "cluster.spares=1"], r"cluster\.spares=1: warm spares are kept by the local launcher"),
     ],
 )
 def test_invalid_values_name_the_key(overrides, message):

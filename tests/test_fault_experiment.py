@@ -19,7 +19,7 @@ TIMEOUT_S = 300
 
 @pytest.mark.slow
 def test_fault_tolerance_quick(tmp_path):
-    args = ["--quick", "--minutes", "0.35", "--kill-every", "6", "--results", str(tmp_path)]
+    args = ["--quick", "--minutes", "0.25", "--kill-every", "5", "--results", str(tmp_path)]
     run_experiment("fault_tolerance.py", args, TIMEOUT_S)
     table = (tmp_path / "fault_tolerance.md").read_text()
     assert "| kills injected |" in table and "every killed group recovers:" in table, table
@@ -28,6 +28,11 @@ def test_fault_tolerance_quick(tmp_path):
     assert faulty["late_failures"] <= 1, table
     assert faulty["recoveries"] >= faulty["kills"] - faulty["late_failures"], table
     assert faulty["time_to_heal_s"].get("count", 0) >= faulty["recoveries"], table
+    spared = json.loads((tmp_path / "fault_tolerance.json").read_text())["faulty, 1 warm spare"]
+    assert spared["kills"] > 0 and spared["spare_takeovers"] >= 1, table
+    assert spared["recoveries"] >= spared["kills"] - spared["late_failures"], table
+    assert spared["death_to_first_commit_s"].get("count", 0) >= 1, table
+    assert "| death to first commit s (median / p90 / max) |" in table and "with a warm spare" in table, table
 
     pytest.importorskip("matplotlib", reason="the script skips the PNG without matplotlib")
     assert (tmp_path / "fault_tolerance.png").stat().st_size > 0

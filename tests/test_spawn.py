@@ -70,7 +70,7 @@ WAITING_SERVER = """
 import os, signal, sys
 import diloco.forkserver as server
 
-def wait_then_exit_3(paths, group, env, started_at):
+def wait_then_exit_3(paths, group, env, started_at, spare=None):
     signal.signal(signal.SIGUSR1, lambda *_: os._exit(3))
     print("waiting", flush=True)
     while True:

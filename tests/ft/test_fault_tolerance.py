@@ -153,6 +153,33 @@ def test_killed_group_is_left_out_then_heals_when_restarted(job_factory, algo):
     assert assert_digests_agree(job.paths, 3) >= 3  # all three, the two survivors, all three again
 
 
+def test_a_warm_spare_takes_over_a_killed_group_and_heals(job_factory):
+    """A spare of two FSDP workers builds itself while the groups train, stays out of every
+    quorum, and once handed the killed group's id heals from the survivor and commits with it."""
+    job = job_factory("cluster.groups=2", "cluster.workers_per_group=2", "trainer.max_steps=100000")
+    job.start(range(2))
+    spare = job.cluster.start_spare()
+    both = ["group0", "group1"]
+    job.cluster.wait_for(lambda: all(job.committed_with(g, both) for g in range(2)), 120, "a round of both groups")
+    job.cluster.signal_group(1, signal.SIGKILL)
+    job.cluster.wait_for(lambda: job.cluster.take_spare(1) is not None, 60, "the spare to be built and take group1")
+    spare_leader = spare.workers[0].process.pid
+    assert job.leader_pid(1) == spare_leader and not job.cluster.spares
+    taken_at = job.rounds_of(0)
+    job.cluster.wait_for(lambda: job.committed_with(1, both, taken_at), 120, "the spare to heal and commit as group1")
+    records = commits(job.paths, 1)
+    first = next(i for i, r in enumerate(records) if r["pid"] == spare_leader)
+    assert all(r["pid"] == spare_leader for r in records[first:]), "only the spare writes group1's log now"
+    assert max(r["recoveries"] for r in records[first:]) == 1, "it took the live state from group0, once"
+    assert assert_digests_agree(job.paths, 2) >= 2
+    quorum_members = {p for g in range(2) for r in commits(job.paths, g) for p in r["participants"]}
+    assert quorum_members == set(both), "a spare is never a member of a quorum under a name of its own"
+    for rank in range(2):
+        assert "takes over group 1" in job.paths.worker_log(1, rank).read_text()
+        waiting = job.paths.spare_log(spare.index, rank).read_text()
+        assert "group" not in waiting and "healed" not in waiting, f"a waiting spare does nothing: {waiting}"
+
+
 def test_late_group_heals_and_joins(job_factory):
     job = job_factory("trainer.max_steps=100000")
     job.start([0, 1])
