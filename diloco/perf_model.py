@@ -3,6 +3,8 @@ utilization it leaves, and the bandwidth a plan needs to reach a utilization.
 
 Pure functions of plain numbers, so they can be checked on recorded measurements and fed
 with published ones (``experiments/simulate_scale.py``). Seconds, bytes and bits per second.
+The same for a failure: how long a dead group's replacement takes to commit again, and the
+compute the job loses meanwhile (``death_to_commit_seconds``, ``lost_group_seconds``).
 
 The model: each of the M groups computes an inner step in ``step_s``; a sync all-reduces
 the payload over a ring of the M groups (each sends and receives 2(M−1)/M of it, in 2(M−1)
@@ -92,3 +94,34 @@ def bandwidth_for(
     if budget <= 0:
         return math.inf
     return ring_factor(groups) * fragment_bytes(plan, params) * 8 / budget
+
+
+# Recovery. A group dies at a uniformly random moment of the survivors' window W (seconds
+# between their rounds). Its replacement (a warm spare taking over, or fresh workers after
+# the backoff) is ready, asking for a quorum, ``ready_s`` after the death. The lighthouse
+# lets a round wait up to ``join_s`` for a group it still counts healthy, which a replaced
+# group is until its heartbeat times out, so a replacement joins the first round that
+# started no earlier than ``join_s`` before it was ready, heals in it and commits it.
+
+
+def wait_for_round_seconds(window_s: float, join_s: float) -> float:
+    """Expected wait from a random moment to the round a group ready then joins: (W − j)²/2W.
+
+    The next round starts u later, u uniform in [0, W); the one before started W − u ago
+    and still waits for the group if W − u ≤ j.
+    """
+    if window_s <= 0 or join_s >= window_s:
+        return 0.0
+    return (window_s - join_s) ** 2 / (2 * window_s)
+
+
+def death_to_commit_seconds(ready_s: float, window_s: float, join_s: float, round_s: float = 0.0) -> float:
+    """Expected seconds from a group's death to its replacement's first committed round."""
+    return ready_s + wait_for_round_seconds(window_s, join_s) + round_s
+
+
+def lost_group_seconds(ready_s: float, window_s: float, join_s: float) -> float:
+    """Expected compute a death costs the job, in seconds of one group's training: the dead
+    group's work since its last round (half a window on average), then its absence until the
+    replacement's first round. (On a shared machine the survivors take up part of it.)"""
+    return window_s / 2 + ready_s + wait_for_round_seconds(window_s, join_s)

@@ -51,6 +51,16 @@ def times_from_death_to_commit(events: list[dict], commits: dict[int, list[dict]
     return times
 
 
+def times_from_death_to_ready(events: list[dict], commits: dict[int, list[dict]]) -> list[float]:
+    """Seconds from each death of a group to its replacement's first ask for a quorum (its first record's)."""
+    times = []
+    for event in (e for e in events if e["kind"] in DEATHS):
+        first = next((c for c in commits.get(event["group"], []) if c["time"] > event["time"]), None)
+        if first is not None and "asked_at" in first:
+            times.append(first["asked_at"] - event["time"])
+    return times
+
+
 def survivor_stalls(events: list[dict], commits: dict[int, list[dict]], rounds_after: int = 2) -> list[float]:
     """Per failure: the survivors' mean extra time blocked in sync over their next rounds.
 
@@ -148,6 +158,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "lighthouse_restarts": sum(e["kind"] == "lighthouse_restart" for e in events),
         "time_to_heal_s": _stats(times_to_heal(events, commits)),
         "death_to_first_commit_s": _stats(times_from_death_to_commit(events, commits)),
+        "death_to_ready_s": _stats(times_from_death_to_ready(events, commits)),
         "survivor_stall_s": _stats(survivor_stalls(events, commits)),
         "groups_missing_results": sorted(set(range(job.cluster.groups)) - {r["group"] for r in results}),
         "per_group": results,

@@ -70,6 +70,7 @@ class Synchronizer:
         self.tokens = 0
         self.tokens_committed = 0.0  # tokens whose inner steps reached a committed global model
         self.recoveries = 0
+        self.round_asked_at = 0.0  # wall time this group last started a round (asked for a quorum)
         self._recoveries_recorded = 0
         self._fragment_digests: dict[int, bytes] = {}
 
@@ -133,6 +134,7 @@ class Synchronizer:
         self.manager.finish()
         deadline = time.monotonic() + self.end_wait_s
         while True:
+            self.round_asked_at = time.time()
             answer = self.manager.closing_round(step, self.group_digest())
             if isinstance(answer, JobEnd):
                 self.end = answer
@@ -153,7 +155,9 @@ class Synchronizer:
         """Called once a peer's state has been applied."""
 
     def _round_starts(self) -> None:
-        """Pick up the faults requested for this group since the last round (with a fault hook only)."""
+        """Note when the round starts; pick up the faults requested for this group since the last
+        round (with a fault hook only)."""
+        self.round_asked_at = time.time()
         if self.faults is not None:
             self.faults.poll()
 
@@ -233,6 +237,7 @@ class Synchronizer:
                 "participants": list(round_.quorum.participants),
                 "inner_step": step,
                 "time": time.time(),
+                "asked_at": self.round_asked_at,
                 "sync_ms": sync_ms,
                 "tokens": tokens,
                 "recoveries": self.recoveries,

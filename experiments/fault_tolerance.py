@@ -45,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diloco.logger import read_jsonl  # noqa: E402
+from diloco.perf_model import death_to_commit_seconds  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
 from diloco.summary import FAILURES  # noqa: E402
 from experiments.common import (  # noqa: E402
@@ -107,9 +108,35 @@ class Run:
     events: list[dict[str, Any]]
     commits: dict[int, list[dict[str, Any]]]
     metrics: dict[int, list[dict[str, Any]]]
+    job_file: Path
+
+    @cached_property
+    def join_s(self) -> float:
+        """cluster.timeouts.join of the job: how long a round waits for a group still counted healthy."""
+        return json.loads(self.job_file.read_text())["cluster"]["timeouts"]["join"]
 
     def count(self, kind: str) -> int:
         return self.summary["faults"].get(kind, 0)
+
+    def window_s(self) -> float:
+        """Seconds between a group's committed rounds (median over every group and round)."""
+        gaps = []
+        for records in self.commits.values():
+            times = [r["time"] for r in records if r["committed"]]
+            gaps += [b - a for a, b in zip(times, times[1:])]
+        return statistics.median(gaps) if gaps else math.nan
+
+    def round_s(self) -> float:
+        """Seconds a committed round holds a group (median)."""
+        held = [r["sync_ms"] / 1000 for records in self.commits.values() for r in records if r["committed"]]
+        return statistics.median(held) if held else math.nan
+
+    def predicted_death_to_commit(self) -> float:
+        """diloco.perf_model's expected death-to-commit, fed with this run's measured readiness, window and round."""
+        ready = self.summary["death_to_ready_s"]
+        if not ready.get("count"):
+            return math.nan
+        return death_to_commit_seconds(ready["mean"], self.window_s(), self.join_s, self.round_s())
 
     @cached_property
     def _restarts(self) -> dict[int, list[float]]:
@@ -243,6 +270,7 @@ def load_run(name: str, run_dir: Path, h: int, start: float) -> Run:
         events=read_jsonl(paths.events),
         commits={g: read_jsonl(paths.commits(g)) for g in groups},
         metrics={g: read_jsonl(paths.metrics(g)) for g in groups},
+        job_file=paths.job,
     )
 
 
@@ -250,6 +278,17 @@ def _pair(stats: dict[str, float]) -> str:
     if not stats.get("count"):
         return "n/a"
     return f"{stats['median']:.2f} / {stats['max']:.2f} (n={stats['count']})"
+
+
+def _mean(stats: dict[str, float]) -> str:
+    return f"{stats['mean']:.2f}" if stats.get("count") else "n/a"
+
+
+def _predicted(n: dict[str, Any]) -> str:
+    measured = n["death_to_first_commit_s"]
+    if not measured.get("count") or math.isnan(n["predicted_death_to_commit_s"]):
+        return "n/a"
+    return f"{n['predicted_death_to_commit_s']:.2f} / {measured['mean']:.2f} (window {n['window_s']:.2f} s)"
 
 
 def _spread(stats: dict[str, float]) -> str:
@@ -291,6 +330,9 @@ def numbers(run: Run, base: Run) -> dict[str, Any]:
         "goodput_to_last_step_ratio": run.goodput_to_last_step() / base.goodput_to_last_step(),
         "time_to_heal_s": s["time_to_heal_s"],
         "death_to_first_commit_s": s["death_to_first_commit_s"],
+        "death_to_ready_s": s["death_to_ready_s"],
+        "predicted_death_to_commit_s": run.predicted_death_to_commit(),
+        "window_s": run.window_s(),
         "survivor_stall_s": s["survivor_stall_s"],
         "final_eval_loss": s["final_eval_loss"],
         "digests_equal": digests_equal(s)[0],
@@ -314,6 +356,8 @@ ROWS = [
     ),
     ("time to heal s (median / max)", lambda n, s: _pair(n["time_to_heal_s"])),
     ("death to first commit s (median / p90 / max)", lambda n, s: _spread(n["death_to_first_commit_s"])),
+    ("death to the replacement's first ask s (mean)", lambda n, s: _mean(n["death_to_ready_s"])),
+    ("death to first commit s: perf_model's prediction / measured (means)", lambda n, s: _predicted(n)),
     ("survivors' stall per failure s (median / max)", lambda n, s: _pair(n["survivor_stall_s"])),
     ("final eval loss", lambda n, s: f"{n['final_eval_loss']:.4f}"),
     ("digests of all groups equal", lambda n, s: digests_equal(s)[1]),
