@@ -251,7 +251,7 @@ class LocalCluster:
     def _start_workers(self, group: int | None, spare: int | None) -> list[WorkerProcess]:
         n = self.job.cluster.workers_per_group
         port = free_port(self.job.cluster.master_addr)
-        threads = threads_per_worker(self.job.cluster.groups * n)  # a spare's take the cores of the group it replaces
+        threads = threads_per_worker(self.job.cluster.groups * n)  # a spare's workers get the cores of the group they replace
         started_at = time.time()
         workers = []
         for rank in range(n):

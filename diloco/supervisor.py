@@ -3,9 +3,9 @@
 A group that crashes is restarted after a backoff that doubles with each crash, up to a
 limit of crashes in a row without progress; a group killed on purpose by the fault plan is
 restarted without counting against it. With ``cluster.spares=K`` the supervisor keeps K warm
-spares (diloco.spares) and a group that dies after holding the job's state is replaced by a
-ready one at once, no backoff; the pool is refilled in the background. Every return is a live recovery: the restarted group
-heals from a peer, never a checkpoint.
+spares (diloco.spares): a group killed, or crashed after holding the job's state, is handed
+to a ready one at once, no backoff, and the pool is refilled in the background. Every return
+is a live recovery: the restarted group heals from a peer, never a checkpoint.
 """
 
 from __future__ import annotations
