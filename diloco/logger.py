@@ -52,8 +52,9 @@ class MetricsLogger:
             self._wandb_run.finish()
 
 
-def start_wandb(cfg: LoggerConfig, *, run_dir: Path, group: int, job_name: str, config: dict[str, Any]) -> Any | None:
-    """Start replica group ``group``'s wandb run (grouped by job or sweep), or ``None`` when logging is disabled."""
+def start_wandb(cfg: LoggerConfig, *, run_dir: Path, member: str, job_name: str, config: dict[str, Any]) -> Any | None:
+    """Start the wandb run of ``member`` (``group1``; a warm spare's ``spare3`` until it takes a group),
+    grouped by job or sweep, or ``None`` when logging is disabled."""
     if cfg.mode == "disabled":
         return None
     import wandb  # heavy import: only the processes that log pay for it
@@ -61,13 +62,23 @@ def start_wandb(cfg: LoggerConfig, *, run_dir: Path, group: int, job_name: str, 
     return wandb.init(
         project=cfg.project,
         entity=cfg.entity,
-        name=f"{cfg.name or job_name}-group{group}",
+        name=_run_name(cfg, job_name, member),
         group=cfg.group or job_name,
         mode=cfg.mode,
         dir=str(run_dir),
         config=config,
         settings=wandb.Settings(console="off", silent=True),
     )
+
+
+def rename_wandb_run(run: Any, cfg: LoggerConfig, *, member: str, job_name: str, config: dict[str, Any]) -> None:
+    """A warm spare's run, started while it was built, becomes the run of the group it took over."""
+    run.name = _run_name(cfg, job_name, member)
+    run.config.update(config, allow_val_change=True)
+
+
+def _run_name(cfg: LoggerConfig, job_name: str, member: str) -> str:
+    return f"{cfg.name or job_name}-{member}"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ from diloco.faults import FaultHook
 from diloco.ft.manager import JobEndedError
 from diloco.files import write_atomically, write_json_atomically
 from diloco.inner_opt import build_inner_optimizer
-from diloco.logger import MetricsLogger, start_wandb
+from diloco.logger import MetricsLogger, rename_wandb_run, start_wandb
 from diloco.model import Transformer, count_parameters, param_signature
 from diloco.outer_setup import build_outer_sync, group_name
 from diloco.process_logging import output_to, setup_process_logging
@@ -180,18 +180,19 @@ def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device) -> Rep
 
 
 def run_worker(
-    job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: float = 0.0, spare_pipe: Path | None = None
+    job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: float = 0.0, spare: int | None = None
 ) -> dict[str, Any]:
     """Train this worker's part of replica group ``job.group.id``; returns the group's result record.
 
     The leader logs, writes the result and, if the lighthouse named this group at the job's
     end, saves the final model. ``started_at`` is when the launcher started this process
-    (fault requests before it were meant for an earlier process of the group). With
-    ``spare_pipe`` this worker is part of a warm spare (diloco.spares): it builds its replica,
-    then waits there for the group it replaces, and from then on is that group's worker.
+    (fault requests before it were meant for an earlier process of the group). A worker of
+    warm spare ``spare`` (diloco.spares) builds its replica (its leader starts its wandb run
+    too, the slowest part of a start once torch is imported), then waits for the group it
+    replaces, and from then on is that group's worker.
     """
     setup_process_logging()
-    stop = _stop_on_signals() if spare_pipe is None else None  # a waiting spare just dies when told to
+    stop = _stop_on_signals() if spare is None else None  # a waiting spare just dies when told to
     device = select_device(job.cluster.device, env.local_rank)
     mesh = init_group(
         env,
@@ -201,10 +202,15 @@ def run_worker(
     )
     try:
         replica = build_replica(job, mesh, device)
-        if spare_pipe is not None:
-            job, started_at = _take_assignment(job, env, paths, spare_pipe)
+        wandb_run = None
+        if spare is not None:
+            if env.rank == 0:
+                wandb_run = start_wandb(
+                    job.logger, run_dir=paths.root, member=f"spare{spare}", job_name=job.name, config=to_dict(job)
+                )
+            job, started_at = _take_assignment(job, env, paths, paths.spare_pipe(spare, env.rank))
             stop = _stop_on_signals()
-        return _train_group(job, env, paths, replica, stop, started_at)
+        return _train_group(job, env, paths, replica, stop, started_at, wandb_run)
     finally:
         dist.destroy_process_group()
 
@@ -220,9 +226,16 @@ def _take_assignment(job: JobConfig, env: WorkerEnv, paths: RunPaths, pipe: Path
 
 
 def _train_group(
-    job: JobConfig, env: WorkerEnv, paths: RunPaths, replica: Replica, stop: threading.Event, started_at: float
+    job: JobConfig,
+    env: WorkerEnv,
+    paths: RunPaths,
+    replica: Replica,
+    stop: threading.Event,
+    started_at: float,
+    wandb_run: Any | None,
 ) -> dict[str, Any]:
-    """Join the job as a worker of ``job.group.id`` with a built replica, train, report."""
+    """Join the job as a worker of ``job.group.id`` with a built replica (and the leader's wandb
+    run, if a spare started it), train, report."""
     group = job.group.id
     leader = env.rank == 0
     model, sharded, inner, signature = replica.model, replica.sharded, replica.inner, replica.signature
@@ -241,7 +254,7 @@ def _train_group(
     logger = None
     if leader:
         print(f"group {group}: model has {replica.n_params:,} parameters", flush=True)
-        logger = _metrics_logger(job, paths)
+        logger = _metrics_logger(job, paths, wandb_run)
     state = WorkerState(
         model=model,
         inner_optimizer=inner[0],
@@ -331,17 +344,15 @@ def _fault_hook(job: JobConfig, paths: RunPaths, started_at: float) -> FaultHook
     return FaultHook(paths.fault_requests(group), since=started_at, group=group_name(group))
 
 
-def _metrics_logger(job: JobConfig, paths: RunPaths) -> MetricsLogger:
-    """The leader's metrics sink: the group's metrics file, and wandb when the logger config asks for it."""
+def _metrics_logger(job: JobConfig, paths: RunPaths, started: Any | None = None) -> MetricsLogger:
+    """The leader's metrics sink: the group's metrics file, and wandb when the logger config asks
+    for it (``started``: the run a warm spare started before it knew its group)."""
     group = job.group.id
-    wandb_run = start_wandb(
-        job.logger,
-        run_dir=paths.root,
-        group=group,
-        job_name=job.name,
-        config=to_dict(job),
-    )
-    return MetricsLogger(paths.metrics(group), wandb_run)
+    names = dict(member=f"group{group}", job_name=job.name, config=to_dict(job))
+    if started is not None:
+        rename_wandb_run(started, job.logger, **names)
+        return MetricsLogger(paths.metrics(group), started)
+    return MetricsLogger(paths.metrics(group), start_wandb(job.logger, run_dir=paths.root, **names))
 
 
 def saves_final_model(job: JobConfig, report: dict[str, Any]) -> bool:
@@ -396,9 +407,8 @@ def run_launched_worker(
 ) -> NoReturn:
     """What a worker the local launcher started does, exec'd or forked: train ``group``'s part, then
     leave; a worker of warm spare ``spare`` (``group`` None) first waits for the group it replaces."""
-    pipe = None if spare is None else paths.spare_pipe(spare, env.rank)
     try:
-        report = run_worker(load_job(paths, 0 if group is None else group), env, paths, started_at=started_at, spare_pipe=pipe)
+        report = run_worker(load_job(paths, 0 if group is None else group), env, paths, started_at, spare)
     except JobEndedError as error:
         exit_without_teardown(JOB_ENDED_EXIT_CODE, f"error: {error}")
     exit_without_teardown(INTERRUPTED_EXIT_CODE if report.get("interrupted") else 0)

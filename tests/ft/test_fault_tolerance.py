@@ -154,15 +154,19 @@ def test_killed_group_is_left_out_then_heals_when_restarted(job_factory, algo):
 
 
 def test_a_warm_spare_takes_over_a_killed_group_and_heals(job_factory):
-    """A spare of two FSDP workers builds itself while the groups train, stays out of every
-    quorum, and once handed the killed group's id heals from the survivor and commits with it."""
-    job = job_factory("cluster.groups=2", "cluster.workers_per_group=2", "trainer.max_steps=100000")
+    """A spare of two FSDP workers builds itself (and starts its leader's wandb run) while the
+    groups train, stays out of every quorum, and once handed the killed group's id heals from
+    the survivor and commits with it, logging to the wandb run it started (renamed to the group's)."""
+    job = job_factory("cluster.groups=2", "cluster.workers_per_group=2", "trainer.max_steps=100000", "logger=wandb")
     job.start(range(2))
     spare = job.cluster.start_spare()
     both = ["group0", "group1"]
     job.cluster.wait_for(lambda: all(job.committed_with(g, both) for g in range(2)), 120, "a round of both groups")
+    runs = job.paths.root / "wandb"
+    job.cluster.wait_for(lambda: len(list(runs.glob("offline-run-*"))) == 3, 60, "the spare's own wandb run")
     job.cluster.signal_group(1, signal.SIGKILL)
     job.cluster.wait_for(lambda: job.cluster.take_spare(1) is not None, 60, "the spare to be built and take group1")
+    spare_took = time.time()
     spare_leader = spare.workers[0].process.pid
     assert job.leader_pid(1) == spare_leader and not job.cluster.spares
     taken_at = job.rounds_of(0)
@@ -174,6 +178,12 @@ def test_a_warm_spare_takes_over_a_killed_group_and_heals(job_factory):
     assert assert_digests_agree(job.paths, 2) >= 2
     quorum_members = {p for g in range(2) for r in commits(job.paths, g) for p in r["participants"]}
     assert quorum_members == set(both), "a spare is never a member of a quorum under a name of its own"
+
+    def logged_as_group1() -> bool:
+        return any("train/loss" in r and r["time"] > spare_took for r in read_jsonl(job.paths.metrics(1)))
+
+    job.cluster.wait_for(logged_as_group1, 60, "the spare to log as group1")
+    assert len(list(runs.glob("offline-run-*"))) == 3, "the spare logs to the wandb run it started, renamed"
     for rank in range(2):
         assert "takes over group 1" in job.paths.worker_log(1, rank).read_text()
         waiting = job.paths.spare_log(spare.index, rank).read_text()
