@@ -18,7 +18,8 @@ signal handler, so a child starts with a fresh interpreter's.
 The protocol is JSON lines. Requests on stdin: a worker
 ``{"id", "role": "worker", "group", "rank", "env": {RANK, ...}, "threads", "log", "started_at"}``
 ("role" may be left out), a worker of a warm spare the same with ``"spare": K`` in place of
-"group" (it waits for the group it replaces: diloco.spares), the lighthouse ``{"id", "role": "lighthouse", "log", "signature"}``.
+"group" (it waits for the group it replaces: diloco.spares), the lighthouse
+``{"id", "role": "lighthouse", "log", "signature"}``.
 Answers on stdout: ``{"id", "pid"}`` per request, then ``{"exited": pid, "code": c}`` when a
 child exits, ``c`` as ``Popen.returncode`` (minus the signal number for a signal death). When
 the launcher closes stdin or its lifeline, the server kills its children and exits.

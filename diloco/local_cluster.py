@@ -251,7 +251,8 @@ class LocalCluster:
     def _start_workers(self, group: int | None, spare: int | None) -> list[WorkerProcess]:
         n = self.job.cluster.workers_per_group
         port = free_port(self.job.cluster.master_addr)
-        threads = threads_per_worker(self.job.cluster.groups * n)  # a spare's workers get the cores of the group they replace
+        # A spare's workers get the cores of the group they replace.
+        threads = threads_per_worker(self.job.cluster.groups * n)
         started_at = time.time()
         workers = []
         for rank in range(n):

@@ -32,7 +32,8 @@ class SpareAssignmentError(RuntimeError):
 
 @dataclass(frozen=True)
 class Assignment:
-    """The group a spare replaces, and when the launcher handed it over (fault requests before it were not meant for it)."""
+    """The group a spare replaces, and when the launcher handed it over (fault requests
+    before then were not meant for it)."""
 
     group: int
     started_at: float

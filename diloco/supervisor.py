@@ -165,7 +165,8 @@ class Supervisor:
             self.events.write("spare_crash", spare=spare.index, rank=failed.rank, code=failed.process.returncode)
             if self.spare_crashes > self.max_restarts:
                 raise JobFailed(
-                    f"warm spares failed {self.spare_crashes} times in a row (cluster.max_restarts={self.max_restarts}); "
+                    f"warm spares failed {self.spare_crashes} times in a row "
+                    f"(cluster.max_restarts={self.max_restarts}); "
                     f"last lines of {failed.log_path}:\n{log_tail(failed.log_path)}"
                 )
         if self.job_over:
