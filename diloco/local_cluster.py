@@ -376,10 +376,9 @@ class LocalCluster:
         Cutting the lifeline last also ends any process a failed start left unrecorded.
         """
         self.stop_spares()
-        workers = [w.process for group in self.groups.values() for w in group]
-        for process in workers:  # SIGTERM would ask a worker for a planned stop (stop_planned); this is at once
-            process.kill()
-        stop_processes(workers + ([self.lighthouse] if self.lighthouse else []))
+        # SIGTERM would ask a worker for a planned stop (stop_planned); this is at once.
+        _kill_and_reap([w.process for group in self.groups.values() for w in group])
+        stop_processes([self.lighthouse] if self.lighthouse else [])
         if self.fork_server is not None:
             self.fork_server.stop(TERMINATE_GRACE_S)
         if self.lifeline is not None:

@@ -16,8 +16,8 @@ from diloco.local_cluster import JobFailed, LocalCluster, Spare, WorkerProcess, 
 from diloco.logger import read_jsonl
 from diloco.run_paths import RunPaths
 from diloco.spares import Assignment, SpareAssignmentError, assign, make_pipes, wait_for_assignment
-from diloco.supervisor import EventLog, Supervisor
-from tests.conftest import compose_job
+from diloco.supervisor import Supervisor
+from tests.stand_ins import exited, running, supervise, worker
 
 
 def read_in_background(pipe: Path) -> Future:
@@ -105,26 +105,20 @@ def has_reader(pipe: Path) -> bool:
     return True
 
 
-def supervise(tmp_path: Path, spares: int, backoff_s: float = 60.0, max_restarts: int = 1) -> Supervisor:
-    """Groups 0 and 2 run, group 1 was killed on purpose; starting anything starts a stand-in."""
-    cluster = LocalCluster(compose_job(["logger=none", "cluster.groups=3"]), RunPaths(tmp_path), "sig")
-    cluster.groups = {g: [WorkerProcess(g, 0, subprocess.Popen(["sleep", "60"]), Path("/dev/null"))] for g in (0, 2)}
-    cluster.started = []
-
-    def start_group(group: int) -> None:
-        cluster.started.append(group)
-        cluster.groups[group] = [WorkerProcess(group, 0, subprocess.Popen(["sleep", "60"]), Path("/dev/null"))]
+def supervise_spares(tmp_path: Path, spares: int, backoff_s: float = 60.0, max_restarts: int = 1) -> Supervisor:
+    """Groups 0 and 2 run, group 1 was killed on purpose; a spare started is a stand-in waiting on its pipe."""
+    supervisor = supervise(
+        tmp_path, {0: running(), 2: running()}, max_restarts=max_restarts, backoff_s=backoff_s, spares=spares
+    )
+    cluster = supervisor.cluster
 
     def start_spare() -> Spare:
         cluster.spares.append(stand_in_spare(cluster, cluster._spares_started))
         cluster._spares_started += 1
         return cluster.spares[-1]
 
-    cluster.start_group, cluster.start_spare = start_group, start_spare
-    events = EventLog(cluster.paths.events, 0.0)
-    return Supervisor(
-        cluster, events, max_restarts=max_restarts, backoff_s=backoff_s, end_grace_s=60.0, spares=spares
-    )
+    cluster.start_spare = start_spare
+    return supervisor
 
 
 def kinds(supervisor: Supervisor) -> list[tuple]:
@@ -132,10 +126,10 @@ def kinds(supervisor: Supervisor) -> list[tuple]:
 
 
 def test_a_ready_spare_replaces_a_killed_group_at_once_and_the_pool_is_refilled(tmp_path):
-    supervisor = supervise(tmp_path, spares=1)
+    supervisor = supervise_spares(tmp_path, spares=1)
     cluster = supervisor.cluster
     try:
-        cluster.groups[1] = [WorkerProcess(1, 0, subprocess.Popen(["sleep", "60"]), Path("/dev/null"))]
+        cluster.groups[1] = [worker(1, running())]
         supervisor.check(now=0.0)  # the pool is filled at the first check
         assert [s.index for s in cluster.spares] == [0] and not cluster.started
         spare_pid = cluster.spares[0].workers[0].process.pid
@@ -154,7 +148,7 @@ def test_a_ready_spare_replaces_a_killed_group_at_once_and_the_pool_is_refilled(
 
 def test_without_a_ready_spare_a_group_is_restarted_fresh_after_no_wait(tmp_path):
     """Spares kept but none built yet (no reader on its pipe): fresh workers at once."""
-    supervisor = supervise(tmp_path, spares=1)
+    supervisor = supervise_spares(tmp_path, spares=1)
     cluster = supervisor.cluster
     cluster.start_spare = lambda: cluster.spares.append(Spare(0, [], make_pipes(cluster.paths, 0, 1)))
     try:
@@ -165,7 +159,7 @@ def test_without_a_ready_spare_a_group_is_restarted_fresh_after_no_wait(tmp_path
 
 
 def test_without_spares_the_backoff_still_holds(tmp_path):
-    supervisor = supervise(tmp_path, spares=0, backoff_s=5.0)
+    supervisor = supervise_spares(tmp_path, spares=0, backoff_s=5.0)
     cluster = supervisor.cluster
     try:
         supervisor.check(now=0.0)
@@ -179,13 +173,11 @@ def test_without_spares_the_backoff_still_holds(tmp_path):
 def test_a_crash_loop_waits_its_backoff_even_with_spares(tmp_path):
     """A group whose processes never held the job's state crashed twice in a row: a bug, not a
     fault; a spare would crash as well, so it waits as it would without spares."""
-    supervisor = supervise(tmp_path, spares=1, backoff_s=5.0, max_restarts=3)
+    supervisor = supervise_spares(tmp_path, spares=1, backoff_s=5.0, max_restarts=3)
     cluster = supervisor.cluster
     try:
         supervisor.crashes[1] = 1
-        crashed = subprocess.Popen(["sh", "-c", "exit 1"])
-        crashed.wait()
-        cluster.groups[1] = [WorkerProcess(1, 0, crashed, Path("/dev/null"))]
+        cluster.groups[1] = [worker(1, exited(1))]
         supervisor.check(now=0.0)
         assert supervisor.crashes[1] == 2 and supervisor.restart_at[1] == pytest.approx(10.0)
     finally:
@@ -193,19 +185,17 @@ def test_a_crash_loop_waits_its_backoff_even_with_spares(tmp_path):
 
 
 def test_spares_that_keep_dying_fail_the_job_with_their_log(tmp_path):
-    supervisor = supervise(tmp_path, spares=1, max_restarts=1)
+    supervisor = supervise_spares(tmp_path, spares=1, max_restarts=1)
     cluster = supervisor.cluster
     log = tmp_path / "spare.log"
     log.write_text("Traceback: the spare could not build its model\n")
 
     def start_dying_spare() -> Spare:
-        dying = subprocess.Popen(["sh", "-c", "exit 1"])
-        dying.wait()
-        cluster.spares.append(Spare(len(cluster.spares), [WorkerProcess(None, 0, dying, log)], []))
+        cluster.spares.append(Spare(len(cluster.spares), [WorkerProcess(None, 0, exited(1), log)], []))
         return cluster.spares[-1]
 
     cluster.start_spare = start_dying_spare
-    cluster.groups[1] = [WorkerProcess(1, 0, subprocess.Popen(["sleep", "60"]), Path("/dev/null"))]
+    cluster.groups[1] = [worker(1, running())]
     try:
         supervisor.check(now=0.0)
         supervisor.check(now=0.1)  # the first died: replaced
@@ -217,10 +207,10 @@ def test_spares_that_keep_dying_fail_the_job_with_their_log(tmp_path):
 
 
 def test_spares_are_stopped_once_the_job_is_over(tmp_path):
-    supervisor = supervise(tmp_path, spares=1)
+    supervisor = supervise_spares(tmp_path, spares=1)
     cluster = supervisor.cluster
     try:
-        cluster.groups[1] = [WorkerProcess(1, 0, subprocess.Popen(["sleep", "60"]), Path("/dev/null"))]
+        cluster.groups[1] = [worker(1, running())]
         supervisor.check(now=0.0)
         spare = cluster.spares[0]
         supervisor.end_seen = True

@@ -2,45 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
-from diloco.local_cluster import LocalCluster, WorkerProcess
 from diloco.logger import read_jsonl
-from diloco.run_paths import RunPaths
-from diloco.supervisor import EventLog, Supervisor
 from diloco.worker import JOB_ENDED_EXIT_CODE
-from tests.conftest import compose_job
-
-
-def exited(code: int) -> subprocess.Popen:
-    process = subprocess.Popen(["sh", "-c", f"exit {code}"])
-    process.wait()
-    return process
-
-
-def running() -> subprocess.Popen:
-    return subprocess.Popen(["sleep", "60"])
-
-
-def supervise(tmp_path: Path, processes: dict[int, subprocess.Popen], lighthouse=None) -> Supervisor:
-    """A supervisor over a real LocalCluster holding ``processes`` (group -> its one worker);
-    starting a group records it and starts a stand-in process."""
-    cluster = LocalCluster(compose_job(["logger=none", "cluster.groups=3"]), RunPaths(tmp_path), "sig")
-    cluster.groups = {g: [worker(g, p)] for g, p in processes.items()}
-    cluster.lighthouse = lighthouse
-    cluster.started = []
-
-    def start_group(group: int) -> None:
-        cluster.started.append(group)
-        cluster.groups[group] = [worker(group, running())]
-
-    cluster.start_group = start_group
-    return Supervisor(cluster, EventLog(cluster.paths.events, 0.0), max_restarts=1, backoff_s=0.0, end_grace_s=60.0)
-
-
-def worker(group: int, process: subprocess.Popen) -> WorkerProcess:
-    return WorkerProcess(group, 0, process, Path("/dev/null"))
+from tests.stand_ins import exited, running, supervise
 
 
 def test_a_group_refused_because_the_job_ended_is_left_behind_and_nothing_restarts(tmp_path):

@@ -1,0 +1,53 @@
+"""Stand-in processes for the supervisor's rule tests: a real LocalCluster whose groups are
+short shell processes, and whose group starts are recorded instead of spawning workers."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from diloco.local_cluster import LocalCluster, WorkerProcess
+from diloco.run_paths import RunPaths
+from diloco.supervisor import EventLog, Supervisor
+from tests.conftest import compose_job
+
+
+def exited(code: int) -> subprocess.Popen:
+    process = subprocess.Popen(["sh", "-c", f"exit {code}"])
+    process.wait()
+    return process
+
+
+def running() -> subprocess.Popen:
+    return subprocess.Popen(["sleep", "60"])
+
+
+def worker(group: int, process: subprocess.Popen) -> WorkerProcess:
+    return WorkerProcess(group, 0, process, Path("/dev/null"))
+
+
+def supervise(
+    tmp_path: Path,
+    processes: dict[int, subprocess.Popen],
+    lighthouse: subprocess.Popen | None = None,
+    *,
+    max_restarts: int = 1,
+    backoff_s: float = 0.0,
+    spares: int = 0,
+) -> Supervisor:
+    """A supervisor over a real LocalCluster of 3 groups holding ``processes`` (group -> its one
+    worker); starting a group records it in ``cluster.started`` and starts a stand-in process."""
+    cluster = LocalCluster(compose_job(["logger=none", "cluster.groups=3"]), RunPaths(tmp_path), "sig")
+    cluster.groups = {g: [worker(g, p)] for g, p in processes.items()}
+    cluster.lighthouse = lighthouse
+    cluster.started = []
+
+    def start_group(group: int) -> None:
+        cluster.started.append(group)
+        cluster.groups[group] = [worker(group, running())]
+
+    cluster.start_group = start_group
+    events = EventLog(cluster.paths.events, 0.0)
+    return Supervisor(
+        cluster, events, max_restarts=max_restarts, backoff_s=backoff_s, end_grace_s=60.0, spares=spares
+    )
