@@ -29,8 +29,25 @@ class AlgoConfig:
     alpha: float = 0.0
     quantize: Literal["none", "bf16", "fp8", "int8", "fp4"] = "none"
     weighting: Literal["uniform", "tokens"] = "uniform"
+    # steps: every group runs H inner steps per window. time: a window lasts as long as the
+    # fastest group takes for its steps; a group more than one inner step behind when the round
+    # opens skips to it, having run fewer steps, and counts by the tokens it trained.
+    window: Literal["steps", "time"] = "steps"
 
     def validate(self) -> None:
+        if self.window == "time":
+            check(
+                self.name in ("diloco", "streaming"),
+                "algo.window",
+                self.window,
+                f"time-bounded windows need outer rounds; algo={self.name} has none, so use algo.window=steps",
+            )
+            check(
+                self.weighting == "tokens",
+                "algo.weighting",
+                self.weighting,
+                "must be tokens with algo.window=time: a group that ran fewer inner steps must count for less",
+            )
         if self.name == "diloco":
             check(
                 self.fragments == 1, "algo.fragments", self.fragments, "must be 1 for algo=diloco; use algo=streaming"

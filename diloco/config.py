@@ -87,6 +87,12 @@ class JobConfig:
             "torchrun or Slurm keep spare nodes with the orchestrator, or set cluster.spares=0",
         )
         check(
+            self.faults.slow_group < self.cluster.groups,
+            "faults.slow_group",
+            self.faults.slow_group,
+            f"must be a group id in [0, cluster.groups={self.cluster.groups}), or -1 for none",
+        )
+        check(
             0 <= self.group.id < self.cluster.groups,
             "group.id",
             self.group.id,

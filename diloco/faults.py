@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,10 @@ class FaultsConfig:
     restart_lighthouse_every: float = 0.0
     lighthouse_down_seconds: float = 2.0
     accept_requests: bool = False  # workers take faults requested by hand too (LocalCluster.request_fault)
+    # A straggler: group slow_group's workers sleep after each inner step, so every step takes
+    # slowdown times as long as its compute (heterogeneous hardware; -1: no slow group).
+    slow_group: int = -1
+    slowdown: float = 1.0
 
     def validate(self) -> None:
         for key in ("start_after", "stop_after", "kill_every", "hang_every", "break_lane_every", "nan_every"):
@@ -56,6 +61,13 @@ class FaultsConfig:
             "must be >= 0",
         )
         check(self.min_alive >= 0, "faults.min_alive", self.min_alive, "must be >= 0 (0: kills are never held back)")
+        check(self.slow_group >= -1, "faults.slow_group", self.slow_group, "must be a group id, or -1 for none")
+        check(
+            self.slowdown >= 1,
+            "faults.slowdown",
+            self.slowdown,
+            "must be >= 1 (2: every inner step takes twice as long)",
+        )
         check(self.hang_seconds > 0, "faults.hang_seconds", self.hang_seconds, "must be > 0 seconds")
         check(
             self.lighthouse_down_seconds >= 0,
@@ -71,6 +83,15 @@ class FaultsConfig:
 
     def period(self, kind: str) -> float:
         return getattr(self, f"{kind}_every")
+
+
+def straggler_pace(cfg: FaultsConfig, group: int) -> Callable[[float], None] | None:
+    """What the slow group does after each inner step of ``seconds``: sleep (slowdown − 1) times
+    as long, so it computes at its own pace and lends the machine to nobody (None elsewhere)."""
+    if group != cfg.slow_group or cfg.slowdown == 1:
+        return None
+    extra = cfg.slowdown - 1
+    return lambda seconds: time.sleep(extra * seconds)
 
 
 @dataclass(frozen=True)

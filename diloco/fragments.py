@@ -125,3 +125,29 @@ def fragments_to_launch(step: int, H: int, P: int, tau: int) -> list[int]:
     if step < 1:
         raise ValueError(f"step counts completed inner steps and must be >= 1, got {step}")
     return [p for p in range(P) if (step + tau) % H == fragment_offset(p, H, P)]
+
+
+def next_launch_step(step: int, H: int, P: int, tau: int) -> int:
+    """The first inner step after ``step`` at which some fragment's all-reduce is launched.
+
+    Launches fall every H/P steps, τ steps before the applies at multiples of H/P.
+    """
+    _check_schedule(H, P, tau)
+    if step < 0:
+        raise ValueError(f"step counts completed inner steps and must be >= 0, got {step}")
+    spacing = H // P
+    ahead = (-tau - step) % spacing
+    return step + (ahead or spacing)
+
+
+def skip_target(step: int, open_step: int, H: int, P: int, tau: int) -> int:
+    """Time-bounded windows: the inner step a group after ``step`` goes on from, when its peers
+    opened a round at ``open_step`` (0: none known).
+
+    It skips to the round only if that is its own next launch and it is more than one inner
+    step away; one step behind, it takes that step as usual, so groups of equal speed, a
+    fraction of a step apart, run exactly the step-bounded schedule.
+    """
+    if open_step == next_launch_step(step, H, P, tau) and open_step > step + 1:
+        return open_step
+    return step

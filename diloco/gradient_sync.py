@@ -47,10 +47,10 @@ class GradientSync(Synchronizer):
         if round_.quorum.closing:
             # Finished groups handed over the final state (step = their last one): the trainer
             # counts this step, so it lands on theirs without an optimizer step. Nothing is committed.
-            outcome.healed_to_step = None if healed is None else healed.inner_step - 1
+            outcome.jump_to_step = None if healed is None else healed.inner_step - 1
             outcome.metrics.update(self._record(round_, False, step, 1000 * (time.perf_counter() - started)))
             return outcome
-        outcome.healed_to_step = None if healed is None else healed.inner_step
+        outcome.jump_to_step = None if healed is None else healed.inner_step
         average = None
         if ok:
             average = self._reduce(round_, contribute=healed is None)

@@ -91,6 +91,7 @@ def build_outer_sync(
         lanes=Lanes(local_rank=env.rank, connect_timeout_s=timeouts.connect, collective_timeout_s=timeouts.collective),
         quorum_timeout_s=timeouts.quorum,
         heartbeat_interval_s=timeouts.heartbeat / HEARTBEATS_PER_TIMEOUT,
+        watch_rounds=job.algo.window == "time",
     )
     common = dict(
         manager=manager,

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from diloco.algo import AlgoConfig
-from diloco.fragments import fragments_to_apply, fragments_to_launch
+from diloco.fragments import fragments_to_apply, fragments_to_launch, skip_target
 from diloco.ft.lanes import LaneError
 from diloco.ft.manager import Round, wait_work
 from diloco.outer_reduce import launch_reduce
@@ -98,6 +98,8 @@ class OuterSync(Synchronizer):
         for f in self.fragments:
             f.tokens_since_sync += tokens
         outcome = OuterOutcome()
+        if self.algo.window == "time" and self._flight is None:
+            step = self._end_window_early(step, outcome)
         due = self._schedule(fragments_to_launch, step)
         if due:
             self._launch(step, due)
@@ -106,6 +108,19 @@ class OuterSync(Synchronizer):
             self._flight = None
             self._land(flight, step, outcome)
         return outcome
+
+    def _end_window_early(self, step: int, outcome: OuterOutcome) -> int:
+        """Time-bounded windows: if the peers opened this group's next round and it is more than
+        a step away, skip to it (the inner steps not taken are not made up: this group counts
+        by the tokens it trained, and its lr schedule and data position follow the round's step)."""
+        algo = self.algo
+        target = skip_target(step, self.manager.open_round_step(), algo.sync_every, algo.fragments, algo.delay)
+        if target != step:
+            log.debug(
+                "group %s: round open at inner step %d; ending the window at %d", self.manager.group, target, step
+            )
+            outcome.jump_to_step = target
+        return target
 
     def between_rounds(self, step: int) -> bool:
         """After a fragment's apply step nothing is in flight (τ < H/P): the next launch is later."""
@@ -206,7 +221,7 @@ class OuterSync(Synchronizer):
         if flight.averages is None:  # a healing transfer involves us: do it now, then reduce
             ok, healed = self._heal_and_serve(round_, step, flight.launch_step)
             if healed is not None:
-                step = outcome.healed_to_step = healed.inner_step
+                step = outcome.jump_to_step = healed.inner_step
                 flight = self._joining_flight(round_, healed.round_step)
             if not flight.fragments:  # a join round moves no tensors and commits no new state
                 self.manager.settle(ok)
@@ -229,7 +244,7 @@ class OuterSync(Synchronizer):
         """
         _, healed = self._heal_and_serve(flight.round, step, flight.launch_step)
         if healed is not None:
-            step = outcome.healed_to_step = healed.inner_step
+            step = outcome.jump_to_step = healed.inner_step
         else:
             for fragment in flight.fragments:
                 self._reset_local(fragment)

@@ -4,7 +4,8 @@ utilization it leaves, and the bandwidth a plan needs to reach a utilization.
 Pure functions of plain numbers, so they can be checked on recorded measurements and fed
 with published ones (``experiments/simulate_scale.py``). Seconds, bytes and bits per second.
 The same for a failure: how long a dead group's replacement takes to commit again, and the
-compute the job loses meanwhile (``death_to_commit_seconds``, ``lost_group_seconds``).
+compute the job loses meanwhile (``death_to_commit_seconds``, ``lost_group_seconds``); and for
+groups of different speed, what time-bounded windows gain (``time_window_speedup``).
 
 The model: each of the M groups computes an inner step in ``step_s``; a sync all-reduces
 the payload over a ring of the M groups (each sends and receives 2(M−1)/M of it, in 2(M−1)
@@ -94,6 +95,16 @@ def bandwidth_for(
     if budget <= 0:
         return math.inf
     return ring_factor(groups) * fragment_bytes(plan, params) * 8 / budget
+
+
+def time_window_speedup(step_s: list[float]) -> float:
+    """Job throughput of time-bounded windows over step-bounded ones, for groups with these
+    inner step times (sync time left out): with fixed H every group waits for the slowest, so
+    the job trains M steps per slowest step; with time-bounded windows each group trains at
+    its own pace, Σ 1/step_i."""
+    if not step_s or min(step_s) <= 0:
+        raise ValueError(f"need positive step times, got {step_s}")
+    return sum(1 / s for s in step_s) / (len(step_s) / max(step_s))
 
 
 # Recovery. A group dies at a uniformly random moment of the survivors' window W (seconds

@@ -36,7 +36,7 @@ class OuterOutcome:
     """What the trainer learns from a synchronizer hook."""
 
     metrics: dict[str, float] = field(default_factory=dict)
-    healed_to_step: int | None = None  # set when this group took a peer's state: jump to its step
+    jump_to_step: int | None = None  # go on from this inner step: a peer's state was taken, or a window cut short
     skip_step: bool = False  # the optimizer must not step (the gradient round failed)
 
 

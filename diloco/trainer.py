@@ -92,10 +92,12 @@ class Trainer:
         outer: Synchronizer | None = None,
         on_checkpoint: CheckpointCallback | None = None,
         stop_requested: Callable[[], bool] | None = None,
+        pace: Callable[[float], None] | None = None,
     ) -> None:
         """``on_checkpoint(trainer)`` saves the worker's state (every ``cfg.checkpoint.every`` steps,
         at a planned stop and at the end); ``stop_requested`` says a planned stop was asked for
-        (a signal): training then stops after the next round, with every group at that round."""
+        (a signal): training then stops after the next round, with every group at that round.
+        ``pace(seconds)`` runs after each inner step (an injected straggler's delay)."""
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -109,6 +111,7 @@ class Trainer:
         self.outer = outer
         self.on_checkpoint = on_checkpoint
         self.stop_requested = stop_requested
+        self.pace = pace
         self.step = 0
         self.resumed_tokens = 0  # tokens this group trained before the checkpoint it resumed from
         self.trained_steps = 0
@@ -164,7 +167,10 @@ class Trainer:
         if self.outer is not None:
             self._follow(self.outer.join())
         while self.step < cfg.max_steps:
+            step_started = time.perf_counter()
             loss, grad_norm = self.train_step()
+            if self.pace is not None:
+                self.pace(time.perf_counter() - step_started)
             self.trained_steps += 1
             window_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
             metrics, self.sync_metrics = self.sync_metrics, {}
@@ -288,8 +294,8 @@ class Trainer:
             self.scheduler.step()
 
     def _follow(self, outcome: OuterOutcome) -> dict[str, float]:
-        if outcome.healed_to_step is not None:
-            self.set_step(outcome.healed_to_step)
+        if outcome.jump_to_step is not None:
+            self.set_step(outcome.jump_to_step)
         return outcome.metrics
 
     def _loss(self, batch: Batch) -> torch.Tensor:

@@ -31,9 +31,9 @@ from diloco.config import GroupConfig, JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
 from diloco.data import ShardedBatches, eval_batches, load_corpus
 from diloco.distributed import WorkerEnv, check_device, init_group, select_device, shard_model
-from diloco.faults import FaultHook
-from diloco.ft.manager import JobEndedError
+from diloco.faults import FaultHook, straggler_pace
 from diloco.files import write_atomically, write_json_atomically
+from diloco.ft.manager import JobEndedError
 from diloco.inner_opt import build_inner_optimizer
 from diloco.logger import MetricsLogger, rename_wandb_run, start_wandb
 from diloco.model import Transformer, count_parameters, param_signature
@@ -121,6 +121,7 @@ def build_trainer(
         outer=outer,
         on_checkpoint=on_checkpoint,
         stop_requested=stop_requested,
+        pace=straggler_pace(job.faults, group),
     )
 
 

@@ -1,4 +1,4 @@
-"""A group leader's side of the lighthouse: heartbeats and long-poll quorum requests over HTTP/JSON.
+"""A group leader's side of the lighthouse: heartbeats and long-poll quorum (and round) requests over HTTP/JSON.
 
 It speaks only ``protocol``'s typed messages, so it needs nothing of the server module; an
 error answer becomes the exception its code names (``ErrorAnswer.exception``).
@@ -24,8 +24,10 @@ from diloco.ft.protocol import (
     LighthouseUnavailable,
     QuorumAsk,
     QuorumGrant,
+    RoundWatch,
     authorization_header,
     quorum_answer_from_json,
+    round_open_from_json,
 )
 from diloco.ft.quorum import JobEnd
 
@@ -110,6 +112,17 @@ class LighthouseClient:
             raise LighthouseUnavailable(f"quorum {answer.quorum.quorum_id} from {self.url} lacks group {self.group!r}")
         self._seen(answer.quorum.quorum_id)
         return answer
+
+    def round_open(self, step: int, round_step: int, timeout_s: float) -> int:
+        """Block (at most timeout_s + connect_timeout_s) until a peer opens a round past
+        ``(step, round_step)``; its inner step, or 0 if none did in time."""
+        watch = RoundWatch(
+            self.job_id, self.signature, self.group, step=step, round_step=round_step, timeout_s=timeout_s
+        )
+        try:
+            return round_open_from_json(self._post(watch, timeout_s + self.connect_timeout_s))
+        except ValueError as e:
+            raise LighthouseUnavailable(f"lighthouse at {self.url}: {e}") from None
 
     def _seen(self, quorum_id: int) -> int:
         with self._lock:

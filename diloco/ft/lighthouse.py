@@ -39,6 +39,7 @@ from diloco.ft.protocol import (
     LighthouseRefused,
     QuorumAsk,
     QuorumGrant,
+    RoundWatch,
     check_token,
     parse_request,
     quorum_answer_to_json,
@@ -174,6 +175,8 @@ class Lighthouse:
         if isinstance(request, Heartbeat):
             self._heartbeat(request)
             return 200, HEARTBEAT_ACK
+        if isinstance(request, RoundWatch):
+            return 200, {"round_step": self._round_open(request)}
         assert isinstance(request, QuorumAsk), f"no handler for {type(request).__name__} at {path}"
         answer = self._quorum(request, local_host if self.cfg.host in _WILDCARD_HOSTS else self.cfg.host)
         if isinstance(answer, ErrorAnswer):
@@ -209,6 +212,7 @@ class Lighthouse:
                 self._book.ask(
                     QuorumRequest(group, ask.step, ask.commit_failed, ask.finished, ask.digest, ask.round_step), now
                 )
+                self._cond.notify_all()  # round watchers: a round may have opened
                 self._decide_locked(now)
             while not waiter.answered and not self._stopping.is_set():
                 remaining = deadline - self._clock()
@@ -223,6 +227,20 @@ class Lighthouse:
                 return waiter.error
             self._give_up_locked(waiter, ask.timeout_s)
             return ErrorAnswer(ErrorCode.STOPPING, "the lighthouse is stopping; retry once it is back")
+
+    def _round_open(self, watch: RoundWatch) -> int:
+        """Wait (at most ``watch.timeout_s``, capped by ``MAX_POLL_S``) for a peer to open a later round."""
+        position = (watch.step, watch.round_step)
+        with self._cond:
+            deadline = self._clock() + min(watch.timeout_s, MAX_POLL_S)
+            while not self._stopping.is_set():
+                if round_step := self._book.open_round(watch.group, position):
+                    return round_step
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    return 0
+                self._cond.wait(min(remaining, 0.5))
+            return 0
 
     def _give_up_locked(self, waiter: _Waiter, timeout_s: float) -> str:
         """Withdraw a request whose wait ran out; the message says who could have joined it."""

@@ -32,6 +32,7 @@ from diloco.ft.protocol import (
     QuorumTimeout,
 )
 from diloco.ft.quorum import JobEnd, Quorum
+from diloco.ft.round_watch import RoundWatcher
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,10 @@ class Manager:
         lanes: Lanes,
         quorum_timeout_s: float,
         heartbeat_interval_s: float,
+        watch_rounds: bool = False,
     ) -> None:
+        """``watch_rounds``: time-bounded windows; the leader learns the rounds its peers open
+        (``open_round_step``)."""
         self.group = group
         self.inner_pg = inner_pg
         self.client = client  # only the leader has one
@@ -106,6 +110,8 @@ class Manager:
         self._progress = GroupProgress()  # what the heartbeats show of the group on the status page
         self._stop = threading.Event()
         self._heartbeats: threading.Thread | None = None
+        self._round_step = 0  # the inner step of the last round this group asked for
+        self._watcher = RoundWatcher(client, quorum_timeout_s) if watch_rounds and client is not None else None
 
     def start(self) -> None:
         """Leader only: reach the lighthouse, then heartbeat in the background, so a long inner
@@ -119,9 +125,13 @@ class Manager:
             self._first_contact()
             self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
             self._heartbeats.start()
+            if self._watcher is not None:
+                self._watcher.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self._watcher is not None:
+            self._watcher.stop()
         if self._heartbeats is not None:
             self._heartbeats.join(timeout=self.heartbeat_interval_s + 5)
         self.lanes.drop()
@@ -156,6 +166,17 @@ class Manager:
     def adopt(self, committed: int) -> None:
         """A peer's state was applied: this group now stands at the peer's committed round."""
         self._committed = committed
+        self._moved()
+
+    def open_round_step(self) -> int:
+        """The inner step of the round the group's peers opened past its own last one, as the
+        leader knows it (0: none), the same on every rank (a collective: call it on all of them)."""
+        known = self._watcher.open_step if self._watcher is not None else 0
+        if self.inner_pg is None:
+            return known
+        shared = torch.tensor([known], dtype=torch.int64)
+        dist.broadcast(shared, src=0, group=self.inner_pg)
+        return int(shared.item())
 
     def start_round(self, round_step: int) -> Round | None:
         """Ask for a quorum (leader), share it with the group, and make sure the lane matches it.
@@ -168,6 +189,8 @@ class Manager:
         Raises ``MembershipError`` when the lighthouse refused the group (wrong token, job,
         model or configuration; the job already ended).
         """
+        self._round_step = round_step
+        self._moved()
         return self._round(self._exchange(round_step))
 
     def closing_round(self, step: int, digest: str) -> Round | JobEnd | None:
@@ -226,6 +249,7 @@ class Manager:
         ok = self.settle(local_ok)
         if ok:
             self._committed = max(self._committed, round_.quorum.round_floor) + 1
+            self._moved()
         return ok
 
     def settle(self, local_ok: bool) -> bool:
@@ -254,6 +278,10 @@ class Manager:
             parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.inner_pg))]
             dist.all_gather(parts, mine, group=self.inner_pg)
         return hashlib.sha256(b"".join(bytes(p.tolist()) for p in parts)).hexdigest()
+
+    def _moved(self) -> None:
+        if self._watcher is not None:
+            self._watcher.moved(self._committed, self._round_step)
 
     def _first_contact(self) -> None:
         assert self.client is not None

@@ -247,7 +247,29 @@ class QuorumAsk(GroupMessage):
     config: dict[str, Any] = field(default_factory=dict)
 
 
-ENDPOINTS: dict[str, type[GroupMessage]] = {m.path: m for m in (Heartbeat, QuorumAsk)}
+@dataclass(frozen=True)
+class RoundWatch(GroupMessage):
+    """A long poll for the round other groups open past ``(step, round_step)`` (time-bounded windows).
+
+    Answered ``{"round_step": r}`` as soon as an unfinished peer asks for a quorum at a later
+    position (``QuorumBook.open_round``), or with 0 once ``timeout_s`` has passed.
+    """
+
+    path: ClassVar[str] = "/round_open"
+    step: int
+    round_step: int
+    timeout_s: float
+
+
+ENDPOINTS: dict[str, type[GroupMessage]] = {m.path: m for m in (Heartbeat, QuorumAsk, RoundWatch)}
+
+
+def round_open_from_json(data: Any) -> int:
+    """Raises ``ValueError`` unless ``data`` is a ``RoundWatch`` answer; its round step (0: none)."""
+    step = data.get("round_step") if isinstance(data, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"malformed round_open answer: {data!r:.200}")
+    return step
 
 
 def unreadable_post(path: str, content_length: str) -> ErrorAnswer | None:

@@ -258,6 +258,19 @@ class QuorumBook:
         self.pending.pop(group, None)
         self.asked_at.pop(group, None)
 
+    def open_round(self, group: str, position: tuple[int, int]) -> int:
+        """The inner step of the round other groups are waiting in, if it lies past ``position``; else 0.
+
+        For time-bounded windows: a slower group learns the round its peers opened and skips
+        to it. Only the requests of unfinished groups ahead of ``position`` count (a finished
+        group's closing round is no window end); the asker judges whether the step is its next
+        round (a ``position`` read before its own last commit still sees its peers' next round).
+        """
+        ahead = [
+            r.round_step for g, r in self.pending.items() if g != group and not r.finished and r.position > position
+        ]
+        return max(ahead, default=0)
+
     def healthy(self, now: float) -> set[str]:
         return healthy_groups(self.last_heartbeat, now, self.rules.heartbeat_timeout_s)
 

@@ -23,11 +23,13 @@ from diloco.ft.protocol import (
     QuorumGrant,
     QuorumSuperseded,
     QuorumTimeout,
+    RoundWatch,
     authorization_header,
     check_token,
     parse_request,
     quorum_answer_from_json,
     quorum_answer_to_json,
+    round_open_from_json,
     unreadable_post,
 )
 from diloco.ft.quorum import JobEnd, Quorum
@@ -60,9 +62,19 @@ def test_the_field_names_on_the_wire_are_fixed():
         "digest": "",
         "config": {"algo.name": "diloco"},
     }
-    assert sorted(ENDPOINTS) == ["/heartbeat", "/quorum"]
-    for message in (beat, ask):
+    watch = RoundWatch(**WHO, step=3, round_step=40, timeout_s=2.0)
+    assert watch.to_json() == {**WHO, "step": 3, "round_step": 40, "timeout_s": 2.0}
+    assert sorted(ENDPOINTS) == ["/heartbeat", "/quorum", "/round_open"]
+    for message in (beat, ask, watch):
         assert parse_request(message.path, json.dumps(message.to_json()).encode()) == message
+
+
+def test_a_round_open_answer_is_checked():
+    assert round_open_from_json({"round_step": 40}) == 40
+    assert round_open_from_json({"round_step": 0}) == 0
+    for bad in ({}, {"round_step": -1}, {"round_step": True}, {"round_step": "40"}, [40], None):
+        with pytest.raises(ValueError, match="malformed round_open answer"):
+            round_open_from_json(bad)
 
 
 @pytest.mark.parametrize(
