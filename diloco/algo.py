@@ -33,6 +33,10 @@ class AlgoConfig:
     # fastest group takes for its steps; a group more than one inner step behind when the round
     # opens skips to it, having run fewer steps, and counts by the tokens it trained.
     window: Literal["steps", "time"] = "steps"
+    # Re-pick τ (delay) and the payload format (quantize) after every round so each fragment's
+    # all-reduce hides behind its overlap on the measured link (diloco/overlap_plan.py); the
+    # configured values are the first round's.
+    auto: bool = False
 
     def validate(self) -> None:
         if self.window == "time":
@@ -48,6 +52,13 @@ class AlgoConfig:
                 self.weighting,
                 "must be tokens with algo.window=time: a group that ran fewer inner steps must count for less",
             )
+        check(
+            not self.auto or self.name == "streaming",
+            "algo.auto",
+            self.auto,
+            f"picks Streaming DiLoCo's overlap (algo.delay) and payload format; algo={self.name} has no overlap, "
+            "so use algo=streaming or algo.auto=false",
+        )
         if self.name == "diloco":
             check(
                 self.fragments == 1, "algo.fragments", self.fragments, "must be 1 for algo=diloco; use algo=streaming"

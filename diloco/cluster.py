@@ -83,6 +83,9 @@ class ClusterConfig:
     # Warm spares the local launcher keeps built and waiting: a dead group is replaced by one at
     # once (diloco.spares) instead of by fresh workers after the backoff. Each is N processes.
     spares: int = 0
+    # Caps each worker's outer-round traffic (megabits per second, a token bucket): a slow link
+    # on loopback, or politeness on a shared one. 0: unlimited.
+    lane_bandwidth_mbps: float = 0.0
     lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
 
@@ -102,6 +105,12 @@ class ClusterConfig:
         )
         check(self.max_restarts >= 0, "cluster.max_restarts", self.max_restarts, "must be >= 0")
         check(self.spares >= 0, "cluster.spares", self.spares, "must be >= 0 (warm spares kept by the local launcher)")
+        check(
+            self.lane_bandwidth_mbps >= 0,
+            "cluster.lane_bandwidth_mbps",
+            self.lane_bandwidth_mbps,
+            "must be >= 0 megabits per second (0: unlimited)",
+        )
         check(self.restart_backoff >= 0, "cluster.restart_backoff", self.restart_backoff, "must be >= 0 seconds")
         self.lighthouse.validate()
         self.timeouts.validate()

@@ -83,7 +83,7 @@ class GradientSync(Synchronizer):
         if not finite:
             grads.zero_()
             contribute = False
-        pending = launch_reduce(round_.lane, grads, 1.0 if contribute else 0.0, "none", round_.size)
+        pending = launch_reduce(round_.lane, grads, 1.0 if contribute else 0.0, "none", round_.size, bucket=self.bucket)
         if self._injects("break_lane"):
             self.manager.abandon_round()  # mid all-reduce: this round fails everywhere
         try:  # only the wait is guarded: that is where Gloo reports a lost peer; anything else is a bug

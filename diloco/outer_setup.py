@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from diloco.auto_overlap import AutoOverlap
 from diloco.config import JobConfig, training_config
 from diloco.distributed import WorkerEnv
 from diloco.faults import FaultHook
 from diloco.fragments import fragment_parameter_names
+from diloco.ft.bandwidth import bucket_for
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import Lanes
 from diloco.ft.manager import Manager
@@ -99,6 +101,7 @@ def build_outer_sync(
         end_wait_s=timeouts.end + timeouts.quorum,
         commit_log=_commit_logger(commits_path) if env.rank == 0 else _ignore,
         faults=faults,
+        bucket=bucket_for(job.cluster.lane_bandwidth_mbps),
     )
     if job.algo.name == "ddp":
         params = list(model.parameters())
@@ -112,12 +115,16 @@ def build_outer_sync(
         tokens_per_step = t.batch_size * env.world_size * t.grad_accum * t.seq_len
         return GradientSync(params=params, tokens_per_step=tokens_per_step, heal_state=heal_state, **common)
     fragments = build_fragments(job, model, device)
+    auto = None
+    if job.algo.auto:
+        auto = AutoOverlap(job.algo, max(sum(g.numel() for g in f.global_) for f in fragments))
     heal_state = HealState(
         global_params=[f.global_ for f in fragments],
         outer_optimizers=[f.optimizer for f in fragments],
         inner_optimizer=inner_optimizer,
+        extra={} if auto is None else {"auto.plan": auto.plan},
     )
-    return OuterSync(algo=job.algo, fragments=fragments, heal_state=heal_state, **common)
+    return OuterSync(algo=job.algo, fragments=fragments, auto=auto, heal_state=heal_state, **common)
 
 
 def control_group(env: WorkerEnv, timeout_s: float) -> dist.ProcessGroup | None:

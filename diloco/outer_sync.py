@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from diloco.algo import AlgoConfig
+from diloco.auto_overlap import N_MEASUREMENTS, AutoOverlap
 from diloco.fragments import fragments_to_apply, fragments_to_launch, skip_target
 from diloco.ft.lanes import LaneError
 from diloco.ft.manager import Round, wait_work
@@ -63,6 +64,8 @@ class Flight:
     bytes_sent: list[int] = field(default_factory=list)
     held_ms: float = 0.0  # time the training thread spent on this round
     done: Future | None = None
+    measured: torch.Tensor | None = None  # algo.auto: this group's measurements, sent with the first fragment
+    shared: torch.Tensor | None = None  # algo.auto: every group's measurements, summed over the lane
 
 
 class OuterSync(Synchronizer):
@@ -76,10 +79,14 @@ class OuterSync(Synchronizer):
     up to τ steps for it).
     """
 
-    def __init__(self, *, algo: AlgoConfig, fragments: list[Fragment], **common: Any) -> None:
+    def __init__(
+        self, *, algo: AlgoConfig, fragments: list[Fragment], auto: AutoOverlap | None = None, **common: Any
+    ) -> None:
+        """``auto``: algo.auto's plan and measurements (its plan tensor is in ``heal_state.extra``)."""
         super().__init__(**common)
         self.algo = algo
         self.fragments = fragments
+        self.auto = auto
         self._flight: Flight | None = None
 
     def join(self) -> OuterOutcome:
@@ -97,6 +104,8 @@ class OuterSync(Synchronizer):
         self.tokens += tokens
         for f in self.fragments:
             f.tokens_since_sync += tokens
+        if self.auto is not None:
+            self.auto.step_ends()
         outcome = OuterOutcome()
         if self.algo.window == "time" and self._flight is None:
             step = self._end_window_early(step, outcome)
@@ -107,6 +116,8 @@ class OuterSync(Synchronizer):
         if flight is not None and self._schedule(fragments_to_apply, step):  # the flight launched τ steps ago
             self._flight = None
             self._land(flight, step, outcome)
+        if self.auto is not None:
+            self.auto.step_begins()
         return outcome
 
     def _end_window_early(self, step: int, outcome: OuterOutcome) -> int:
@@ -133,6 +144,7 @@ class OuterSync(Synchronizer):
         super().load_progress_state(state)
         for fragment, tokens in zip(self.fragments, state["tokens_since_sync"], strict=True):
             fragment.tokens_since_sync = int(tokens)
+        self._follow_plan()  # the checkpoint's tensors (loaded first) hold the plan
 
     def load_global_into_local(self) -> None:
         """θ_l ← θ_g everywhere: the model to evaluate and save at the end is the global one."""
@@ -143,6 +155,38 @@ class OuterSync(Synchronizer):
         self.load_global_into_local()
         for f in self.fragments:
             f.tokens_since_sync = 0
+        self._follow_plan()
+
+    def _follow_plan(self) -> None:
+        """algo.auto: run on the plan held in the state (a peer's after a heal, a checkpoint's after a resume)."""
+        if self.auto is not None:
+            self.algo = self.auto.algo_for(self.algo)
+
+    def _replan(self, flight: Flight, groups: int) -> None:
+        """algo.auto, after a committed round: the plan from every group's summed measurements.
+
+        The leader decides from its lane's sums (the same in every group) and its group follows.
+        """
+        before = self.algo
+        decided = self.auto.decide(flight.shared, groups) if self.manager.client is not None else None
+        self.auto.adopt(self.manager.from_leader(self.auto.encode(decided)))
+        self._follow_plan()
+        if (self.algo.delay, self.algo.quantize) != (before.delay, before.quantize):
+            why = "" if decided is None else f": transfer {decided.transfer_s:.3f}s, hidden {decided.hidden_s:.3f}s"
+            log.info(
+                "group %s: algo.auto now delay=%d quantize=%s (was %d, %s)%s",
+                self.manager.group,
+                self.algo.delay,
+                self.algo.quantize,
+                before.delay,
+                before.quantize,
+                why,
+            )
+
+    def _record_fields(self) -> dict[str, Any]:
+        if self.auto is None:
+            return {}
+        return {"delay": self.algo.delay, "quantize": self.algo.quantize}
 
     def _schedule(self, rule: Callable[[int, int, int, int], list[int]], step: int) -> list[int]:
         return rule(step, self.algo.sync_every, self.algo.fragments, self.algo.delay)
@@ -159,6 +203,8 @@ class OuterSync(Synchronizer):
             ]
         weights = [float(f.tokens_since_sync) if self.algo.weighting == "tokens" else 1.0 for f in fragments]
         flight = Flight(launch_step=step, fragments=fragments, deltas=deltas, weights=weights)
+        if self.auto is not None:
+            flight.measured = self.auto.measurements()
         if self.algo.delay > 0:
             flight.done = run_in_background(lambda: self._quorum_and_reduce(flight), f"outer-round-{step}")
         else:  # applied right away: nothing to overlap, so no thread
@@ -184,14 +230,23 @@ class OuterSync(Synchronizer):
         """
         round_ = flight.round
         local_ok, pending = [], []
-        for delta, weight in zip(flight.deltas, flight.weights):
+        started = time.perf_counter()
+        for i, (delta, weight) in enumerate(zip(flight.deltas, flight.weights)):
             finite = weight == 0.0 or self._all_finite(delta)
             if not finite:
                 delta.zero_()
             # Not guarded: Gloo reports a broken lane when the collective is waited on (a
             # failed round); an error here is a bug, and it stops the worker with its traceback.
             pending.append(
-                launch_reduce(round_.lane, delta, weight if finite else 0.0, self.algo.quantize, round_.size)
+                launch_reduce(
+                    round_.lane,
+                    delta,
+                    weight if finite else 0.0,
+                    self.algo.quantize,
+                    round_.size,
+                    extras=self._measurements_to_send(flight) if i == 0 else None,
+                    bucket=self.bucket,
+                )
             )
             local_ok.append(finite)
         if self._injects("break_lane"):
@@ -205,6 +260,16 @@ class OuterSync(Synchronizer):
                 log.warning("group %s: round %s failed: %s", self.manager.group, round_.quorum.quorum_id, error)
             flight.averages.append(average if ok else None)
             flight.bytes_sent.append(reduce.bytes_sent)
+        if self.auto is not None and pending:
+            flight.shared = pending[0].extras
+            if all(a is not None for a in flight.averages):
+                self.auto.transferred(time.perf_counter() - started, sum(flight.bytes_sent))
+
+    def _measurements_to_send(self, flight: Flight) -> torch.Tensor | None:
+        """algo.auto: every member adds the same number of values to the sum (zeros: nothing measured)."""
+        if self.auto is None:
+            return None
+        return flight.measured if flight.measured is not None else torch.zeros(N_MEASUREMENTS)
 
     def _land(self, flight: Flight, step: int, outcome: OuterOutcome) -> None:
         """At the apply step, on the training thread: wait for the round, heal or serve if asked, commit."""
@@ -233,8 +298,11 @@ class OuterSync(Synchronizer):
             else:  # the lane was dropped: this round fails here, and at the peers' all-reduce
                 flight.averages = [None] * len(flight.fragments)
                 flight.bytes_sent = [0] * len(flight.fragments)
-        for i in range(len(flight.fragments)):
-            outcome.metrics.update(self._apply(flight, i, step, started))
+        committed = [self._apply(flight, i, step, started) for i in range(len(flight.fragments))]
+        for metrics in committed:
+            outcome.metrics.update(metrics)
+        if self.auto is not None and all(m["outer/committed"] for m in committed):
+            self._replan(flight, round_.size)
 
     def _take_final_state(self, flight: Flight, step: int, outcome: OuterOutcome, started: float) -> None:
         """Groups that finished hand this group the job's final state; it takes it and stops training.

@@ -20,6 +20,7 @@ import torch
 
 from diloco.byte_view import as_bytes_tensor, byte_view
 from diloco.faults import FaultHook
+from diloco.ft.bandwidth import TokenBucket
 from diloco.ft.manager import Manager, MembershipError, Round
 from diloco.ft.quorum import JobEnd
 from diloco.ft.state import HealState, Position
@@ -44,7 +45,8 @@ class Synchronizer:
     """Bookkeeping and healing shared by the synchronizers; subclasses add the all-reduce.
 
     ``faults`` is composed in only when the job injects faults into workers (see ``FaultHook``);
-    without it a round costs no fault bookkeeping at all.
+    without it a round costs no fault bookkeeping at all. ``bucket`` limits the bandwidth of
+    the outer all-reduces (``cluster.lane_bandwidth_mbps``).
     """
 
     def __init__(
@@ -56,8 +58,10 @@ class Synchronizer:
         end_wait_s: float,
         commit_log: Callable[[dict], None],
         faults: FaultHook | None = None,
+        bucket: TokenBucket | None = None,
     ) -> None:
         self.manager = manager
+        self.bucket = bucket  # cluster.lane_bandwidth_mbps: paces this worker's outer traffic
         self.faults = faults
         self.heal_state = heal_state
         self.collective_timeout_s = collective_timeout_s
@@ -244,6 +248,7 @@ class Synchronizer:
                 "pid": os.getpid(),
                 "digest": digest,
             }
+            | self._record_fields()
         )
         return {
             "outer/committed": float(committed),
@@ -257,6 +262,10 @@ class Synchronizer:
             "outer/recoveries": float(self.recoveries),
             "outer/no_quorum_s": 0.0,
         }
+
+    def _record_fields(self) -> dict[str, Any]:
+        """What a synchronizer adds to each commit record."""
+        return {}
 
     def _no_quorum_metrics(self) -> dict[str, float]:
         """Said in the metrics (and so on the console), not only in the log."""
@@ -286,6 +295,8 @@ class Synchronizer:
             if p not in self._fragment_digests:
                 self._fragment_digests[p] = _sha256(self.heal_state.fragment_tensors(p))
             own.update(self._fragment_digests[p])
+        if self.heal_state.extra:  # the rest of the job's state (algo.auto's plan): groups agree on it too
+            own.update(_sha256(self.heal_state.extra))
         return self.manager.combine_digests(own.digest())
 
     def _state_changed(self, fragment: int | None = None) -> None:

@@ -186,6 +186,7 @@ def _job(*overrides: str):
     )
 
 
+@pytest.mark.slow
 def test_time_windows_at_equal_speeds_equal_step_windows_bit_for_bit(tmp_path):
     steps_job, time_job = _job("algo.weighting=tokens"), _job(*TIME)
     by_steps, _, _, no_jumps = _two_groups(steps_job, tmp_path / "steps", 2 * H)

@@ -172,11 +172,15 @@ class Manager:
         """The inner step of the round the group's peers opened past its own last one, as the
         leader knows it (0: none), the same on every rank (a collective: call it on all of them)."""
         known = self._watcher.open_step if self._watcher is not None else 0
+        return self.from_leader([known])[0]
+
+    def from_leader(self, values: list[int]) -> list[int]:
+        """The leader's ``values`` on every rank of the group (a collective: call it on all of them)."""
         if self.inner_pg is None:
-            return known
-        shared = torch.tensor([known], dtype=torch.int64)
+            return values
+        shared = torch.tensor(values, dtype=torch.int64)
         dist.broadcast(shared, src=0, group=self.inner_pg)
-        return int(shared.item())
+        return [int(v) for v in shared]
 
     def start_round(self, round_step: int) -> Round | None:
         """Ask for a quorum (leader), share it with the group, and make sure the lane matches it.

@@ -48,10 +48,13 @@ class HealState:
         global_params: list[list[torch.Tensor]],
         outer_optimizers: list[torch.optim.Optimizer],
         inner_optimizer: torch.optim.Optimizer,
+        extra: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """``extra``: small tensors of the job's state besides the model's (``algo.auto``'s plan)."""
         self.global_params = global_params
         self.outer_optimizers = outer_optimizers
         self.inner_optimizer = inner_optimizer
+        self.extra = extra or {}
 
     def global_tensors(self) -> dict[str, torch.Tensor]:
         """θ_g and outer-optimizer state: what invariant 1 says must match across groups."""
@@ -68,7 +71,7 @@ class HealState:
         return named
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return self.global_tensors() | inner_optimizer_tensors(self.inner_optimizer)
+        return self.global_tensors() | inner_optimizer_tensors(self.inner_optimizer) | self.extra
 
     def send(self, lane: dist.ProcessGroup, dst: int, position: Position, timeout_s: float) -> bool:
         """Send our state to lane rank ``dst``; False if the transfer failed (the receiver retries later)."""

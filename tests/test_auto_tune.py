@@ -1,0 +1,52 @@
+"""experiments/auto_tune.py: its numbers and table on canned runs (fast), and one smoke run over
+a limited link (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.auto_tune import link_name, numbers, table, verdict_line
+from tests.conftest import run_experiment
+
+
+def _canned(run_dir, train_s: float, loss: float, delays: list[int] | None) -> None:
+    (run_dir / "commits").mkdir(parents=True)
+    per_group = [{"train_seconds": train_s - g, "digest": "d"} for g in range(2)]
+    summary = {"ok": True, "final_eval_loss": loss, "per_group": per_group}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    records = [{"committed": False, "sync_ms": 1.0}]
+    for i, delay in enumerate(delays or [1, 1, 1]):
+        plan = {} if delays is None else {"delay": delay, "quantize": "fp4"}
+        records.append({"committed": True, "sync_ms": 10.0 * (i + 1)} | plan)
+    (run_dir / "commits" / "group0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_numbers_table_and_verdict_from_canned_runs(tmp_path):
+    _canned(tmp_path / "fixed", 20.0, 2.0, None)
+    _canned(tmp_path / "auto", 15.0, 2.02, [1, 4, 6])
+    fixed, auto = numbers(tmp_path / "fixed"), numbers(tmp_path / "auto")
+    assert fixed["plan"] is None and auto["plan"] == "τ=6, fp4", "the last committed round's plan"
+    assert auto["train_s"] == 15.0 and auto["rounds"] == 3 and auto["round_ms"] == 20.0
+    figures = {link_name(1.0): {"fixed": fixed, "auto": auto}}
+    text = table(figures, "τ=1, fp4")
+    assert "| 1 Mbit/s | fixed | τ=1, fp4 | 20.0 | 1.00x | 20 | 2.0000 | +0.00% |" in text
+    assert "| 1 Mbit/s | auto | τ=6, fp4 | 15.0 | 0.75x | 20 | 2.0200 | +1.00% |" in text
+    assert verdict_line(figures["1 Mbit/s"]) == (
+        "0.75x the fixed plan's training time, final eval loss +1.00%; runs ok with equal digests: True"
+    )
+    assert link_name(0.0) == "unlimited"
+
+
+@pytest.mark.slow
+def test_auto_tune_quick(tmp_path):
+    """Over a 0.5 Mbit/s link the preset's τ=1 cannot hide a fragment's fp4 all-reduce: the auto run
+    ends on a larger τ; both runs end ok with equal digests."""
+    args = ["--quick", "--steps", "200", "--links", "0.5", "--results", str(tmp_path)]
+    run_experiment("auto_tune.py", args, timeout_s=240)
+    runs = json.loads((tmp_path / "auto_tune.json").read_text())["0.5 Mbit/s"]
+    assert all(n["ok"] and n["digests_agree"] for n in runs.values()), runs
+    assert runs["fixed"]["plan"] is None
+    delay = int(runs["auto"]["plan"].split(",")[0].removeprefix("τ="))
+    assert delay > 1, runs
