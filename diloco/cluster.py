@@ -48,7 +48,9 @@ class TimeoutsConfig:
     dropped; ``join``: how long the first asker waits for the other healthy groups;
     ``start``: how long a job's first quorum waits for every configured group; ``end``: how
     long groups that finished wait for the others to finish before the job ends; ``stop``: how
-    long a planned stop (Ctrl-C) waits for the groups to finish their round and save.
+    long a planned stop (Ctrl-C) waits for the groups to finish their round and save;
+    ``recovery``: how much longer than its predicted return the survivors' rounds wait for a
+    dead group's replacement (when the launcher chose to wait for it).
     """
 
     connect: float = 60.0
@@ -59,9 +61,10 @@ class TimeoutsConfig:
     start: float = 60.0
     end: float = 120.0
     stop: float = 90.0  # > quorum: a group waiting on a quorum its peers left gets no answer before that
+    recovery: float = 1.0
 
     def validate(self) -> None:
-        for key in ("connect", "collective", "quorum", "heartbeat", "join", "start", "end", "stop"):
+        for key in ("connect", "collective", "quorum", "heartbeat", "join", "start", "end", "stop", "recovery"):
             value = getattr(self, key)
             check(value > 0, f"cluster.timeouts.{key}", value, "must be > 0 seconds")
 
@@ -83,6 +86,9 @@ class ClusterConfig:
     # Warm spares the local launcher keeps built and waiting: a dead group is replaced by one at
     # once (diloco.spares) instead of by fresh workers after the backoff. Each is N processes.
     spares: int = 0
+    # At a group's death (local launcher): wait for its replacement or go on without it; auto
+    # picks the cheaper by the performance model (diloco/recovery.py).
+    recovery: Literal["auto", "wait", "go_on"] = "auto"
     # Caps each worker's outer-round traffic (megabits per second, a token bucket): a slow link
     # on loopback, or politeness on a shared one. 0: unlimited.
     lane_bandwidth_mbps: float = 0.0

@@ -136,3 +136,38 @@ def lost_group_seconds(ready_s: float, window_s: float, join_s: float) -> float:
     group's work since its last round (half a window on average), then its absence until the
     replacement's first round. (On a shared machine the survivors take up part of it.)"""
     return window_s / 2 + ready_s + wait_for_round_seconds(window_s, join_s)
+
+
+# The recovery choice. A dead group's replacement, ready at ``ready``, joins the survivors at
+# one of their rounds (they come every W, the next one u after the death, u uniform in
+# [0, W)). Waiting for it: the survivors' next round is held until it is ready (they stall
+# max(0, ready − u)) and it joins that round (idle max(0, u − ready)). Going on without it:
+# nobody stalls, and it joins the first round after it is ready (idle W/2 on average, for any
+# ready). Both lose the dead group's compute until it is ready.
+
+
+def expected_stall_seconds(ready_s: float, window_s: float) -> float:
+    """E[max(0, ready − u)], u uniform in [0, W): how long a held round waits for the replacement."""
+    if window_s <= 0:
+        return ready_s
+    if ready_s <= window_s:
+        return ready_s**2 / (2 * window_s)
+    return ready_s - window_s / 2
+
+
+def recovery_costs(ready_s: float, window_s: float, survivors: int) -> dict[str, float]:
+    """Expected group-seconds of training each option costs after a death (``ready_s``: until the
+    replacement asks for a quorum; ``window_s``: the survivors' seconds between rounds)."""
+    return {
+        "wait": ready_s
+        + wait_for_round_seconds(window_s, ready_s)
+        + survivors * expected_stall_seconds(ready_s, window_s),
+        "go_on": ready_s + window_s / 2,
+    }
+
+
+def choose_recovery(ready_s: float, window_s: float, survivors: int) -> str:
+    """``wait`` for the replacement when that costs less than going on without it (ties wait:
+    the survivors' rounds keep every group); waiting wins while ready < 2W / (1 + survivors)."""
+    costs = recovery_costs(ready_s, window_s, survivors)
+    return "wait" if costs["wait"] <= costs["go_on"] else "go_on"

@@ -67,19 +67,39 @@ def survivor_stalls(events: list[dict], commits: dict[int, list[dict]], rounds_a
     Extra means beyond the group's median round time (quorum, all-reduce, outer step);
     work lost because a round failed is not stall (it shows in committed syncs instead).
     """
-    stalls = []
-    for event in (e for e in events if e["kind"] in FAILURES):
-        extra = []
-        for group, records in commits.items():
-            if group == event["group"] or len(records) < 2:
-                continue
-            usual = statistics.median(r["sync_ms"] for r in records)
-            after = [r for r in records if r["time"] > event["time"]][:rounds_after]
-            if after:
-                extra.append(sum(max(0.0, r["sync_ms"] - usual) for r in after) / 1000)
-        if extra:
-            stalls.append(sum(extra) / len(extra))
-    return stalls
+    stalls = (_stall_after(e, commits, rounds_after) for e in events if e["kind"] in FAILURES)
+    return [stall for stall in stalls if stall is not None]
+
+
+def _stall_after(event: dict, commits: dict[int, list[dict]], rounds_after: int = 2) -> float | None:
+    extra = []
+    for group, records in commits.items():
+        if group == event["group"] or len(records) < 2:
+            continue
+        usual = statistics.median(r["sync_ms"] for r in records)
+        after = [r for r in records if r["time"] > event["time"]][:rounds_after]
+        if after:
+            extra.append(sum(max(0.0, r["sync_ms"] - usual) for r in after) / 1000)
+    return sum(extra) / len(extra) if extra else None
+
+
+def recovery_choices(events: list[dict], commits: dict[int, list[dict]]) -> list[dict[str, Any]]:
+    """Each recovery choice the launcher made (diloco.recovery), its predicted cost and the actual one.
+
+    Actual, in group-seconds as predicted: the replacement's time from the death to its first
+    committed round (that round's own sync time left out), plus every survivor's stall.
+    """
+    out = []
+    for event in (e for e in events if e["kind"] == "recovery"):
+        back = [c for c in commits.get(event["group"], []) if c["committed"] and not c.get("join")]
+        first = next((c for c in back if c["time"] > event["time"]), None)
+        stall = _stall_after(event, commits)
+        actual = None
+        if first is not None:
+            gone = first["time"] - event["time"] - first["sync_ms"] / 1000
+            actual = gone + event["survivors"] * (stall or 0.0)
+        out.append({"choice": event["choice"], "predicted": event["predicted"][event["choice"]], "actual": actual})
+    return out
 
 
 def recoveries(commits: dict[int, list[dict]]) -> int:
@@ -101,6 +121,17 @@ def _stats(values: list[float]) -> dict[str, float]:
         "p90": statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0],
         "max": max(values),
         "mean": statistics.fmean(values),
+    }
+
+
+def _choices(choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """How often the launcher waited or went on, and the cost it predicted beside what it measured."""
+    measured = [c for c in choices if c["actual"] is not None]
+    return {
+        "wait": sum(c["choice"] == "wait" for c in choices),
+        "go_on": sum(c["choice"] == "go_on" for c in choices),
+        "predicted_cost_s": _stats([c["predicted"] for c in measured]),
+        "actual_cost_s": _stats([c["actual"] for c in measured]),
     }
 
 
@@ -160,6 +191,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "death_to_first_commit_s": _stats(times_from_death_to_commit(events, commits)),
         "death_to_ready_s": _stats(times_from_death_to_ready(events, commits)),
         "survivor_stall_s": _stats(survivor_stalls(events, commits)),
+        "recovery_choices": _choices(recovery_choices(events, commits)),
         "groups_missing_results": sorted(set(range(job.cluster.groups)) - {r["group"] for r in results}),
         "per_group": results,
     }

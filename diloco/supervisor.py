@@ -20,6 +20,7 @@ from typing import Any
 from diloco.faults import FaultEvent, kill_target
 from diloco.local_cluster import JobFailed, LocalCluster, log_tail
 from diloco.logger import read_jsonl_tail
+from diloco.recovery import RecoveryPlanner
 from diloco.worker import JOB_ENDED_EXIT_CODE
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class Supervisor:
         self.lighthouse_started_at = 0.0
         self.holders = StateHolders(cluster)
         self.restart_at: dict[int, float] = {}
+        self.planner = RecoveryPlanner(cluster.job, cluster.paths, cluster.signature)
         self.finished_groups: set[int] = set()
         self.end_seen = False  # the lighthouse exited 0, or refused a group because the job had ended
 
@@ -118,7 +120,8 @@ class Supervisor:
         for group in range(self.cluster.job.cluster.groups):
             workers = self.cluster.groups.get(group)
             if workers is None:
-                self.restart_at.setdefault(group, now + self._restart_delay(0))  # killed on purpose
+                if group not in self.restart_at:
+                    self._schedule_restart(group, now, crashes=0)  # killed on purpose
             elif all(w.process.poll() == 0 for w in workers):
                 self.finished_groups.add(group)
             elif any(w.process.poll() == JOB_ENDED_EXIT_CODE for w in workers):
@@ -241,7 +244,19 @@ class Supervisor:
                 f"group {group} failed {self.crashes[group]} times (cluster.max_restarts={self.max_restarts}); "
                 f"last lines of {failed.log_path}:\n{log_tail(failed.log_path)}"
             )
-        self.restart_at[group] = now + self._restart_delay(self.crashes[group])
+        self._schedule_restart(group, now, self.crashes[group])
+
+    def _schedule_restart(self, group: int, now: float, crashes: int) -> None:
+        """Restart ``group`` after its delay; meanwhile the survivors wait for it or go on (diloco.recovery)."""
+        if self.job_over:
+            return  # nothing is restarted any more
+        delay = self._restart_delay(crashes)
+        self.restart_at[group] = now + delay
+        spare = bool(self.spares and self.cluster.spares) and delay == 0
+        alive = [g for g in self._running() if g != group]
+        self.events.write(
+            "recovery", group, **self.planner.plan(group, time.time(), spare=spare, delay_s=delay, alive=alive)
+        )
 
 
 class FaultInjector:

@@ -291,6 +291,17 @@ def _predicted(n: dict[str, Any]) -> str:
     return f"{n['predicted_death_to_commit_s']:.2f} / {measured['mean']:.2f} (window {n['window_s']:.2f} s)"
 
 
+def _choices(choices: dict[str, Any]) -> str:
+    return f"{choices['wait']} / {choices['go_on']}" if choices else "n/a"
+
+
+def _choice_costs(choices: dict[str, Any]) -> str:
+    predicted, actual = choices.get("predicted_cost_s", {}), choices.get("actual_cost_s", {})
+    if not actual.get("count"):
+        return "n/a"
+    return f"{predicted['mean']:.2f} / {actual['mean']:.2f} (n={actual['count']})"
+
+
 def _spread(stats: dict[str, float]) -> str:
     if not stats.get("count"):
         return "n/a"
@@ -334,6 +345,7 @@ def numbers(run: Run, base: Run) -> dict[str, Any]:
         "predicted_death_to_commit_s": run.predicted_death_to_commit(),
         "window_s": run.window_s(),
         "survivor_stall_s": s["survivor_stall_s"],
+        "recovery_choices": s.get("recovery_choices", {}),
         "final_eval_loss": s["final_eval_loss"],
         "digests_equal": digests_equal(s)[0],
         "faults": s["faults"],
@@ -359,6 +371,8 @@ ROWS = [
     ("death to the replacement's first ask s (mean)", lambda n, s: _mean(n["death_to_ready_s"])),
     ("death to first commit s: perf_model's prediction / measured (means)", lambda n, s: _predicted(n)),
     ("survivors' stall per failure s (median / max)", lambda n, s: _pair(n["survivor_stall_s"])),
+    ("recovery choices: wait / go on", lambda n, s: _choices(n["recovery_choices"])),
+    ("cost per death, group-s: predicted / measured (means)", lambda n, s: _choice_costs(n["recovery_choices"])),
     ("final eval loss", lambda n, s: f"{n['final_eval_loss']:.4f}"),
     ("digests of all groups equal", lambda n, s: digests_equal(s)[1]),
 ]

@@ -28,7 +28,11 @@ def test_a_crash_before_the_end_is_restarted(tmp_path):
     try:
         supervisor.check(now=1.0)  # no backoff here: restarted at once
         assert not supervisor.job_over and supervisor.cluster.started == [1]
-        assert [e["kind"] for e in read_jsonl(supervisor.cluster.paths.events)] == ["crash", "restart"]
+        events = read_jsonl(supervisor.cluster.paths.events)
+        assert [e["kind"] for e in events] == ["crash", "recovery", "restart"]
+        recovery = events[1]
+        assert recovery["replacement"] == "fork" and recovery["choice"] in ("wait", "go_on"), recovery
+        assert set(recovery["predicted"]) == {"wait", "go_on"} and not recovery["lighthouse_told"], recovery
     finally:
         supervisor.cluster.stop()
 

@@ -24,6 +24,7 @@ from diloco.ft.protocol import (
     LighthouseUnavailable,
     QuorumAsk,
     QuorumGrant,
+    RecoveryNotice,
     RoundWatch,
     authorization_header,
     quorum_answer_from_json,
@@ -123,6 +124,10 @@ class LighthouseClient:
             return round_open_from_json(self._post(watch, timeout_s + self.connect_timeout_s))
         except ValueError as e:
             raise LighthouseUnavailable(f"lighthouse at {self.url}: {e}") from None
+
+    def recovery(self, wait_ms: int) -> None:
+        """Say this (dead) group is being replaced: rounds wait ``wait_ms`` for it, or (0) go on without it."""
+        self._post(RecoveryNotice(self.job_id, self.signature, self.group, wait_ms=wait_ms), self.connect_timeout_s)
 
     def _seen(self, quorum_id: int) -> int:
         with self._lock:

@@ -39,6 +39,7 @@ from diloco.ft.protocol import (
     LighthouseRefused,
     QuorumAsk,
     QuorumGrant,
+    RecoveryNotice,
     RoundWatch,
     check_token,
     parse_request,
@@ -177,6 +178,9 @@ class Lighthouse:
             return 200, HEARTBEAT_ACK
         if isinstance(request, RoundWatch):
             return 200, {"round_step": self._round_open(request)}
+        if isinstance(request, RecoveryNotice):
+            self._recovery(request)
+            return 200, HEARTBEAT_ACK
         assert isinstance(request, QuorumAsk), f"no handler for {type(request).__name__} at {path}"
         answer = self._quorum(request, local_host if self.cfg.host in _WILDCARD_HOSTS else self.cfg.host)
         if isinstance(answer, ErrorAnswer):
@@ -190,6 +194,15 @@ class Lighthouse:
             )
             self._steps[beat.group] = beat.step
             self._board.progress(beat.group, GroupProgress.from_json(beat.progress))
+
+    def _recovery(self, notice: RecoveryNotice) -> None:
+        with self._cond:
+            now = self._clock()
+            if notice.wait_ms:
+                self._book.await_return(notice.group, now, notice.wait_ms / 1000)
+            else:
+                self._book.depart(notice.group)
+            self._decide_locked(now)
 
     def _quorum(self, ask: QuorumAsk, store_host: str) -> QuorumGrant | JobEnd | ErrorAnswer:
         """Wait (at most ``ask.timeout_s``, capped by ``MAX_POLL_S``) for this request's fate."""

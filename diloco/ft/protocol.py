@@ -261,7 +261,16 @@ class RoundWatch(GroupMessage):
     timeout_s: float
 
 
-ENDPOINTS: dict[str, type[GroupMessage]] = {m.path: m for m in (Heartbeat, QuorumAsk, RoundWatch)}
+@dataclass(frozen=True)
+class RecoveryNotice(GroupMessage):
+    """The launcher's word that ``group`` died and is being replaced: rounds wait for its
+    replacement up to ``wait_ms`` (0: go on without it at once, until it is back)."""
+
+    path: ClassVar[str] = "/recovery"
+    wait_ms: int
+
+
+ENDPOINTS: dict[str, type[GroupMessage]] = {m.path: m for m in (Heartbeat, QuorumAsk, RoundWatch, RecoveryNotice)}
 
 
 def round_open_from_json(data: Any) -> int:

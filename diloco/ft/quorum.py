@@ -229,6 +229,7 @@ class QuorumBook:
     first_finished_at: float | None = None
     ended: JobEnd | None = None
     turned_away: dict[str, str] = field(default_factory=dict)  # withdrawn requests -> why (answered at once)
+    awaited: dict[str, tuple[float, float]] = field(default_factory=dict)  # restarting group -> (since, until)
 
     def heartbeat(
         self, group: str, now: float, quorum_id_seen: int = 0, step: int | None = None, finished: bool = False
@@ -250,8 +251,19 @@ class QuorumBook:
             self.finished[request.group] = (request.step, request.digest)
             self.first_finished_at = now if self.first_finished_at is None else self.first_finished_at
         self.turned_away.pop(request.group, None)
+        self.awaited.pop(request.group, None)
         self.pending[request.group] = request
         self.asked_at.setdefault(request.group, now)
+
+    def await_return(self, group: str, now: float, wait_s: float) -> None:
+        """A dead group is being replaced: hold rounds for its replacement up to ``wait_s``; then go on without it."""
+        self.awaited[group] = (now, now + wait_s)
+
+    def depart(self, group: str) -> None:
+        """A dead group left: rounds stop waiting for it at once; its replacement's heartbeats bring it back."""
+        self.last_heartbeat.pop(group, None)
+        self.awaited.pop(group, None)
+        self.withdraw(group)
 
     def withdraw(self, group: str) -> None:
         """Drop an open request whose caller gave up waiting."""
@@ -297,6 +309,8 @@ class QuorumBook:
             return None
         if any(g in self.finished for g in healthy):
             return self._closing_quorum(healthy, now)
+        if self._awaiting(now):
+            return None
         askers = set(self.pending)
         previous = self.previous.participants if self.previous else None
         if not quorum_ready(askers, healthy, previous, self.join_clock_start(), now, self.rules):
@@ -384,6 +398,19 @@ class QuorumBook:
         for group in participants:
             self.withdraw(group)
         return quorum
+
+    def _awaiting(self, now: float) -> bool:
+        """Whether a replacement the launcher announced may still come in time to join the next round.
+
+        Past its deadline a replacement with no sign of life since its group died is given up
+        (the group departs), so the survivors' stall stays within the announced wait.
+        """
+        for group, (since, until) in list(self.awaited.items()):
+            if now >= until:
+                del self.awaited[group]
+                if self.last_heartbeat.get(group, since) <= since:
+                    self.depart(group)
+        return bool(self.awaited)
 
     def _turn_away(self, group: str, reason: str) -> None:
         self.withdraw(group)

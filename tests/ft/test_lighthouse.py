@@ -398,7 +398,7 @@ def test_malformed_requests_get_400_and_unknown_paths_404(start):
     assert code == 400 and "'timeout_s'=-1 must be a positive number" in answer["error"]
     assert post(lh, "/nope", b"{}") == (
         404,
-        {"error": "unknown path '/nope': POST /heartbeat or /quorum or /round_open", "code": "not_found"},
+        {"error": "unknown path '/nope': POST /heartbeat or /quorum or /round_open or /recovery", "code": "not_found"},
     )
     code, answer = get(lh, "/nope")
     assert code == 404 and json.loads(answer)["code"] == "not_found"

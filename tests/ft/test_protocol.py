@@ -23,6 +23,7 @@ from diloco.ft.protocol import (
     QuorumGrant,
     QuorumSuperseded,
     QuorumTimeout,
+    RecoveryNotice,
     RoundWatch,
     authorization_header,
     check_token,
@@ -64,8 +65,10 @@ def test_the_field_names_on_the_wire_are_fixed():
     }
     watch = RoundWatch(**WHO, step=3, round_step=40, timeout_s=2.0)
     assert watch.to_json() == {**WHO, "step": 3, "round_step": 40, "timeout_s": 2.0}
-    assert sorted(ENDPOINTS) == ["/heartbeat", "/quorum", "/round_open"]
-    for message in (beat, ask, watch):
+    notice = RecoveryNotice(**WHO, wait_ms=1500)
+    assert notice.to_json() == {**WHO, "wait_ms": 1500}
+    assert sorted(ENDPOINTS) == ["/heartbeat", "/quorum", "/recovery", "/round_open"]
+    for message in (beat, ask, watch, notice):
         assert parse_request(message.path, json.dumps(message.to_json()).encode()) == message
 
 
