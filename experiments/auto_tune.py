@@ -15,7 +15,7 @@ Reported from each run directory: training seconds, final eval loss of the globa
 plan of the last round (from the commit logs), and the median time a round held training up.
 
     python experiments/auto_tune.py            # 4 runs, about 3 minutes in all
-    python experiments/auto_tune.py --quick    # 300 steps each: a smoke test
+    python experiments/auto_tune.py --quick    # H=40 and 120 steps each: a smoke test
 
 Prints a markdown table and writes it to experiments/results/auto_tune.md (numbers also to
 auto_tune.json).
@@ -102,8 +102,8 @@ def table(figures: dict[str, dict[str, dict[str, Any]]], preset: str) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="300 inner steps per run: a smoke test")
-    parser.add_argument("--steps", type=int, help="inner steps per run, a multiple of H (default 1000; --quick 300)")
+    parser.add_argument("--quick", action="store_true", help="H=40 and 120 inner steps per run: a smoke test")
+    parser.add_argument("--steps", type=int, help="inner steps per run, a multiple of H (default 1000; --quick 120)")
     parser.add_argument(
         "--links", type=float, nargs="+", default=LINKS_MBPS, help="lane bandwidths in Mbit/s (0: unlimited)"
     )
@@ -115,8 +115,9 @@ def main() -> None:
     args = parse_args()
     stop_on_sigterm()
     began = time.monotonic()
-    steps = args.steps or (300 if args.quick else 1000)
-    job = compose_job([], EXPERIMENT)
+    steps = args.steps or (120 if args.quick else 1000)
+    quick = ["algo.sync_every=40"] if args.quick else []  # H/P = 20: rounds often enough to re-plan
+    job = compose_job([*quick, f"trainer.max_steps={steps}"], EXPERIMENT)
     preset = f"τ={job.algo.delay}, {job.algo.quantize}"
     figures: dict[str, dict[str, dict[str, Any]]] = {}
     with runs_root(args.keep_runs, EXPERIMENT) as root:
@@ -126,7 +127,7 @@ def main() -> None:
             for name, overrides in PLANS.items():
                 started = time.monotonic()
                 run_dir = root / f"{mbps:g}mbps-{name}"
-                shared = [f"trainer.max_steps={steps}", f"cluster.lane_bandwidth_mbps={mbps}"]
+                shared = [*quick, f"trainer.max_steps={steps}", f"cluster.lane_bandwidth_mbps={mbps}"]
                 run_job(compose_job(shared + overrides, EXPERIMENT), run_dir)
                 figures[link][name] = numbers(run_dir)
                 print(f"{link}, {name}: done in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)

@@ -4,7 +4,9 @@ Group leaders speak plain HTTP + JSON to it (standard library only; nothing rece
 unpickled, DESIGN.md invariant 5). Heartbeats carry a group's committed step and the last
 quorum id it saw; a quorum request is a long poll, answered once the pure ``QuorumBook``
 (quorum.py) forms a quorum that contains the group. The lighthouse also hosts the job's
-``TCPStore``, on which the outer lanes rendezvous, and a read-only status page for operators.
+``TCPStore``, on which the outer lanes rendezvous, and a read-only status page for operators
+(the HTTP front is http_front.py). A round watch (time-bounded windows) is a long poll too; a
+recovery notice from the launcher says whether rounds wait for a dead group's replacement.
 Its whole memory is rebuilt from heartbeats, so a restarted lighthouse needs no saved state.
 """
 
@@ -20,18 +22,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch.distributed as dist
 
 from diloco.cluster import LighthouseConfig
 from diloco.ft import status_page
+from diloco.ft.http_front import LighthouseHTTPServer, LighthouseRequestHandler
 from diloco.ft.identity import JobIdentity, NotThisJob
 from diloco.ft.protocol import (
-    ENDPOINTS,
     HEARTBEAT_ACK,
-    MAX_BODY_BYTES,
     ErrorAnswer,
     ErrorCode,
     GroupProgress,
@@ -44,7 +44,6 @@ from diloco.ft.protocol import (
     check_token,
     parse_request,
     quorum_answer_to_json,
-    unreadable_post,
 )
 from diloco.ft.quorum import JobEnd, Quorum, QuorumBook, QuorumRequest, QuorumRules
 
@@ -97,7 +96,7 @@ class Lighthouse:
         self._history: deque[dict[str, Any]] = deque(maxlen=cfg.history)
         self._board = status_page.StatusBoard()  # what only the status page shows
         self._stopping = threading.Event()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: LighthouseHTTPServer | None = None
         self._store: dist.TCPStore | None = None
         self._threads: list[threading.Thread] = []
 
@@ -108,7 +107,7 @@ class Lighthouse:
         self._stopping.clear()
         self._store = dist.TCPStore(self.cfg.host, self.cfg.store_port, is_master=True, wait_for_workers=False)
         try:
-            self._server = _Server((self.cfg.host, self.cfg.port), _Handler)
+            self._server = LighthouseHTTPServer((self.cfg.host, self.cfg.port), LighthouseRequestHandler)
         except OSError as e:
             self._store = None
             raise OSError(f"lighthouse cannot listen on cluster.lighthouse.port={self.cfg.port}: {e}") from e
@@ -352,59 +351,6 @@ class Lighthouse:
                 self._clock(),
                 self._board,
             )
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True  # a long poll left open by a dead client never blocks stop()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "diloco-lighthouse/1"
-    timeout = 30.0  # a client stalling mid-request cannot hold a thread forever
-
-    def log_message(self, format: str, *args: Any) -> None:  # the base class's argument name
-        log.debug("%s " + format, self.address_string(), *args)
-
-    def do_GET(self) -> None:
-        lighthouse: Lighthouse = self.server.lighthouse  # type: ignore[attr-defined]
-        path = self.path.split("?", 1)[0]
-        if path == "/status":
-            self._reply(200, json.dumps(lighthouse.status()).encode(), "application/json")
-        elif path == "/":
-            self._reply(200, status_page.render_html(lighthouse.status()).encode(), "text/html; charset=utf-8")
-        else:
-            paths = f"GET / or /status, POST {' or '.join(ENDPOINTS)}"
-            self._reply_error(ErrorAnswer(ErrorCode.NOT_FOUND, f"unknown path {path!r}: {paths}"))
-
-    def do_POST(self) -> None:
-        lighthouse: Lighthouse = self.server.lighthouse  # type: ignore[attr-defined]
-        path = self.path.split("?", 1)[0]
-        length = self.headers.get("Content-Length", "")
-        if (error := unreadable_post(path, length)) is not None:
-            if length.isdigit():  # drained (up to a bound) so the client reads the answer
-                self.rfile.read(min(int(length), 16 * MAX_BODY_BYTES))
-            self._reply_error(error)
-        else:
-            body = self.rfile.read(int(length))
-            local_host, peer = self.connection.getsockname()[0], self.address_string()
-            self._reply_json(*lighthouse.handle_post(path, self.headers.get("Authorization"), body, local_host, peer))
-
-    def _reply_json(self, status: int, payload: dict) -> None:
-        self._reply(status, json.dumps(payload).encode(), "application/json")
-
-    def _reply_error(self, error: ErrorAnswer) -> None:
-        self._reply_json(error.code.status, error.to_json())
-
-    def _reply(self, status: int, data: bytes, content_type: str) -> None:
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
-            log.debug("client %s left before its answer", self.address_string())
 
 
 def serve_forever(
