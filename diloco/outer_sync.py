@@ -298,10 +298,10 @@ class OuterSync(Synchronizer):
             else:  # the lane was dropped: this round fails here, and at the peers' all-reduce
                 flight.averages = [None] * len(flight.fragments)
                 flight.bytes_sent = [0] * len(flight.fragments)
-        committed = [self._apply(flight, i, step, started) for i in range(len(flight.fragments))]
-        for metrics in committed:
+        applied = [self._apply(flight, i, step, started) for i in range(len(flight.fragments))]
+        for metrics in applied:
             outcome.metrics.update(metrics)
-        if self.auto is not None and all(m["outer/committed"] for m in committed):
+        if self.auto is not None and all(m["outer/committed"] for m in applied):
             self._replan(flight, round_.size)
 
     def _take_final_state(self, flight: Flight, step: int, outcome: OuterOutcome, started: float) -> None:

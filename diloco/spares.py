@@ -8,10 +8,10 @@ launcher writes a group id there, a spare has not reached the lighthouse: it is 
 in a quorum, never trains and is never a heal source. Once assigned it becomes that group's
 new process set and does what a restarted group does: joins, heals from a live peer, trains.
 
-The pipes are the readiness signal as well: a rank opens its pipe for reading only once it
-is built, so the launcher's non-blocking open for writing fails (``ENXIO``) until every rank
-of the spare is waiting, and a spare still building is never handed a group. Only the
-launcher writes these pipes; what a spare reads is checked JSON, never unpickled.
+The pipes are the readiness signal as well: a rank opens its pipe only once it is built, so
+the launcher's non-blocking open for writing fails (``ENXIO``) until every rank of the spare
+is waiting, and a spare still building is never handed a group. Only the launcher writes
+these pipes; what a spare reads is checked JSON, never unpickled.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.run_paths import RunPaths
+
+ASSIGNMENT_MAX_BYTES = 4096  # PIPE_BUF on Linux: an assignment is written and read whole
 
 
 class SpareAssignmentError(RuntimeError):
@@ -67,16 +69,20 @@ def make_pipes(paths: RunPaths, spare: int, ranks: int) -> list[Path]:
 def wait_for_assignment(pipe: Path) -> Assignment:
     """Block (no polling, no CPU) until the launcher writes this rank's assignment.
 
-    An open for writing that the launcher closed without a word (another rank of this spare
-    was not ready yet) reads as end-of-file at once: wait again.
+    The pipe is opened for reading and writing (Linux: at once, fifo(7)). Holding a write end
+    itself, this rank never reads end-of-file, so a launcher that opens the pipe and closes it
+    without a word (another rank of this spare was not ready yet) changes nothing, and no
+    assignment can be written in a moment when this rank has no read end open (a pipe that
+    nobody holds open drops what it buffered).
     """
     if not stat.S_ISFIFO(os.stat(pipe).st_mode):
         raise SpareAssignmentError(f"{pipe} is not the named pipe the launcher made for this spare")
-    while True:
-        with open(pipe, "rb") as fh:  # blocks until the launcher opens the other end
-            raw = fh.read()
-        if raw:
-            return Assignment.decode(raw)
+    fd = os.open(pipe, os.O_RDWR)
+    try:
+        raw = os.read(fd, ASSIGNMENT_MAX_BYTES)  # the launcher writes the assignment in one atomic write
+    finally:
+        os.close(fd)
+    return Assignment.decode(raw)
 
 
 def assign(pipes: list[Path], assignment: Assignment) -> bool:

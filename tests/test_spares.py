@@ -53,6 +53,19 @@ def test_a_spare_with_a_rank_still_building_gets_nothing_and_its_ready_rank_wait
     assert ready.result(timeout=10) == late.result(timeout=10) == Assignment(0, 1.0)
 
 
+def test_a_waiting_rank_never_lets_go_of_its_pipe(tmp_path):
+    """Regression (a CI run): a rank that re-opened its pipe after each open closed unwritten had
+    moments with no read end open; an assignment written just before such a moment was dropped
+    with the pipe's buffer, and the rank waited for good. Now it holds the pipe from the moment
+    it is built until it reads its assignment: opens closed unwritten never find it gone."""
+    [pipe] = make_pipes(RunPaths(tmp_path), spare=0, ranks=1)
+    got = read_in_background(pipe)
+    wait_until(lambda: has_reader(pipe), 10.0, "the rank to wait", poll_s=0.001)
+    assert all(has_reader(pipe) for _ in range(2000)), "the rank let go of its pipe between two opens"
+    assert assign([pipe], Assignment(0, 1.0))
+    assert got.result(timeout=5) == Assignment(0, 1.0)
+
+
 def test_nobody_waiting_means_no_assignment_and_no_block(tmp_path):
     pipes = make_pipes(RunPaths(tmp_path), spare=0, ranks=1)
     assert not assign(pipes, Assignment(0, 0.0))
