@@ -126,10 +126,11 @@ def _two_groups(job, tmp_path, steps: int, slow_steps: int | None = None, one_be
     """Groups 0 and 1 (threads) with mock inner steps of one token each; returns models, outers,
     each group's θ_l before and after every round, and the steps group 1 jumped to.
 
-    Equal speeds run in lockstep (a barrier before each round), so nobody sees a round open
+    Equal speeds run in lockstep (a barrier after each inner step), so nobody sees a round open
     early. ``slow_steps``: group 1 takes that many steps per window, then waits until it learns
     that group 0 opened the round. ``one_behind``: group 1 waits, one step short of the window,
-    until it learns of the round, and takes its last step all the same.
+    until it learns of the round, and takes its last step all the same. (Barriers keep the
+    threads' scheduling out of it: ``meets``.)
     """
     torch.manual_seed(0)
     models = [Transformer(job.model) for _ in range(2)]
@@ -150,6 +151,14 @@ def _two_groups(job, tmp_path, steps: int, slow_steps: int | None = None, one_be
                 assert time.monotonic() < deadline, "group 1 never learned of the round group 0 opened"
                 time.sleep(0.005)
 
+        def meets(step: int, window_end: int) -> bool:
+            """Where both groups wait for each other, so that neither sees a round open sooner than
+            the test means: every step at equal speeds; every step but the window's last when
+            group 1 is one behind; after group 1's last step of the window when it is slow."""
+            if slow_steps is not None:
+                return step == window_end - H + slow_steps
+            return not one_behind or step != window_end
+
         def snapshot(g: int) -> list[torch.Tensor]:
             return [p.detach().clone() for p in models[g].parameters()]
 
@@ -162,10 +171,10 @@ def _two_groups(job, tmp_path, steps: int, slow_steps: int | None = None, one_be
                 mock_inner_step(models[g], step, scale=1.0 + g)
                 window_end = next_launch_step(step - 1, H, 1, 0)
                 own_last = window_end - H + slow_steps if g == 1 and slow_steps else window_end
+                if meets(step, window_end):
+                    lockstep.wait(timeout=30)
                 if g == 1 and (step == own_last < window_end or (one_behind and step == window_end - 1)):
                     learns_of_the_round(window_end)
-                if slow_steps is None and not one_behind:
-                    lockstep.wait(timeout=30)
                 if step == own_last:
                     before_round[g].append(snapshot(g))
                 outcome = outers[g].after_inner_step(step, tokens=1)
