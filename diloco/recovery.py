@@ -47,6 +47,8 @@ class Pending:
 
 @dataclass
 class RecoveryPlanner:
+    """The supervisor's recovery choices, and what the job has shown of how long replacements take."""
+
     job: JobConfig
     paths: RunPaths
     signature: str
@@ -59,8 +61,8 @@ class RecoveryPlanner:
         self._learn()
         kind = "spare" if spare else self.job.cluster.spawn
         ready_s = delay_s + self._start_estimate(kind)
-        window_s = self._window_s([g for g in alive if g != group])
-        survivors = len([g for g in alive if g != group])
+        others = [g for g in alive if g != group]
+        window_s, survivors = self._window_s(others), len(others)
         costs = recovery_costs(ready_s, window_s, survivors)
         forced = self.job.cluster.recovery
         choice = choose_recovery(ready_s, window_s, survivors) if forced == "auto" else forced
