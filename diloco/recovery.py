@@ -21,7 +21,7 @@ from diloco.config import JobConfig
 from diloco.ft.client import LighthouseClient
 from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable
 from diloco.logger import read_jsonl
-from diloco.outer_setup import group_name
+from diloco.outer_setup import group_name, lighthouse_url
 from diloco.perf_model import choose_recovery, recovery_costs
 from diloco.run_paths import RunPaths
 
@@ -105,7 +105,7 @@ class RecoveryPlanner:
         """Best effort: a lighthouse that is down learns nothing, and its rules apply unchanged."""
         job = self.job
         client = LighthouseClient(
-            f"http://{job.cluster.lighthouse.host}:{job.cluster.lighthouse.port}",
+            lighthouse_url(job),
             token=job.cluster.lighthouse.token,
             job_id=job.name,
             signature=self.signature,

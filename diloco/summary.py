@@ -45,10 +45,15 @@ def times_from_death_to_commit(events: list[dict], commits: dict[int, list[dict]
     """
     times = []
     for event in (e for e in events if e["kind"] in DEATHS):
-        back = [c["time"] for c in commits.get(event["group"], []) if c["committed"] and not c.get("join")]
-        if after := [t for t in back if t > event["time"]]:
-            times.append(min(after) - event["time"])
+        if (first := _first_commit_after(event, commits)) is not None:
+            times.append(first["time"] - event["time"])
     return times
+
+
+def _first_commit_after(event: dict, commits: dict[int, list[dict]]) -> dict | None:
+    """The first round the event's group committed after it (its join round, which commits nothing, left out)."""
+    back = [c for c in commits.get(event["group"], []) if c["committed"] and not c.get("join")]
+    return min((c for c in back if c["time"] > event["time"]), key=lambda c: c["time"], default=None)
 
 
 def times_from_death_to_ready(events: list[dict], commits: dict[int, list[dict]]) -> list[float]:
@@ -91,8 +96,7 @@ def recovery_choices(events: list[dict], commits: dict[int, list[dict]]) -> list
     """
     out = []
     for event in (e for e in events if e["kind"] == "recovery"):
-        back = [c for c in commits.get(event["group"], []) if c["committed"] and not c.get("join")]
-        first = next((c for c in back if c["time"] > event["time"]), None)
+        first = _first_commit_after(event, commits)
         stall = _stall_after(event, commits)
         actual = None
         if first is not None:

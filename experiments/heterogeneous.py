@@ -55,6 +55,7 @@ from experiments.common import (  # noqa: E402
     verdict,
     write_result,
 )
+from experiments.fault_tolerance import digests_equal  # noqa: E402
 
 EXPERIMENT = "heterogeneous"
 STEPS, TIME = "fixed H (algo.window=steps)", "time-bounded (algo.window=time)"
@@ -85,8 +86,7 @@ def time_bounded_steps(steps: int, groups: int, slowdown: float, h: int) -> int:
 
 def numbers(run: Run, slow_group: int, tokens_per_step: int) -> dict[str, Any]:
     per_group = {g["group"]: g for g in run.summary["per_group"]}
-    seconds = max(g["train_seconds"] for g in per_group.values())
-    tokens = sum(g["tokens_seen"] for g in per_group.values())
+    seconds, tokens = run.summary["train_seconds"], run.summary["tokens_seen"]  # the slowest group's, all groups'
     rounds = run.summary["rounds"]
     slow_commits = [r for r in run.commits[slow_group] if r["committed"]]
     slow_steps = per_group[slow_group]["tokens_seen"] / tokens_per_step
@@ -99,7 +99,7 @@ def numbers(run: Run, slow_group: int, tokens_per_step: int) -> dict[str, Any]:
         "rounds": rounds,
         "slow_rounds": len(slow_commits),
         "slow_steps_per_window": slow_steps / rounds if rounds else float("nan"),
-        "digests_agree": len({g["digest"] for g in per_group.values()}) == 1,
+        "digests_agree": digests_equal(run.summary)[0],
     }
 
 

@@ -14,7 +14,7 @@ from tests.conftest import run_experiment
 def _canned(run_dir, train_s: float, loss: float, delays: list[int] | None) -> None:
     (run_dir / "commits").mkdir(parents=True)
     per_group = [{"train_seconds": train_s - g, "digest": "d"} for g in range(2)]
-    summary = {"ok": True, "final_eval_loss": loss, "per_group": per_group}
+    summary = {"ok": True, "final_eval_loss": loss, "per_group": per_group, "groups": 2, "train_seconds": train_s}
     (run_dir / "summary.json").write_text(json.dumps(summary))
     records = [{"committed": False, "sync_ms": 1.0}]
     for i, delay in enumerate(delays or [1, 1, 1]):

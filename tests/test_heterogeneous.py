@@ -20,6 +20,7 @@ def _run(steps_per_window: tuple[int, int], rounds: int, seconds: float, loss: f
         for g, n in enumerate(steps_per_window)
     ]
     summary = {"ok": True, "rounds": rounds, "final_eval_loss": loss, "per_group": per_group, "groups": 2}
+    summary |= {"train_seconds": seconds, "tokens_seen": sum(g["tokens_seen"] for g in per_group)}  # as summary.json
     commits = {g: [{"committed": r > 0} for r in range(rounds + 1)] for g in range(2)}
     return Run(summary, commits, [])
 
