@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from diloco.config_base import ConfigError, check
 from diloco.files import write_json_atomically
@@ -79,6 +78,7 @@ def save_rank(folder: Path, tensors: dict[str, torch.Tensor], progress: dict[str
     partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     snapshot = {name: t.detach().cpu() for name, t in tensors.items()}
+    dcp = _dcp()
     with _single_process():
         dcp.save(snapshot, checkpoint_id=str(partial), no_dist=True)
     files = {p.name: _file_record(p) for p in sorted(partial.iterdir()) if p.is_file()}
@@ -117,12 +117,21 @@ def _load_verified(
             "resume with the model, algo and outer_opt settings the checkpoint was written with"
         )
     loaded = {name: torch.empty_like(t.detach(), device="cpu") for name, t in template.items()}
+    dcp = _dcp()
     try:
         with _single_process():
             dcp.load(loaded, checkpoint_id=str(folder), no_dist=True)
     except Exception as error:  # DCP reports shape or storage problems in several types
         raise CheckpointError(f"{folder}: cannot be loaded: {str(error).splitlines()[0]}") from error
     return loaded, manifest["progress"]
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported on first use: it pulls in DTensor (0.6 s), which
+    the launcher, the lighthouse and ``role=summary`` never need, and every ``python run.py`` pays."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 @contextlib.contextmanager

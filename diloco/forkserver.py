@@ -81,6 +81,8 @@ def warm_up(paths: RunPaths) -> None:
         print(f"corpus not pre-loaded: {error}", file=sys.stderr, flush=True)
     import torch._dynamo  # noqa: F401  (torch.optim imports it for the first optimizer: 0.8 s of CPU)
 
+    import diloco.sharding  # noqa: F401  (FSDP, which diloco.worker leaves to the worker: 1 s of CPU)
+
     if job.logger.mode != "disabled":
         import wandb  # noqa: F401  (the leader's wandb.init needs it: 0.85 s of CPU)
 

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from diloco.checkpoint import CheckpointConfig
 from diloco.config_base import check
 from diloco.data import ShardedBatches
+from diloco.ft.state import is_dtensor
 from diloco.logger import perplexity
 from diloco.synchronizer import OuterOutcome, Synchronizer
 
@@ -136,7 +136,7 @@ class Trainer:
             skip = outcome.skip_step
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if isinstance(grad_norm, DTensor):
+        if is_dtensor(grad_norm):
             grad_norm = grad_norm.full_tensor()
         if not skip:
             self.optimizer.step()

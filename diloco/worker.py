@@ -30,7 +30,7 @@ from diloco.checkpoint import check_compatible, rank_dir, resolve_resume, verify
 from diloco.config import GroupConfig, JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
 from diloco.data import ShardedBatches, eval_batches, load_corpus
-from diloco.distributed import WorkerEnv, check_device, init_group, select_device, shard_model
+from diloco.distributed import WorkerEnv, check_device, select_device
 from diloco.faults import FaultHook, straggler_pace
 from diloco.files import write_atomically, write_json_atomically
 from diloco.ft.manager import JobEndedError
@@ -173,6 +173,8 @@ class Replica:
 
 
 def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device) -> Replica:
+    from diloco.sharding import shard_model  # see run_worker
+
     torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
     model = Transformer(job.model).to(device)
     n_params, signature = count_parameters(model), param_signature(job.model, model)
@@ -192,6 +194,10 @@ def run_worker(
     too, the slowest part of a start once torch is imported), then waits for the group it
     replaces, and from then on is that group's worker.
     """
+    # Imported here, not above: the launcher imports this module for ``preflight`` and would pay
+    # FSDP's imports (1 s) for nothing; a worker forked from the fork server finds them loaded.
+    from diloco.sharding import init_group
+
     setup_process_logging()
     stop = _stop_on_signals() if spare is None else None  # a waiting spare just dies when told to
     device = select_device(job.cluster.device, env.local_rank)

@@ -18,7 +18,7 @@ group's commit log (the records of all its processes in turn), where every round
 by more than one group must carry one digest.
 
     python experiments/soak.py            # ~65 min on two cores (a calibration, ~35 min faulty, ~31 fault-free)
-    python experiments/soak.py --quick    # 3 groups, a kill every 3 s, 2 x ~25 s: a smoke test
+    python experiments/soak.py --quick    # 3 groups, a kill every 3 s, 2 x ~20 s: a smoke test
 
 Prints the plan and progress (kills so far, every minute) to stderr, a markdown table and the
 target checks to stdout and experiments/results/soak.md (the numbers also to soak.json), and
@@ -90,13 +90,14 @@ class Settings:
 def settings(args: argparse.Namespace) -> Settings:
     preset = compose_job(["faults=soak"], EXPERIMENT).faults
     if args.quick:
-        # 3 groups (min_alive 2: a kill only when both others hold the state), 25 s per run,
-        # every fault kind at least once; a group left behind at the end is stopped after 20 s.
-        kill_every = args.kill_every or 3.0
-        faults = [f"faults.kill_every={kill_every}", "faults.hang_every=8", "faults.nan_every=7"]
-        faults += ["faults.restart_lighthouse_every=10"]
-        extra = ["cluster.groups=3", "cluster.timeouts.quorum=20"]
-        return Settings(True, kill_every, preset.start_after, preset.min_alive, 25.0, 6.0, 2.0, 10.0, extra, faults)
+        # 3 groups (min_alive 2: a kill only when both others hold the state), faults from 5 s,
+        # 12 s per run, every fault kind at least once; a group left behind at the end is
+        # stopped after 12 s.
+        kill_every, start_after = args.kill_every or 3.0, 5.0
+        faults = [f"faults.kill_every={kill_every}", f"faults.start_after={start_after}", "faults.hang_every=8"]
+        faults += ["faults.nan_every=7", "faults.restart_lighthouse_every=10"]
+        extra = ["cluster.groups=3", "cluster.timeouts.quorum=12"]
+        return Settings(True, kill_every, start_after, preset.min_alive, 12.0, 6.0, 2.0, 10.0, extra, faults)
     kill_every = args.kill_every or preset.kill_every
     seconds = preset.start_after + TARGET_RECOVERIES * KILL_MARGIN * kill_every
     faults = [f"faults.kill_every={kill_every}"] if args.kill_every else []
@@ -297,7 +298,7 @@ def plot(runs: dict[str, Run], path: Path, bin_s: float, hist_s: float) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 groups, a kill every 3 s, ~25 s per run: a smoke test")
+    parser.add_argument("--quick", action="store_true", help="3 groups, a kill every 3 s, ~20 s per run: a smoke test")
     parser.add_argument(
         "--kill-every", type=float, help="seconds between kills (default faults/soak.yaml's; --quick: 3)"
     )

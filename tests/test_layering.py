@@ -10,8 +10,12 @@ lazy imports inside functions count, ``if TYPE_CHECKING:`` blocks do not).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -205,3 +209,14 @@ def test_diloco_and_outer_opt_import_each_other_in_no_circle():
     assert cycle is None, (
         "package cycle " + " -> ".join(cycle) + ": " + "; ".join(witness[(a, b)] for a, b in zip(cycle, cycle[1:]))
     )
+
+
+@pytest.mark.slow
+def test_the_launcher_leaves_fsdp_and_dtensor_to_the_workers():
+    """``python run.py`` starts without FSDP's, DTensor's and DCP's imports (with sympy, about a
+    second): only a worker shards, only a checkpoint writes with DCP."""
+    heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint")
+    probe = f"import sys, run; print([m for m in {heavy!r} if m in sys.modules])"
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "[]", loaded.stdout

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from diloco.ft.transport import StateBundle, TransferError, recv_state, send_state
 from outer_opt import load_optimizer_state_tensors, optimizer_state_tensors
@@ -20,9 +20,17 @@ from outer_opt import load_optimizer_state_tensors, optimizer_state_tensors
 log = logging.getLogger(__name__)
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an FSDP-sharded DTensor, without importing DTensor where nothing shards:
+    its module (with sympy) costs the launcher, the lighthouse and every ``python run.py`` 0.9 s,
+    and no tensor can be a DTensor before that module is loaded."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This worker's shard of a (possibly FSDP-sharded) tensor, sharing its storage."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 @dataclasses.dataclass(frozen=True)

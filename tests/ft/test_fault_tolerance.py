@@ -259,7 +259,9 @@ def test_groups_with_wrong_token_job_or_model_are_refused_and_change_nothing(job
     job.start(range(2))
     job.cluster.wait_for(lambda: job.rounds_of(0) >= 2, 120, "two committed rounds")
     real = job.cluster.job  # the resolved job: the lighthouse's real port and token
-    three_groups = dataclasses.replace(real.cluster, groups=3)
+    # exec'd workers start at once (a fork server would first import for seconds), so the four
+    # intruders below import side by side
+    three_groups = dataclasses.replace(real.cluster, groups=3, spawn="exec")
     intruders = {
         "wrong token": dataclasses.replace(
             real,
@@ -275,16 +277,19 @@ def test_groups_with_wrong_token_job_or_model_are_refused_and_change_nothing(job
             real, algo=dataclasses.replace(real.algo, sync_every=5), cluster=three_groups
         ),
     }
-    for reason, intruder in intruders.items():
-        paths = RunPaths(tmp_path / reason.replace(" ", "_"))
-        paths.root.mkdir()
-        cluster = LocalCluster(intruder, paths, signature="unused")
-        try:
-            cluster.start_group(2)
+    clusters = {}
+    try:
+        for reason, intruder in intruders.items():
+            paths = RunPaths(tmp_path / reason.replace(" ", "_"))
+            paths.root.mkdir()
+            clusters[reason] = LocalCluster(intruder, paths, signature="unused")
+            clusters[reason].start_group(2)
+        for reason, cluster in clusters.items():
             worker = cluster.groups[2][0]
             assert worker.process.wait(timeout=90) != 0, f"a group with a {reason} must stop"
             assert reason in worker.log_path.read_text(), log_tail(worker.log_path)
-        finally:
+    finally:
+        for cluster in clusters.values():
             cluster.stop()
     before = job.rounds_of(0)
     job.cluster.wait_for(lambda: job.rounds_of(0) >= before + 1, 60, "the members to keep committing")
