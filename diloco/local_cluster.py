@@ -297,6 +297,18 @@ class LocalCluster:
             return exec_worker(spec, self.paths.root, self._lifeline())
         return self._fork(lambda server: server.spawn(spec, timeout_s=self.job.cluster.timeouts.connect))
 
+    def replace_dead_fork_server(self) -> bool:
+        """Start a new fork server as soon as one that served dies, not at the next fork: by the
+        next restart it has done its seconds of imports (under chaos, a lighthouse killed after
+        the fork server waited for them, and no group had a quorum meanwhile). One that never
+        served is left to ``_fork``, whose attempts are bounded: a server that cannot start
+        is no restart loop."""
+        server = self.fork_server
+        if server is None or not server.served or server.alive():
+            return False
+        self.fork_server = ForkServer.start(self.paths.root, self._lifeline(), self.paths.logs / "forkserver.log")
+        return True
+
     def _fork(self, request: Callable[[ForkServer], ForkedProcess]) -> ForkedProcess:
         """``request`` a process from the fork server, starting one first if none is alive.
 

@@ -148,6 +148,7 @@ class ForkServer:
         """Wrap a started server whose stdin and stdout are pipes (``start`` makes one)."""
         self.process = process
         self.gone = False  # its answers reached EOF: it exited, and its children are ours now
+        self.served = False  # it started a process: its imports worked
         self._answers_fd = process.stdout.fileno()
         os.set_blocking(self._answers_fd, False)  # polls read what is there and never wait
         self._partial = b""
@@ -245,6 +246,7 @@ class ForkServer:
         if "exited" in answer:
             self._children.pop(answer["exited"]).exited(answer["code"])
         else:  # registered at once: its exit may be reported in the same read
+            self.served = True
             child = ForkedProcess(answer["pid"], self)
             self._children[child.pid] = child
             self._started[answer["id"]] = child

@@ -115,6 +115,8 @@ class Supervisor:
 
     def check(self, now: float) -> None:
         """Notice a dead lighthouse, dead and finished groups; restart groups whose backoff has passed."""
+        if not self.job_over and self.cluster.replace_dead_fork_server():
+            self.events.write("forkserver_restart")
         self._check_lighthouse(now)
         self._keep_spares()
         for group in range(self.cluster.job.cluster.groups):

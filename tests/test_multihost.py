@@ -5,6 +5,7 @@ summary.json once it ends (``role=summary`` writes the same from the directory a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -29,10 +30,14 @@ def test_a_multi_host_job_on_loopback_ends_with_one_summary_whose_digests_agree(
         text=True,
     )
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    # Two "hosts" share this machine's cores: one thread each, or their spinning threads take turns
+    # (each group's 10 steps took 3-8 s instead of 0.5).
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}
     groups = [
         subprocess.Popen(
             [*torchrun, "run.py", "role=group", f"group.id={g}", *common, f"hydra.run.dir={run_dir}"],
             cwd=REPO,
+            env=one_thread,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

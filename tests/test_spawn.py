@@ -208,6 +208,17 @@ def test_killing_the_fork_server_leaves_its_workers_running(tmp_path):
         cluster.wait_for(
             lambda: any(r["pid"] == restarted for r in committed(paths, 1)), 120, "group 1 to commit again"
         )
+
+        # one that served and died is replaced at once, warm for the next need; one that never served is not
+        served = cluster.fork_server
+        served.process.kill()
+        served.process.wait()
+        assert cluster.replace_dead_fork_server() and cluster.fork_server is not served
+        fresh = cluster.fork_server
+        assert not cluster.replace_dead_fork_server()  # alive
+        fresh.process.kill()
+        fresh.process.wait()
+        assert not cluster.replace_dead_fork_server() and cluster.fork_server is fresh
         leader.kill()  # SIGTERM would ask for a planned stop, which ends the worker with INTERRUPTED_EXIT_CODE
         assert leader.wait(timeout=30) == -signal.SIGKILL, "the orphan's exit code is read after its server died"
     finally:
