@@ -202,6 +202,19 @@ def run_group(job: JobConfig, paths: RunPaths) -> NoReturn:
     exit_without_teardown(1 if problem else 0, problem and f"job failed: {problem}")
 
 
+def exit_like(stop: SystemExit | None) -> NoReturn:
+    """Exit as ``stop`` says (None: 0; a message: printed, 1), skipping the half second torch's
+    interpreter teardown takes once everything is written."""
+    code = None if stop is None else stop.code
+    if code is None or isinstance(code, int):
+        exit_without_teardown(code or 0)
+    exit_without_teardown(1, str(code))
+
+
 if __name__ == "__main__":
     store_base_config()
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        exit_like(stop)
+    exit_like(None)

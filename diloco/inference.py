@@ -22,7 +22,7 @@ from diloco.data import ByteTokenizer, eval_batches, load_corpus
 from diloco.distributed import select_device
 from diloco.fragments import fragment_parameter_names
 from diloco.logger import perplexity
-from diloco.model import ModelConfig, Transformer
+from diloco.model import ModelConfig, Transformer, meta_model
 from diloco.trainer import Batch, next_token_loss
 
 if TYPE_CHECKING:
@@ -89,8 +89,7 @@ def checkpoint_global_weights(group_folder: Path, trained: JobConfig) -> dict[st
 
     Each worker saved its FSDP shard (a run of dim 0); they are concatenated in rank order.
     """
-    with torch.device("meta"):
-        names = [name for name, _ in Transformer(trained.model).named_parameters()]
+    names = [name for name, _ in meta_model(trained.model).named_parameters()]
     algo = trained.algo
     if algo.name == "local":
         key_of = {name: f"model.{name}" for name in names}
@@ -175,7 +174,8 @@ def evaluate_checkpoint(job: JobConfig, weights: Path, trained: JobConfig) -> di
         trained.model.vocab_size == job.data.vocab_size,
         "data.vocab_size",
         job.data.vocab_size,
-        f"differs from the trained model's vocabulary ({trained.model.vocab_size}); evaluate on a corpus of its tokenizer",
+        f"differs from the trained model's vocabulary ({trained.model.vocab_size}); "
+        "evaluate on a corpus of its tokenizer",
     )
     device = select_device(job.cluster.device, 0)
     model = load_model(weights, trained, device)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from diloco.config_base import check
 
@@ -205,10 +206,10 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from cfg, so checkpoints and the outer sync never carry them.
         # Kept fp32; cast parameters with a mixed-precision policy, not model.to(bf16), so the
-        # angles m·θ_i stay exact at long positions.
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # angles m·θ_i stay exact at long positions. init_weights fills them.
+        table_shape = (cfg.max_seq_len, cfg.head_dim // 2)
+        self.register_buffer("rope_cos", torch.empty(table_shape, dtype=torch.float32), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(table_shape, dtype=torch.float32), persistent=False)
         self.init_weights()
 
     @torch.no_grad()
@@ -220,6 +221,8 @@ class Transformer(nn.Module):
         std / sqrt(2·n_layers) so the residual stream's variance stays O(1) with depth
         (GPT-2, Radford et al. 2019).
         """
+        if self.rope_cos.is_meta:
+            return  # no storage to fill (meta_model): to_empty, then init_weights
         cfg = self.cfg
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
@@ -248,6 +251,27 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))
+
+
+def meta_model(cfg: ModelConfig) -> Transformer:
+    """The model without storage or values: its parameters' names, shapes and dtypes, to count and sign.
+
+    Nothing is initialised: on the meta device ``normal_`` runs a Python reference kernel
+    whose first call imports torch._dynamo, a second of CPU that the launcher, an eval or a
+    benchmark would pay before it starts anything.
+    """
+    with torch.device("meta"), _SkipNormalInit():
+        return Transformer(cfg)
+
+
+class _SkipNormalInit(TorchFunctionMode):
+    """``nn.init.normal_`` returns its tensor untouched (nn.Embedding calls it as it is built)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.init.normal_:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
 
 
 def count_parameters(model: nn.Module) -> int:

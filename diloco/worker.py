@@ -36,7 +36,7 @@ from diloco.files import write_atomically, write_json_atomically
 from diloco.ft.manager import JobEndedError
 from diloco.inner_opt import build_inner_optimizer
 from diloco.logger import MetricsLogger, rename_wandb_run, start_wandb
-from diloco.model import Transformer, count_parameters, param_signature
+from diloco.model import Transformer, count_parameters, meta_model, param_signature
 from diloco.outer_setup import build_outer_sync, group_name
 from diloco.process_logging import output_to, setup_process_logging
 from diloco.run_paths import RunPaths
@@ -148,8 +148,7 @@ def preflight(job: JobConfig, paths: RunPaths) -> tuple[int, str]:
     check_device(job.cluster.device)
     for group in range(job.cluster.groups):
         build_data(job, group, 0, job.cluster.workers_per_group)
-    with torch.device("meta"):
-        model = Transformer(job.model)
+    model = meta_model(job.model)
     signature = param_signature(job.model, model)
     if job.trainer.resume:
         identity = checkpoint_identity(job, signature, job.cluster.workers_per_group)

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
 
 from diloco.config_base import from_dict  # noqa: E402
-from diloco.model import ModelConfig, Transformer, count_parameters  # noqa: E402
+from diloco.model import ModelConfig, Transformer, count_parameters, meta_model  # noqa: E402
 
 CPU_PRESETS = ("tiny", "small")
 
@@ -65,8 +65,7 @@ def main() -> None:
     rows = []
     for name in presets:
         cfg = from_dict(ModelConfig, yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text()), "model")
-        with torch.device("meta"):  # count without allocating, to order the table by size
-            rows.append((count_parameters(Transformer(cfg)), name, cfg))
+        rows.append((count_parameters(meta_model(cfg)), name, cfg))  # to order the table by size
     for n_params, name, cfg in sorted(rows):
         median = statistics.median(step_times_ms(cfg, args.batch, args.seq, args.warmup, args.steps))
         tokens_per_s = args.batch * args.seq / (median / 1e3)

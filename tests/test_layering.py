@@ -212,11 +212,17 @@ def test_diloco_and_outer_opt_import_each_other_in_no_circle():
 
 
 @pytest.mark.slow
-def test_the_launcher_leaves_fsdp_and_dtensor_to_the_workers():
-    """``python run.py`` starts without FSDP's, DTensor's and DCP's imports (with sympy, about a
-    second): only a worker shards, only a checkpoint writes with DCP."""
-    heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint")
-    probe = f"import sys, run; print([m for m in {heavy!r} if m in sys.modules])"
+def test_the_launcher_leaves_fsdp_dtensor_and_dynamo_to_the_workers(tmp_path):
+    """``python run.py`` checks its job without FSDP's, DTensor's, DCP's or TorchDynamo's imports
+    (each about a second): only a worker shards, only a checkpoint writes with DCP, and the
+    model the launcher counts and signs is never initialised (on the meta device that imports
+    TorchDynamo)."""
+    heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch._dynamo")
+    probe = (
+        "import sys, run; from diloco.run_paths import RunPaths; from diloco.worker import preflight; "
+        f"preflight(run.job_config_from_dict(run.compose_raw([])), RunPaths({str(tmp_path)!r})); "
+        f"print([m for m in {heavy!r} if m in sys.modules])"
+    )
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "[]", loaded.stdout

@@ -18,6 +18,7 @@ from diloco.model import (
     Transformer,
     apply_rotary,
     count_parameters,
+    meta_model,
     param_signature,
     rotary_tables,
 )
@@ -166,6 +167,17 @@ def test_ffn_dim_llama_rule() -> None:
     assert ModelConfig(dim=512).ffn_dim == 1376
     assert ModelConfig(dim=512, ffn_dim_multiplier=1.5, multiple_of=256).ffn_dim == 2048
     assert ModelConfig(dim=512, ffn_hidden_dim=1000).ffn_dim == 1000
+
+
+def test_the_meta_model_has_the_built_models_parameters_without_storage() -> None:
+    for cfg in (TINY, dataclasses.replace(TINY, tie_embeddings=True)):
+        shapes, eager = meta_model(cfg), build(cfg)
+        assert all(p.is_meta for p in shapes.parameters()) and shapes.rope_cos.is_meta
+        assert [(n, p.shape, p.dtype) for n, p in shapes.named_parameters()] == [
+            (n, p.shape, p.dtype) for n, p in eager.named_parameters()
+        ]
+        assert count_parameters(shapes) == count_parameters(eager)
+        assert param_signature(cfg, shapes) == param_signature(cfg, eager)
 
 
 def test_param_signature_stable_and_shape_sensitive() -> None:
