@@ -207,15 +207,13 @@ def test_tiny_preset_trains_one_step() -> None:
 
 
 def test_small_preset_parameter_count() -> None:
-    with torch.device("meta"):
-        model = Transformer(load_preset("small"))
+    model = meta_model(load_preset("small"))
     assert 15e6 <= count_parameters(model) <= 25e6
 
 
 def test_llama3_1b_preset_structure() -> None:
     cfg = load_preset("llama3_1b")
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = meta_model(cfg)
     assert len(model.layers) == 16
     attn = model.layers[0].attention
     assert (attn.n_heads, attn.n_kv_heads) == (32, 8)
