@@ -11,6 +11,7 @@ without replaying or skipping windows.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import mmap
@@ -31,6 +32,7 @@ from diloco.config_base import check
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 _DTYPES = {"uint16": (torch.uint16, 2), "uint32": (torch.uint32, 4)}
 _SCAN_CHUNK = 1 << 22  # token ids checked per step, bounding the int64 copy to 32 MiB
+_UTF8_CHUNK = 1 << 24  # bytes of text decoded per step when checking a corpus is UTF-8
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,11 @@ def _load_text(path: Path) -> torch.Tensor:
         data = _read(path)
         if not data:
             raise DataError(f"{path}: the file is empty; point data.path at a file with text")
+        if (bad := _first_non_utf8_byte(data)) is not None:
+            raise DataError(
+                f"{path}: not UTF-8 text (byte {bad} is not valid UTF-8); data.corpus=text takes UTF-8 files: "
+                "for a file of token ids use data.corpus=tokens, else convert the file to UTF-8"
+            )
         return _join([data])
     if not path.is_dir():
         raise DataError(f"{path}: neither a regular file nor a folder; fix data.path")
@@ -225,7 +232,7 @@ def _load_text(path: Path) -> torch.Tensor:
             f"{e.filename or path}: cannot list it ({e.strerror or e}); fix its "
             "permissions or point data.path elsewhere"
         ) from e
-    texts = {p: data for p in candidates if p.is_file() and _is_utf8(data := _read(p))}
+    texts = {p: data for p in candidates if p.is_file() and _is_utf8_text(data := _read(p))}
     if not texts:
         raise DataError(
             f"{path}: the folder holds no non-empty UTF-8 text files (hidden files "
@@ -238,12 +245,22 @@ def _raise(error: OSError) -> None:
     raise error
 
 
-def _is_utf8(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return len(data) > 0
+def _is_utf8_text(data: bytes) -> bool:
+    return len(data) > 0 and _first_non_utf8_byte(data) is None
+
+
+def _first_non_utf8_byte(data: bytes) -> int | None:
+    """The offset of the first byte that is not valid UTF-8, or None; decoded a chunk at a time,
+    so checking a corpus of gigabytes never holds it twice (a str is up to 4 bytes a character)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(data)
+    for start in range(0, len(view), _UTF8_CHUNK):
+        held = len(decoder.getstate()[0])  # the start of a character cut by the previous chunk
+        try:
+            decoder.decode(view[start : start + _UTF8_CHUNK], final=start + _UTF8_CHUNK >= len(view))
+        except UnicodeDecodeError as error:
+            return start - held + error.start  # error.start counts from the held bytes
+    return None
 
 
 def _load_tokens(path: Path, token_dtype: str, vocab_size: int) -> torch.Tensor:
@@ -292,6 +309,12 @@ def _check_ids(path: Path, tokens: torch.Tensor, vocab_size: int) -> None:
             )
 
 
+def shard_windows(train_tokens: int, num_groups: int, seq_len: int) -> int:
+    """Training windows in each group's shard: with the seed, what fixes every group's stream."""
+    shard_len = train_tokens // num_groups
+    return max(shard_len - 1, 0) // seq_len
+
+
 def _epoch_seed(seed: int, group: int, epoch: int) -> int:
     """A 63-bit seed per (seed, group, epoch); a hash, so nearby triples do not collide."""
     digest = hashlib.blake2b(f"{seed}/{group}/{epoch}".encode(), digest_size=8).digest()
@@ -334,7 +357,7 @@ class ShardedBatches:
         self.group, self.worker, self.num_workers, self.seed = group, worker, num_workers, seed
         shard_len = tokens.numel() // num_groups
         self._shard = tokens[group * shard_len : (group + 1) * shard_len]
-        self.n_windows = max(shard_len - 1, 0) // seq_len
+        self.n_windows = shard_windows(tokens.numel(), num_groups, seq_len)
         self.consumed = 0
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.int64)

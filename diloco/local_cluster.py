@@ -113,6 +113,26 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
+def crash_report(path: Path) -> str:
+    """What ends a failure's message: the exception the process died of (so the first line, which
+    the summary keeps, names the cause), then the last lines of its log."""
+    died_of = last_exception(path)
+    cause = f"last error: {died_of}; " if died_of else ""
+    return f"{cause}last lines of {path}:\n{log_tail(path)}"
+
+
+def last_exception(path: Path) -> str | None:
+    """The ``Type: message`` line of the last Python traceback in a log, if there is one."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    return next((line for line in lines[starts[-1] + 1 :] if line and not line[0].isspace()), None)
+
+
 def logs_tail(logs: Path, lines: int) -> str:
     """The last ``lines`` of every log of a job, each under its file name."""
     return "\n".join(f"--- {p.name}\n{log_tail(p, lines)}" for p in sorted(logs.glob("*.log")))
@@ -273,8 +293,7 @@ class LocalCluster:
             if not spare.dead() and assign(spare.pipes, Assignment(group, time.time())):
                 self.spares.remove(spare)
                 self.groups[group] = [
-                    WorkerProcess(group, w.rank, w.process, self.paths.worker_log(group, w.rank))
-                    for w in spare.workers
+                    WorkerProcess(group, w.rank, w.process, self.paths.worker_log(group, w.rank)) for w in spare.workers
                 ]
                 return spare.index
         return None
@@ -327,7 +346,7 @@ class LocalCluster:
                     self.fork_server = None
                     continue
                 times = f" ({FORK_ATTEMPTS} times)" if gone else ""
-                raise JobFailed(f"{error}{times}; last lines of {log_path}:\n{log_tail(log_path)}") from error
+                raise JobFailed(f"{error}{times}; {crash_report(log_path)}") from error
 
     def signal_group(self, group: int, signum: int) -> None:
         """Send ``signum`` to every worker of ``group`` (SIGKILL, SIGSTOP, SIGCONT, SIGUSR1...).

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.faults import FaultEvent, kill_target
-from diloco.local_cluster import JobFailed, LocalCluster, log_tail
+from diloco.local_cluster import JobFailed, LocalCluster, crash_report
 from diloco.logger import read_jsonl_tail
 from diloco.recovery import RecoveryPlanner
 from diloco.worker import JOB_ENDED_EXIT_CODE
@@ -172,7 +172,7 @@ class Supervisor:
                 raise JobFailed(
                     f"warm spares failed {self.spare_crashes} times in a row "
                     f"(cluster.max_restarts={self.max_restarts}); "
-                    f"last lines of {failed.log_path}:\n{log_tail(failed.log_path)}"
+                    f"{crash_report(failed.log_path)}"
                 )
         if self.job_over:
             self.cluster.stop_spares()
@@ -209,7 +209,7 @@ class Supervisor:
         if self.lighthouse_crashes > self.max_restarts:
             raise JobFailed(
                 f"the lighthouse failed {self.lighthouse_crashes} times (cluster.max_restarts={self.max_restarts}); "
-                f"last lines of {log_path}:\n{log_tail(log_path)}"
+                f"{crash_report(log_path)}"
             )
         self.cluster.start_lighthouse()
         self.lighthouse_started_at = now
@@ -244,7 +244,7 @@ class Supervisor:
         if self.crashes[group] > self.max_restarts:
             raise JobFailed(
                 f"group {group} failed {self.crashes[group]} times (cluster.max_restarts={self.max_restarts}); "
-                f"last lines of {failed.log_path}:\n{log_tail(failed.log_path)}"
+                f"{crash_report(failed.log_path)}"
             )
         self._schedule_restart(group, now, self.crashes[group])
 

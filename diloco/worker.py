@@ -29,7 +29,7 @@ from diloco import lifeline
 from diloco.checkpoint import check_compatible, rank_dir, resolve_resume, verify_rank
 from diloco.config import GroupConfig, JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
-from diloco.data import ShardedBatches, eval_batches, load_corpus
+from diloco.data import ShardedBatches, eval_batches, load_corpus, shard_windows
 from diloco.distributed import WorkerEnv, check_device, select_device
 from diloco.faults import FaultHook, straggler_pace
 from diloco.files import write_atomically, write_json_atomically
@@ -316,13 +316,18 @@ def resume_folders(job: JobConfig, paths: RunPaths) -> dict[int, Path]:
 
 
 def checkpoint_identity(job: JobConfig, signature: str, workers: int) -> dict[str, object]:
-    """What a checkpoint must share with the job resuming from it: each worker restores its own shard."""
+    """What a checkpoint must share with the job resuming from it: each worker restores its own
+    shard, and each group reads on in the same stream of windows (other data would make the
+    saved read position mean other windows: the worker would refuse it, after the launcher started it)."""
+    train_tokens = load_corpus(job.data).train.numel()
     return {
         "signature": signature,
         "groups": job.cluster.groups,
         "workers": workers,
         "algo": job.algo.name,
         "fragments": job.algo.fragments,
+        "windows_per_group": shard_windows(train_tokens, job.cluster.groups, job.trainer.seq_len),
+        "data_seed": job.trainer.seed,
     }
 
 

@@ -30,17 +30,19 @@ from diloco.config_base import ConfigError
 from diloco.inference import locate_weights, read_weights
 from diloco.launcher import launch
 from diloco.local_cluster import wait_until
+from diloco.model import meta_model, param_signature
 from diloco.run_paths import RunPaths
+from diloco.worker import checkpoint_identity, preflight
 from tests.conftest import REPO, compose_job
 
 TENSORS = {"model.w": torch.arange(6.0).view(2, 3), "inner.0.step": torch.tensor(7.0)}
 
 
-def _save_group(run_dir: Path, group: int, step: int, workers: int = 1, **info) -> Path:
+def _save_group(run_dir: Path, group: int, step: int, workers: int = 1, info: dict | None = None) -> Path:
     folder = group_dir(step_dir(run_dir, step), group)
     for rank in range(workers):
         save_rank(rank_dir(folder, rank), {k: v + rank for k, v in TENSORS.items()}, {"step": step, "rank": rank})
-    mark_complete(folder, {"step": step, "committed": step // 10} | info)
+    mark_complete(folder, {"step": step, "committed": step // 10} | (info or {}))
     return folder
 
 
@@ -78,6 +80,23 @@ def test_a_checkpoint_of_other_state_is_refused(tmp_path):
     check_compatible(folder, {"step": 20})
     with pytest.raises(CheckpointError, match=r"written with step=20, this job has 30"):
         check_compatible(folder, {"step": 30})
+
+
+def test_resuming_on_other_data_is_refused_before_any_process_starts(tmp_path):
+    """Other data, windows or seed would make the saved read position mean other windows: the
+    launcher refuses it, instead of starting workers that each refuse it and get restarted."""
+    saved = compose_job(["logger=none", "cluster.workers_per_group=1"])
+    signature = param_signature(saved.model, meta_model(saved.model))
+    run = tmp_path / "saved"
+    for group in range(saved.cluster.groups):
+        _save_group(run, group, 20, info=checkpoint_identity(saved, signature, 1))
+    resume = ["logger=none", "cluster.workers_per_group=1", f"trainer.resume={step_dir(run, 20)}"]
+    preflight(compose_job(resume), RunPaths(tmp_path / "same"))
+    for other, key in [("data.val_fraction=0.1", "windows_per_group"), ("trainer.seq_len=64", "windows_per_group")]:
+        with pytest.raises(CheckpointError, match=f"written with {key}="):
+            preflight(compose_job([*resume, other]), RunPaths(tmp_path / "other"))
+    with pytest.raises(CheckpointError, match="written with data_seed=0, this job has 1"):
+        preflight(compose_job([*resume, "trainer.seed=1"]), RunPaths(tmp_path / "other"))
 
 
 def test_resume_takes_each_groups_newest_whole_checkpoint_of_a_run(tmp_path):

@@ -124,6 +124,17 @@ def test_text_corpus_single_file(tmp_path):
     assert s.val.numel() == int(len(f.read_bytes()) * 0.1)
 
 
+def test_a_text_file_that_is_not_utf8_is_refused_naming_the_byte_and_the_tokens_corpus(tmp_path, monkeypatch):
+    """A file of token ids given as text would train a model on the ids' raw bytes and exit 0."""
+    ids = tmp_path / "train.bin"
+    ids.write_bytes("wörds ".encode() * 30 + bytes([0xC3, 0x28]) + b"tail")
+    for chunk in (1, 2, 7, 1 << 24):  # a character cut by a chunk boundary is still found at its byte
+        monkeypatch.setattr(data_module, "_UTF8_CHUNK", chunk)
+        assert_data_error(DataConfig(corpus="text", path=str(ids)), ids, "byte 210 is not valid UTF-8")
+    with pytest.raises(DataError, match="data.corpus=tokens"):
+        load_corpus(DataConfig(corpus="text", path=str(ids)))
+
+
 def test_text_corpus_folder_skips_binary_and_hidden(tmp_path):
     (tmp_path / "a.txt").write_text("alpha " * 50, encoding="utf-8")
     (tmp_path / "sub").mkdir()

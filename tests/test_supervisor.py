@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from diloco.local_cluster import crash_report, last_exception
 from diloco.logger import read_jsonl
 from diloco.worker import JOB_ENDED_EXIT_CODE
 from tests.stand_ins import exited, running, supervise
@@ -44,3 +45,20 @@ def test_a_lighthouse_that_exited_0_ended_the_job_and_a_group_killed_then_is_not
         assert supervisor.job_over and not supervisor.cluster.started
     finally:
         supervisor.cluster.stop()
+
+
+def test_a_crash_report_names_the_exception_of_the_last_traceback_first(tmp_path):
+    """The summary keeps a failure's first line: it must say what the process died of."""
+    log = tmp_path / "group0_rank0.log"
+    log.write_text(
+        'step 10/100\nTraceback (most recent call last):\n  File "a.py", line 1, in <module>\n'
+        "KeyError: 'old'\n\nDuring handling of the above exception, another exception occurred:\n\n"
+        'Traceback (most recent call last):\n  File "b.py", line 2, in load\n    raise DataError(msg)\n'
+        "diloco.data.DataError: data state has n_windows=5 but this group has n_windows=4\n"
+    )
+    assert last_exception(log) == "diloco.data.DataError: data state has n_windows=5 but this group has n_windows=4"
+    report = crash_report(log)
+    assert report.splitlines()[0] == f"last error: {last_exception(log)}; last lines of {log}:"
+    log.write_text("step 10/100\nstep 20/100\n")  # killed by a signal: no traceback, nothing guessed
+    assert last_exception(log) is None and crash_report(log).startswith("last lines of")
+    assert last_exception(tmp_path / "missing.log") is None

@@ -205,7 +205,9 @@ def test_a_group_that_keeps_crashing_fails_the_job_with_its_last_lines(tmp_path,
     monkeypatch.setattr("diloco.launcher.preflight", check_then_delete)
     with pytest.raises(JobFailed, match=r"failed 2 times \(cluster\.max_restarts=1\)") as failure:
         launch(job, tmp_path / "run")
-    assert "no such file or folder" in str(failure.value)
+    first_line = str(failure.value).splitlines()[0]  # what summary.json keeps: it names the cause
+    assert "last error: diloco.data.DataError: " in first_line and "no such file or folder" in first_line, first_line
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["failure"] == first_line
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     assert [e["kind"] for e in events if e["group"] == 0].count("crash") >= 1
 
