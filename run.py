@@ -18,6 +18,7 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
@@ -111,9 +112,9 @@ def main(cfg: DictConfig) -> float | None:
         else:
             summary = launch(job, paths.root)
     except (ConfigError, DataError, OutputError) as error:
-        sys.exit(f"error: {error}")
+        fail(f"error: {error}", sweep)
     except JobFailed as error:
-        sys.exit(f"job failed: {error}")
+        fail(f"job failed: {error}", sweep)
     except JobInterrupted as stopped:
         sys.exit(str(stopped))
     except KeyboardInterrupt:
@@ -128,8 +129,21 @@ def main(cfg: DictConfig) -> float | None:
         sys.stdout,
     )
     if not summary["ok"] and job.role != "lighthouse":  # a lighthouse's exit 0 says only that the job ended
-        sys.exit(f"job failed: {summary['failure']}")
+        fail(f"job failed: {summary['failure']}", sweep)
     return summary["final_eval_loss"]  # the objective a hydra sweeper minimises
+
+
+class SweepJobFailed(CompactHydraException):
+    """A job of a ``-m`` sweep failed: hydra runs the others, then exits 1 with the first one's
+    reason (hydra prints a CompactHydraException as its message alone)."""
+
+
+def fail(message: str, sweep: bool) -> NoReturn:
+    """End a failed job: exit 1 with ``message``; in a sweep, say it now and let the sweep go on."""
+    if not sweep:
+        sys.exit(message)
+    say(f"sweep job {HydraConfig.get().job.num}: {message}", sys.stderr)
+    raise SweepJobFailed(message.splitlines()[0])
 
 
 def name_sweep_job(raw: dict[str, Any]) -> None:
@@ -145,15 +159,19 @@ SWEEP_COLUMNS = ("job", "overrides", "ok", "final eval loss", "bytes/token", "wa
 
 
 def write_sweep_table(sweep_dir: Path) -> None:
-    """``sweep.md`` in the sweep directory: one row per finished job, rewritten as each one ends."""
+    """``sweep.md`` in the sweep directory: one row per finished job, rewritten as each one ends
+    (jobs run one after another: a job folder without a summary is one that failed before it ran)."""
     rows = []
-    for summary_path in sorted(sweep_dir.glob("*/summary.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
+    for saved in sorted(sweep_dir.glob("*/.hydra/overrides.yaml"), key=lambda p: (len(p.parts[-3]), p.parts[-3])):
+        job_dir = saved.parent.parent  # hydra writes each job's own overrides there
+        cells = (job_dir.name, " ".join(OmegaConf.load(saved)) or "(none)")
+        summary_path = RunPaths(job_dir).summary
+        if not summary_path.is_file():
+            rows.append(cells + ("no", "–", "–", "–"))
+            continue
         summary = json.loads(summary_path.read_text())
-        saved = summary_path.parent / ".hydra" / "overrides.yaml"  # hydra writes each job's own
-        overrides = " ".join(OmegaConf.load(saved)) if saved.is_file() else "(unknown)"
-        cells = (summary_path.parent.name, overrides or "(none)", "yes" if summary["ok"] else "no")
-        cells += (f"{summary['final_eval_loss']:.4f}", f"{summary['bytes_per_token']:.1f}")
-        rows.append(cells + (f"{summary['wall_seconds']:.0f}",))
+        cells += ("yes" if summary["ok"] else "no", f"{summary['final_eval_loss']:.4f}")
+        rows.append(cells + (f"{summary['bytes_per_token']:.1f}", f"{summary['wall_seconds']:.0f}"))
     lines = ["| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     write_atomically(sweep_dir / "sweep.md", lambda fh: fh.write(("\n".join(lines) + "\n").encode()))

@@ -64,20 +64,25 @@ def test_one_fsdp_step_equals_single_process_step_on_the_same_global_batch(fast_
 
 def test_a_sweeps_jobs_get_their_own_wandb_names_in_one_group_and_a_sweep_table(tmp_path):
     """``python run.py -m``: each job's wandb runs are named by its overrides and grouped by the
-    sweep; sweep.md in the sweep directory has one row per job."""
+    sweep; sweep.md in the sweep directory has one row per job. A failed job (the first: 15 steps
+    per round do not divide 20) does not stop the others, and the sweep exits 1 with its reason."""
     result = subprocess.run(
         [sys.executable, "run.py", "-m", "cluster.groups=1", "cluster.workers_per_group=1", "trainer.max_steps=20"]
-        + ["trainer.eval_every=0", "algo.sync_every=5,10", f"hydra.sweep.dir={tmp_path}"],
+        + ["trainer.eval_every=0", "algo.sync_every=15,5,10", f"hydra.sweep.dir={tmp_path}"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 1, result.stdout + result.stderr
+    reason = "error: trainer.max_steps=20: is not a multiple of algo.sync_every=15"
+    assert f"sweep job 0: {reason}" in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    at_end = next(i for i, line in enumerate(lines) if line.startswith("Error executing job with overrides"))
+    assert lines[at_end + 1].startswith(reason), result.stderr  # hydra's last word: the first failure's reason
     names = []
-    for job in ("0", "1"):
+    for job, h in (("1", 5), ("2", 10)):
         run = next((tmp_path / job / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
-        h = 5 if job == "0" else 10
         name = f"algo.sync_every={h},cluster.groups=1,cluster.workers_per_group=1,trainer.eval_every=0,"
         name += "trainer.max_steps=20-group0"
         assert name.encode() in run, (job, name)  # the run's name, in wandb's own record of it
@@ -85,9 +90,11 @@ def test_a_sweeps_jobs_get_their_own_wandb_names_in_one_group_and_a_sweep_table(
         names.append(name)
     assert names[0] != names[1]
     table = (tmp_path / "sweep.md").read_text().splitlines()
-    assert table[0] == "| job | overrides | ok | final eval loss | bytes/token | wall s |" and len(table) == 4, table
+    assert table[0] == "| job | overrides | ok | final eval loss | bytes/token | wall s |" and len(table) == 5, table
     assert table[2].startswith("| 0 | cluster.groups=1 cluster.workers_per_group=1 trainer.max_steps=20 ")
-    assert "algo.sync_every=5" in table[2] and "algo.sync_every=10" in table[3] and "| yes |" in table[3]
+    assert table[2].endswith("algo.sync_every=15 | no | – | – | – |"), table
+    assert "algo.sync_every=5" in table[3] and "algo.sync_every=10" in table[4]
+    assert "| yes |" in table[3] and "| yes |" in table[4], table
 
 
 def test_python_run_py_end_to_end_with_offline_wandb_then_eval_and_sample(tmp_path):
