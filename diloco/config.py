@@ -93,6 +93,13 @@ class JobConfig:
             f"must be a group id in [0, cluster.groups={self.cluster.groups}), or -1 for none",
         )
         check(
+            not self.faults.kill_every or self.faults.min_alive < self.cluster.groups,
+            "faults.min_alive",
+            self.faults.min_alive,
+            f"must be < cluster.groups={self.cluster.groups} with faults.kill_every set: a kill must leave "
+            "min_alive other groups holding the state, so none could ever happen; lower it or add groups",
+        )
+        check(
             0 <= self.group.id < self.cluster.groups,
             "group.id",
             self.group.id,

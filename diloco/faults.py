@@ -60,6 +60,12 @@ class FaultsConfig:
             self.restart_lighthouse_every,
             "must be >= 0",
         )
+        check(
+            not self.stop_after or self.stop_after > self.start_after,
+            "faults.stop_after",
+            self.stop_after,
+            f"must be 0 (until the job ends) or > faults.start_after={self.start_after:g}: no fault could happen",
+        )
         check(self.min_alive >= 0, "faults.min_alive", self.min_alive, "must be >= 0 (0: kills are never held back)")
         check(self.slow_group >= -1, "faults.slow_group", self.slow_group, "must be a group id, or -1 for none")
         check(

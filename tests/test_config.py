@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import re
+import subprocess
 import sys
 
 import pytest
@@ -41,6 +41,8 @@ def _selection(group: str, option: str) -> list[str]:
     if group == "experiment":
         return [f"+experiment={option}"]  # config.yaml names no experiment: appended, as in the README
     overrides = [f"{group}={option}"]
+    if group == "faults" and option == "soak":
+        overrides.append("cluster.groups=3")  # its min_alive=2 needs two other groups for a kill to happen
     if group == "data" and option != "stdlib":
         overrides.append(f"data.path={CONF_DIR / 'config.yaml'}")  # any existing file will do for composition
         if option == "tokens":

@@ -6,6 +6,7 @@ import pytest
 
 from diloco.config_base import ConfigError
 from diloco.faults import FaultHook, FaultsConfig, kill_target, plan_faults, request_fault
+from tests.conftest import compose_job
 
 
 def test_the_same_seed_gives_the_same_plan_in_time_order():
@@ -46,6 +47,15 @@ def test_a_kill_never_leaves_fewer_than_min_alive_other_groups_holding_the_state
 def test_min_alive_must_not_be_negative():
     with pytest.raises(ConfigError, match="faults.min_alive=-1"):
         FaultsConfig(min_alive=-1).validate()
+
+
+def test_fault_settings_under_which_no_fault_could_happen_are_refused_instead_of_a_quiet_fault_free_run():
+    compose_job(["faults=kill_every", "faults.min_alive=1", "cluster.groups=2"])
+    compose_job(["faults.min_alive=5", "cluster.groups=2"])  # no kills planned: nothing to hold back
+    with pytest.raises(ConfigError, match=r"faults.min_alive=2: must be < cluster.groups=2 with faults.kill_every"):
+        compose_job(["faults=soak", "cluster.groups=2"])
+    with pytest.raises(ConfigError, match=r"faults.stop_after=10.0: must be 0 \(until the job ends\) or >"):
+        compose_job(["faults=kill_every", "faults.start_after=20", "faults.stop_after=10"])
 
 
 def test_workers_read_fault_requests_only_when_the_job_injects_faults_into_them():
