@@ -122,6 +122,13 @@ def main(cfg: DictConfig) -> float | None:
     finally:
         if sweep:
             write_sweep_table(Path(HydraConfig.get().sweep.dir))
+    for loss in summary.get("state_lost", []):  # the model is still the job's, but steps were trained twice
+        say(
+            f"warning: every group holding round {loss['lost_round']} (inner step {loss['lost_step']}) died "
+            f"before another took its state; the job went on from inner step {loss['went_on_from_step']}, "
+            "the best state that survived",
+            sys.stdout,
+        )
     say(
         f"{'done' if summary['ok'] else 'failed'}: eval loss {summary['final_eval_loss']:.4f} "
         f"(ppl {summary['final_eval_ppl']:.2f}), {summary['tokens_seen']:,} tokens in {summary['wall_seconds']:.0f}s; "

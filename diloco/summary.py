@@ -116,6 +116,23 @@ def recoveries(commits: dict[int, list[dict]]) -> int:
     return sum(per_process.values())
 
 
+def state_losses(commits: dict[int, list[dict]]) -> list[dict[str, int]]:
+    """Each time every group holding the job's newest state died before anyone healed from it:
+    the newest round and inner step committed before, and the inner step the job went on from
+    (the best surviving state), so the steps trained again are visible, not only in a log line."""
+    records = [r for group_records in commits.values() for r in group_records]
+    losses: dict[int, dict[str, int]] = {}  # by round floor: every quorum until the job passes it carries it
+    for r in sorted(records, key=lambda r: r["time"]):
+        if r.get("round_floor") and r["round_floor"] not in losses:
+            before = [c for c in records if c["committed"] and c["time"] < r["time"]]
+            losses[r["round_floor"]] = {
+                "lost_round": max((c["round"] for c in before), default=0),
+                "lost_step": max((c["inner_step"] for c in before), default=0),
+                "went_on_from_step": r["inner_step"],
+            }
+    return list(losses.values())
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"count": 0}
@@ -188,6 +205,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "bytes_sent": bytes_sent,
         "bytes_per_token": bytes_sent / tokens if tokens else 0.0,
         "recoveries": recoveries(commits),
+        "state_lost": state_losses(commits),
         "goodput_tokens_per_s": committed_tokens / wall_seconds if wall_seconds > 0 else 0.0,
         "faults": {kind: sum(e["kind"] == kind for e in events) for kind in sorted({e["kind"] for e in events})},
         "lighthouse_restarts": sum(e["kind"] == "lighthouse_restart" for e in events),

@@ -238,6 +238,7 @@ class Synchronizer:
                 "closing": round_.quorum.closing,
                 "join": join,
                 "quorum_id": round_.quorum.quorum_id,
+                "round_floor": round_.quorum.round_floor,  # > 0: the job's newest state was lost before this quorum
                 "participants": list(round_.quorum.participants),
                 "inner_step": step,
                 "time": time.time(),

@@ -18,7 +18,7 @@ from diloco.ft.quorum import QuorumBook, QuorumRequest, QuorumRules
 from diloco.perf_model import choose_recovery, expected_stall_seconds, recovery_costs
 from diloco.recovery import FIRST_GUESS_READY_S, RecoveryPlanner
 from diloco.run_paths import RunPaths
-from diloco.summary import recovery_choices
+from diloco.summary import recovery_choices, state_losses
 from tests.conftest import compose_job
 
 
@@ -168,3 +168,24 @@ def test_the_summary_sets_the_actual_cost_beside_the_predicted_one():
     [choice] = recovery_choices(events, commits)
     # gone 103.0 − 100.0 − 0.1 = 2.9 s; survivors' stall: group 0 0.2 s extra, group 2 none: 0.1 s each.
     assert choice == {"choice": "go_on", "predicted": 2.0, "actual": pytest.approx(2.9 + 2 * 0.1)}
+
+
+def test_the_summary_counts_each_loss_of_the_newest_state_once_with_the_steps_to_train_again():
+    def committed(round_, step, t, quorum, floor=0):
+        return {
+            "round": round_,
+            "inner_step": step,
+            "time": t,
+            "quorum_id": quorum,
+            "round_floor": floor,
+            "committed": True,
+        }
+
+    commits = {  # both groups died after round 2 (step 20); a survivor of step 10 went on, rounds numbered from 4
+        0: [committed(1, 10, 1.0, 2), committed(2, 20, 2.0, 3), committed(4, 10, 9.0, 5, floor=3)],
+        1: [committed(1, 10, 1.1, 2), committed(4, 10, 9.1, 5, floor=3), committed(5, 20, 10.0, 6)],
+    }
+    assert state_losses(commits) == [{"lost_round": 2, "lost_step": 20, "went_on_from_step": 10}]
+    assert state_losses({0: commits[0][:2], 1: commits[1][:1]}) == []  # no quorum after a loss: none
+    old_records = {0: [{k: v for k, v in r.items() if k != "round_floor"} for r in commits[0]]}
+    assert state_losses(old_records) == []  # commit logs written before round_floor was recorded
