@@ -30,7 +30,7 @@ from diloco.files import OutputError, write_atomically, write_json_atomically
 from diloco.ft.lighthouse import serve_forever
 from diloco.ft.manager import JobEndedError, MembershipError
 from diloco.inference import evaluate_checkpoint, locate_weights, sample_text
-from diloco.launcher import JobInterrupted, launch, refuse_reused_run_dir
+from diloco.launcher import JobInterrupted, launch, run_dir_claimed
 from diloco.local_cluster import JobFailed
 from diloco.outcome import group_outcome
 from diloco.progress import say
@@ -92,11 +92,9 @@ def main(cfg: DictConfig) -> float | None:
         name_sweep_job(raw)
     try:
         job = job_config_from_dict(raw)
-        if job.role == "local":
-            refuse_reused_run_dir(paths)
-        elif job.role == "group":
+        if job.role == "group":
             refuse_finished_group(paths, job.group.id)
-        if job.role != "summary":  # the summary reads a run; it is not one
+        if job.role not in ("summary", "local"):  # the summary reads a run; the launcher claims its directory first
             (paths.root / "config.yaml").write_text(OmegaConf.to_yaml(raw))
         if job.role == "group":
             run_group(job, paths)
@@ -110,7 +108,9 @@ def main(cfg: DictConfig) -> float | None:
         elif job.role == "summary":
             summary = summarize_finished_run(job, paths)
         else:
-            summary = launch(job, paths.root)
+            with run_dir_claimed(paths):
+                (paths.root / "config.yaml").write_text(OmegaConf.to_yaml(raw))
+                summary = launch(job, paths.root)
     except (ConfigError, DataError, OutputError) as error:
         fail(f"error: {error}", sweep)
     except JobFailed as error:

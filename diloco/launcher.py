@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -34,8 +38,11 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
     ``JobInterrupted`` is raised; a second Ctrl-C stops every process at once.
     """
     paths = RunPaths(run_dir)
-    refuse_reused_run_dir(paths)
-    paths.root.mkdir(parents=True, exist_ok=True)
+    with run_dir_claimed(paths):
+        return _launch_claimed(job, paths, out)
+
+
+def _launch_claimed(job: JobConfig, paths: RunPaths, out: TextIO) -> dict[str, Any]:
     n_params, signature = preflight(job, paths)
     cluster = LocalCluster(job, paths, signature)
     say(
@@ -113,6 +120,38 @@ def _stop_planned(cluster: LocalCluster, timeout_s: float, out: TextIO) -> None:
             say(f"stopping: some workers were still running after {timeout_s:g}s (cluster.timeouts.stop)", out)
     except KeyboardInterrupt:
         say("stopping at once", out)
+
+
+_CLAIMED: dict[Path, Any] = {}  # run directory -> its open lock file, while this process runs a job there
+
+
+@contextlib.contextmanager
+def run_dir_claimed(paths: RunPaths) -> Iterator[None]:
+    """Hold the run directory for one launcher: a second one started on the same hydra.run.dir
+    is refused at once (it would otherwise overwrite config.yaml and fight over the lighthouse
+    port until both failed), and one started after the job finds its outputs. Reentrant."""
+    if paths.root in _CLAIMED:
+        yield
+        return
+    paths.root.mkdir(parents=True, exist_ok=True)
+    with open(paths.launcher_lock, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise ConfigError(
+                f"hydra.run.dir={paths.root}: another launcher (pid {lock.read().strip() or '?'}) is running a "
+                "job there; pick a new hydra.run.dir"
+            ) from None
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        _CLAIMED[paths.root] = lock
+        try:
+            refuse_reused_run_dir(paths)
+            yield
+        finally:
+            del _CLAIMED[paths.root]
 
 
 def refuse_reused_run_dir(paths: RunPaths) -> None:

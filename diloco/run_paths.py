@@ -31,6 +31,11 @@ class RunPaths:
         return self.root / "events.jsonl"
 
     @property
+    def launcher_lock(self) -> Path:
+        """Locked by the launcher running a job here (it holds its pid): one launcher per directory."""
+        return self.root / "launcher.lock"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

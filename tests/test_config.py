@@ -219,6 +219,30 @@ def test_run_py_refuses_a_run_directory_that_holds_a_run_and_touches_nothing(tmp
 
 
 @pytest.mark.slow
+def test_run_py_refuses_a_run_directory_another_launcher_is_using_and_touches_nothing(tmp_path):
+    holder_code = (
+        "import sys, time; from pathlib import Path\n"
+        "from diloco.launcher import run_dir_claimed; from diloco.run_paths import RunPaths\n"
+        "with run_dir_claimed(RunPaths(Path(sys.argv[1]))):\n"
+        "    Path(sys.argv[1], 'config.yaml').write_text('first: launcher\\n'); print('held', flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", holder_code, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        result = _run(["logger=none"], tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: hydra.run.dir={tmp_path}: another launcher (pid {holder.pid}) is running a job there; "
+        "pick a new hydra.run.dir"
+    )
+    assert (tmp_path / "config.yaml").read_text() == "first: launcher\n" and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_refused_before_any_process_starts(tmp_path):
     result = _run(["logger=none", "cluster.device=cuda"], tmp_path)
