@@ -75,9 +75,18 @@ def store_base_config() -> None:
 def compose_raw(overrides: list[str]) -> dict[str, Any]:
     """The plain config dict ``python run.py *overrides`` would see (hydra's own node removed):
     for tests and experiments, which compose ``conf/`` without hydra's command line."""
+    return plain_config(compose_config(overrides))
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """``conf/`` composed with ``overrides`` as hydra hands it to ``main``, interpolations unresolved."""
     store_base_config()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides)
+
+
+def plain_config(cfg: DictConfig) -> dict[str, Any]:
+    """A composed config as the plain, resolved dict ``job_config_from_dict`` reads (no hydra node)."""
     raw = OmegaConf.to_container(cfg, resolve=True)
     raw.pop("hydra", None)
     return raw

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import subprocess
 import sys
@@ -9,12 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig
 
 from diloco.config import JobConfig, job_config_from_dict
-from run import compose_raw
+from run import compose_config, plain_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
+CONF_GROUPS = frozenset(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 
 
 def run_experiment(script: str, args: list[str], timeout_s: float) -> tuple[str, str]:
@@ -63,9 +68,31 @@ def compose_job(overrides: list[str]) -> JobConfig:
     return _composed(tuple(overrides))
 
 
-@functools.cache  # frozen, so tests may share it; hydra takes 135 ms a composition, a fifth of them repeats
+@functools.cache  # frozen, so tests may share it
 def _composed(overrides: tuple[str, ...]) -> JobConfig:
-    return job_config_from_dict(compose_raw(list(overrides)))
+    """Hydra's composition in its two steps: the defaults list with the group selections (130 ms:
+    done once per distinct selection), then the key=value overrides applied by hydra's own code
+    to a copy (a few ms each). ``test_the_shortcut_composes_as_hydra_does`` holds it to hydra."""
+    parsed = _override_parser().parse_overrides(list(overrides))
+    selections = tuple(o.input_line for o in parsed if _selects_a_group(o))
+    cfg = copy.deepcopy(_composed_selections(selections))
+    ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if not _selects_a_group(o)], cfg)
+    return job_config_from_dict(plain_config(cfg))
+
+
+@functools.cache
+def _composed_selections(selections: tuple[str, ...]) -> DictConfig:
+    return compose_config(list(selections))
+
+
+@functools.cache
+def _override_parser() -> OverridesParser:
+    return OverridesParser.create()
+
+
+def _selects_a_group(override) -> bool:
+    group = override.key_or_group
+    return group in CONF_GROUPS or "/" in group or override.package is not None
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from hydra.errors import ConfigCompositionException
 from diloco.config import JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
 from diloco.local_cluster import free_port
-from tests.conftest import CONF_DIR, REPO, compose_job, compose_raw
+from run import compose_raw
+from tests.conftest import CONF_DIR, FAST, REPO, compose_job
 
 
 def test_default_config_is_the_embedded_default():
@@ -124,7 +125,27 @@ def test_every_key_is_overridable_without_a_plus():
     ``key=value`` reaches each one (here every key set to its own default)."""
     overrides = [f"{key}={_typed(value)}" for key, value in _leaves(compose_raw([]))]
     assert len(overrides) > 80, overrides
-    assert compose_job(overrides) == JobConfig()
+    assert job_config_from_dict(compose_raw(overrides)) == JobConfig()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        FAST,
+        ["cluster.groups=4", "+experiment=compare_ddp"],  # a value before a selection; an interpolation follows it
+        ["model=mini", "algo=streaming", "algo.fragments=2", "inner_opt.betas=[0.8,0.9]", "data.path=null"],
+        ["faults=soak", "cluster.groups=3", "faults.kill_every=2.5", "logger=none", "trainer.resume=''"],
+    ],
+)
+def test_the_shortcut_composes_as_hydra_does(overrides):
+    """Tests compose the group selections once and apply key=value overrides to a copy
+    (tests/conftest.py); the result must be hydra's in one go."""
+    assert compose_job(overrides) == job_config_from_dict(compose_raw(overrides))
+
+
+def test_the_shortcut_refuses_an_unknown_key_as_hydra_does():
+    with pytest.raises(ConfigCompositionException, match=r"Could not override 'algo\.nope'"):
+        compose_job(["logger=none", "algo.nope=1"])
 
 
 def test_an_unknown_key_is_refused_at_composition():
