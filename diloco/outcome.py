@@ -48,6 +48,14 @@ def job_outcome(results: list[dict[str, Any]], groups: int, algo: str, model_sav
     problems += [p for r in results if (p := group_outcome(r, algo)) is not None]
     if algo == "local":  # groups never sync: each one's model is its own, by design
         return Outcome("; ".join(problems) or None)
+    if results and all(r.get("rounds") and r.get("diverged_updates") for r in results):
+        last = max(r["rounds"] for r in results)
+        in_a_row = min(r["diverged_updates"] for r in results)
+        problems.append(
+            f"training diverged: the last {in_a_row} update(s) of every group were non-finite (NaN or inf), so "
+            f"nothing was committed after round {last} and model.pt holds that round's model, not a trained "
+            "one: lower inner_opt.lr or set inner_opt.grad_clip"
+        )
     digests = {r.get("digest") for r in results}
     if len(digests) > 1:
         held = ", ".join(f"group {r['group']} round {r.get('rounds')} {_short(r.get('digest'))}" for r in results)
@@ -69,6 +77,11 @@ def group_outcome(result: dict[str, Any], algo: str) -> str | None:
     if algo == "local":
         return None
     if not result.get("rounds"):
+        if (nonfinite := result.get("nonfinite_updates", 0)) and nonfinite == result.get("syncs_attempted"):
+            return (
+                f"group {group} never committed an outer round: all {nonfinite} of its updates were non-finite "
+                "(NaN or inf: training diverged; lower inner_opt.lr or set inner_opt.grad_clip)"
+            )
         return f"group {group} never committed an outer round: its model is not the product of any sync"
     end = result.get("end")
     if end is None:

@@ -74,6 +74,10 @@ class Synchronizer:
         self.tokens = 0
         self.tokens_committed = 0.0  # tokens whose inner steps reached a committed global model
         self.recoveries = 0
+        self.nonfinite_updates = 0  # left out by the guard: when every one was, the reason a group never committed
+        self.diverged_updates = (
+            0  # non-finite ones in a row, injected ones aside: > 0 at the end in every group: diverged
+        )
         self.round_asked_at = 0.0  # wall time this group last started a round (asked for a quorum)
         self._recoveries_recorded = 0
         self._fragment_digests: dict[int, bytes] = {}
@@ -175,11 +179,15 @@ class Synchronizer:
         A group whose update holds NaN or Inf contributes nothing (the others' average is
         untouched), does not commit, and heals from a peer at the next round.
         """
-        if self._injects("nan"):
+        injected = self._injects("nan")
+        if injected:
             update[: min(1, update.numel())] = float("nan")
         finite = self.manager.all_ranks(bool(torch.isfinite(update).all()))
         if not finite:
+            self.nonfinite_updates += 1
             log.warning("group %s: non-finite update left out of this round", self.manager.group)
+        if finite or not injected:  # a planned NaN says nothing about whether training diverged
+            self.diverged_updates = 0 if finite else self.diverged_updates + 1
         return finite
 
     def _heal_and_serve(self, round_: Round, step: int, round_step: int) -> tuple[bool, Position | None]:
@@ -281,6 +289,8 @@ class Synchronizer:
             "bytes_sent": self.bytes_sent,
             "tokens_committed": self.tokens_committed,
             "recoveries": self.recoveries,
+            "nonfinite_updates": self.nonfinite_updates,
+            "diverged_updates": self.diverged_updates,
             "digest": self.group_digest(),
             "end": None if self.end is None else self.end.to_json(),
         }

@@ -43,6 +43,30 @@ def test_a_model_no_round_produced_fails_the_job():
     assert "\n" not in outcome.failure
 
 
+def test_a_group_whose_every_update_was_non_finite_is_told_it_diverged():
+    diverged = result(0, rounds=0, end=None) | {"syncs_attempted": 4, "nonfinite_updates": 4}
+    assert group_outcome(diverged, "diloco") == (
+        "group 0 never committed an outer round: all 4 of its updates were non-finite "
+        "(NaN or inf: training diverged; lower inner_opt.lr or set inner_opt.grad_clip)"
+    )
+    some = diverged | {"nonfinite_updates": 3}  # one finite update that found no quorum: not divergence
+    assert group_outcome(some, "diloco") == (
+        "group 0 never committed an outer round: its model is not the product of any sync"
+    )
+
+
+def test_every_group_ending_on_non_finite_updates_fails_the_job_as_diverged():
+    diverged = [result(g) | {"diverged_updates": 3 + g} for g in range(2)]
+    outcome = job_outcome(diverged, groups=2, algo="diloco", model_saved=True)
+    assert outcome.failure == (
+        "training diverged: the last 3 update(s) of every group were non-finite (NaN or inf), so nothing was "
+        "committed after round 12 and model.pt holds that round's model, not a trained one: lower inner_opt.lr "
+        "or set inner_opt.grad_clip"
+    )
+    one_healthy = [diverged[0], result(1) | {"diverged_updates": 0}]  # its updates went on into the rounds
+    assert job_outcome(one_healthy, groups=2, algo="diloco", model_saved=True).ok
+
+
 def test_final_digests_that_disagree_fail_the_job():
     fork = result(2, rounds=14, digest="c" * 64)
     outcome = job_outcome([result(0), result(1), fork], groups=3, algo="ddp", model_saved=True)
