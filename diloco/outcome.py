@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 SHOWN_DIGEST_CHARS = 12
+# How far above the loss of guessing uniformly a final model may evaluate before it counts as
+# diverged: an untrained model scores about that loss, and a job of a few steps stays near it.
+WORSE_THAN_UNIFORM_NATS = 0.5
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,12 @@ def group_outcome(result: dict[str, Any], algo: str) -> str | None:
     loss = result.get("final_eval_loss")
     if loss is not None and not math.isfinite(loss):
         return f"group {group}'s final model evaluates to a loss of {loss}: training diverged"
+    uniform = result.get("uniform_loss")
+    if loss is not None and uniform is not None and loss > uniform + WORSE_THAN_UNIFORM_NATS:
+        return (
+            f"group {group}'s final model evaluates to a loss of {loss:.3f}, worse than the {uniform:.3f} of "
+            "guessing every token equally likely: training diverged (lower inner_opt.lr or set inner_opt.grad_clip)"
+        )
     if algo == "local":
         return None
     if not result.get("rounds"):

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -296,7 +297,7 @@ def _train_group(
     if result.interrupted and outer is not None:
         outer.load_global_into_local()  # what a planned stop keeps is the last committed global model
     weights = _full_state_dict(model, sharded)
-    report = _result_record(group, result, replica.n_params)
+    report = _result_record(group, result, replica.n_params, job.model.vocab_size)
     if outer is not None:
         report |= outer.report()
     if leader:
@@ -384,7 +385,7 @@ def _full_state_dict(model: torch.nn.Module, sharded: bool) -> dict[str, torch.T
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _result_record(group: int, result: TrainResult, n_params: int) -> dict[str, Any]:
+def _result_record(group: int, result: TrainResult, n_params: int, vocab_size: int) -> dict[str, Any]:
     return {
         "group": group,
         "steps": result.steps,
@@ -395,6 +396,7 @@ def _result_record(group: int, result: TrainResult, n_params: int) -> dict[str, 
         "tokens_per_s": result.tokens_per_s,
         "parameters": n_params,
         "interrupted": result.interrupted,
+        "uniform_loss": math.log(vocab_size),  # guessing every token equally likely: what learning must beat
     }
 
 

@@ -67,6 +67,17 @@ def test_every_group_ending_on_non_finite_updates_fails_the_job_as_diverged():
     assert job_outcome(one_healthy, groups=2, algo="diloco", model_saved=True).ok
 
 
+def test_a_final_model_worse_than_guessing_uniformly_is_diverged_training():
+    uniform = 5.545177444479562  # ln 256
+    blown_up = result(1) | {"final_eval_loss": 12.05, "uniform_loss": uniform}
+    assert group_outcome(blown_up, "local") == (
+        "group 1's final model evaluates to a loss of 12.050, worse than the 5.545 of guessing every token "
+        "equally likely: training diverged (lower inner_opt.lr or set inner_opt.grad_clip)"
+    )
+    barely_trained = blown_up | {"final_eval_loss": uniform + 0.3}  # a few steps from an untrained start: no verdict
+    assert group_outcome(barely_trained, "diloco") is None
+
+
 def test_final_digests_that_disagree_fail_the_job():
     fork = result(2, rounds=14, digest="c" * 64)
     outcome = job_outcome([result(0), result(1), fork], groups=3, algo="ddp", model_saved=True)

@@ -29,6 +29,7 @@ def test_two_worker_fsdp_group_trains_and_its_loss_falls(fast_job, tmp_path):
     assert losses[-1] < losses[0] - 1.0, losses
     assert [r["step"] for r in records if "eval/loss" in r] == [20, 40]
     assert summary["final_eval_loss"] < UNTRAINED_LOSS - 1.0
+    assert json.loads(RunPaths(tmp_path).result(0).read_text())["uniform_loss"] == UNTRAINED_LOSS  # the bar to beat
     assert summary["tokens_seen"] == 40 * job.trainer.batch_size * 2 * job.trainer.seq_len
     weights = torch.load(tmp_path / "model.pt", weights_only=True)
     assert set(weights) == set(Transformer(job.model).state_dict())
