@@ -27,11 +27,11 @@ import torch.distributed as dist
 
 from diloco.cluster import LighthouseConfig
 from diloco.config_base import ConfigError
+from diloco.ft import status_page
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import Lanes
 from diloco.ft.lighthouse import Lighthouse
 from diloco.ft.manager import JobEndedError, Manager
-from diloco.ft import status_page
 from diloco.ft.protocol import (
     ErrorCode,
     GroupProgress,
@@ -161,14 +161,11 @@ def test_groups_level_in_rounds_at_different_inner_steps_heal_to_the_furthest(st
 
 
 def test_same_members_asking_again_keep_the_id_without_waiting(start):
-    lh = start(QuorumRules(min_groups=1, join_timeout_s=1.0, heartbeat_timeout_s=5.0))
+    lh = start(QuorumRules(min_groups=1, join_timeout_s=600.0, heartbeat_timeout_s=600.0))
     beat(lh, "ABC")
     first = quorums(ask_all(lh, {"A": 0, "B": 0, "C": 0}))["A"]
     beat(lh, "D")  # healthy but not asking: only the fast path answers before the join timeout
-    t0 = time.monotonic()
-    again = quorums(ask_all(lh, {"A": 1, "B": 1, "C": 1}))
-    elapsed = time.monotonic() - t0
-    assert elapsed < 0.5, f"fast path took {elapsed:.2f} s, join timeout is 1 s"
+    again = quorums(ask_all(lh, {"A": 1, "B": 1, "C": 1}, timeout_s=30.0))  # else: a timeout, and quorums() fails
     assert {q.quorum_id for q in again.values()} == {first.quorum_id}
     assert again["A"].participants == ("A", "B", "C") and again["A"].max_step == 1
 
@@ -220,7 +217,7 @@ def test_too_few_groups_time_out_and_the_request_is_withdrawn(start):
     ) as timed_out:
         client(lh, "A").quorum(0, False, timeout_s=0.4)
     assert timed_out.value.code is ErrorCode.TIMEOUT
-    assert 0.4 <= time.monotonic() - t0 < 1.5
+    assert 0.4 <= time.monotonic() - t0 < 60.0, "it gave up before its timeout, or hung past it"
     assert [(g["id"], g["waiting_for_quorum"]) for g in status(lh)["groups"]] == [("A", False)]
     # Withdrawn, not merely forgotten by the client: B alone is still short of min_groups=2.
     assert isinstance(ask_all(lh, {"B": 0}, timeout_s=0.3)["B"], QuorumTimeout)
@@ -228,11 +225,9 @@ def test_too_few_groups_time_out_and_the_request_is_withdrawn(start):
 
 def test_a_request_whose_group_stops_heartbeating_is_dropped(start):
     lh = start(QuorumRules(min_groups=2, join_timeout_s=0.1, heartbeat_timeout_s=0.3))
-    t0 = time.monotonic()
     with pytest.raises(QuorumTimeout, match="no heartbeat for cluster.timeouts.heartbeat=0.3 s") as timeout:
-        client(lh, "A").quorum(0, False, timeout_s=3.0)
-    assert timeout.value.code is ErrorCode.WITHDRAWN
-    assert time.monotonic() - t0 < 1.5
+        client(lh, "A").quorum(0, False, timeout_s=60.0)
+    assert timeout.value.code is ErrorCode.WITHDRAWN  # dropped by the lighthouse, long before its own timeout
 
 
 def test_a_second_request_from_the_same_group_supersedes_the_first(start):
