@@ -122,7 +122,7 @@ def _stop_planned(cluster: LocalCluster, timeout_s: float, out: TextIO) -> None:
         say("stopping at once", out)
 
 
-_CLAIMED: dict[Path, Any] = {}  # run directory -> its open lock file, while this process runs a job there
+_CLAIMED: dict[Path, TextIO] = {}  # run directory -> its open lock file, while this process runs a job there
 
 
 @contextlib.contextmanager

@@ -75,9 +75,7 @@ class Synchronizer:
         self.tokens_committed = 0.0  # tokens whose inner steps reached a committed global model
         self.recoveries = 0
         self.nonfinite_updates = 0  # left out by the guard: when every one was, the reason a group never committed
-        self.diverged_updates = (
-            0  # non-finite ones in a row, injected ones aside: > 0 at the end in every group: diverged
-        )
+        self.diverged_updates = 0  # non-finite in a row (planned NaNs aside); > 0 in every group at the end: diverged
         self.round_asked_at = 0.0  # wall time this group last started a round (asked for a quorum)
         self._recoveries_recorded = 0
         self._fragment_digests: dict[int, bytes] = {}
