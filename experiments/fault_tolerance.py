@@ -208,6 +208,13 @@ class Run:
         first_done = min((r["time"] for r in records if r["step"] >= final), default=math.nan)
         return first_done - self.start, max((r["time"] for r in records), default=math.nan) - self.start
 
+    def early_failures(self) -> list[Recovery]:
+        """Unrecovered failures before the job's first committed round: no group held a state to
+        heal from yet, so the replacement started from the shared initial one, as every group did."""
+        commits = [c["time"] for records in self.commits.values() for c in records if c["committed"]]
+        first_commit = min(commits, default=math.inf)
+        return [r for r in self.recoveries() if r.healed_at is None and r.failed_at < first_commit]
+
     def late_failures(self) -> list[Recovery]:
         """Unrecovered failures the job gave no time to recover from.
 
@@ -332,6 +339,7 @@ def numbers(run: Run, base: Run) -> dict[str, Any]:
         "spare_takeovers": sum(e["kind"] == "restart" and "spare" in e for e in run.events),
         "recoveries": run.healed(),
         "late_failures": len(run.late_failures()),
+        "early_failures": len(run.early_failures()),
         "summary_recoveries": s["recoveries"],
         "syncs_committed": s["syncs_committed"],
         "syncs_attempted": s["syncs_attempted"],
@@ -403,7 +411,8 @@ def targets(figures: dict[str, dict[str, Any]]) -> list[str]:
     recovery_line = (
         f"every killed group recovers: {verdict(recovered)} ({healed} healed restarts for {kills} kills; "
         f"time to heal measured for {heals} of {restarts} restarts; "
-        f"{faulty['late_failures']} kill(s) too close to the end of the job to recover)"
+        f"{faulty['late_failures']} kill(s) too close to the end of the job to recover, "
+        f"{faulty['early_failures']} before its first commit, with nothing to recover)"
     )
     lines = [loss_line, stall_line, recovery_line]
     if spared := figures.get(SPARES):
@@ -430,12 +439,13 @@ def notes(runs: dict[str, Run]) -> list[str]:
             f"{run.summary['recoveries']}"
         )
         first_done = run.training_times()[0]
-        late = run.late_failures()
+        late, early = run.late_failures(), run.early_failures()
         for r in run.recoveries():
             if r.healed_at is not None:
                 continue
             what = "never restarted" if r.restarted_at is None else f"restarted at {r.restarted_at - run.start:.1f}s"
             why = " (too late: no peer left to heal from)" if r in late else ""
+            why = " (before the job's first commit: no state to heal from)" if r in early else why
             lines.append(
                 f"  - group {r.group} failed at {r.failed_at - run.start:.1f}s, {what}, never healed; the first "
                 f"group finished at {first_done:.1f}s{why}"
