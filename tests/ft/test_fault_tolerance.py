@@ -371,6 +371,7 @@ def test_job_goes_on_when_every_holder_of_its_newest_state_dies(job_factory):
     restarted = [r for g in range(2) for r in committed_rounds(job.paths, g) if r["pid"] == job.leader_pid(g)]
     assert min(r["round"] for r in restarted) > lost, "a round number of the lost history was reused"
     assert_digests_agree(job.paths, 2)
-    # The summary says so (run.py prints it): one loss, from the lost round, going on from the initial state.
+    # The summary says so (run.py prints it): one loss, from the lost round.
     [loss] = state_losses({g: commits(job.paths, g) for g in range(2)})
-    assert loss["lost_round"] == lost and loss["lost_step"] == 10 * lost and loss["went_on_from_step"] == 0, loss
+    # Went on from the initial state: its first record after the loss is its join (step 0) or first commit (10).
+    assert loss["lost_round"] == lost and loss["lost_step"] == 10 * lost and loss["went_on_from_step"] <= 10, loss
