@@ -14,8 +14,8 @@ import json
 import pytest
 
 from experiments.fault_tolerance import load_run
+from tests.canned_runs import canned_run, commit_record, write_jsonl
 from tests.conftest import run_experiment
-from tests.test_soak import _canned_run, _commit, _write_jsonl
 
 TIMEOUT_S = 300
 
@@ -49,8 +49,8 @@ def test_fault_tolerance_quick(tmp_path):
 
 
 def test_a_kill_before_the_jobs_first_commit_is_early_and_one_after_it_is_unrecovered(tmp_path):
-    run_dir = _canned_run(tmp_path, "faulty", {"kill": 2, "restart": 2}, 50)
-    _write_jsonl(
+    run_dir = canned_run(tmp_path, "faulty", {"kill": 2, "restart": 2}, 50)
+    write_jsonl(
         run_dir / "events.jsonl",
         [
             {"time": 2.0, "kind": "kill", "group": 1},
@@ -59,8 +59,8 @@ def test_a_kill_before_the_jobs_first_commit_is_early_and_one_after_it_is_unreco
             {"time": 7.0, "kind": "restart", "group": 2},
         ],
     )
-    _write_jsonl(run_dir / "commits" / "group0.jsonl", [_commit(1, 4.0, 100, "a")])  # the job's first commit
-    _write_jsonl(run_dir / "commits" / "group1.jsonl", [_commit(1, 4.1, 101, "a")])  # from the initial state
+    write_jsonl(run_dir / "commits" / "group0.jsonl", [commit_record(1, 4.0, 100, "a")])  # the job's first commit
+    write_jsonl(run_dir / "commits" / "group1.jsonl", [commit_record(1, 4.1, 101, "a")])  # from the initial state
     run = load_run("faulty", run_dir, 20, start=0.0)
     assert [(r.group, r.failed_at) for r in run.recoveries() if r.healed_at is None] == [(1, 2.0), (2, 6.0)]
     assert [(r.group, r.failed_at) for r in run.early_failures()] == [(1, 2.0)]

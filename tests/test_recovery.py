@@ -5,7 +5,6 @@ the predicted beside the actual cost in summary.json."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 
@@ -19,6 +18,7 @@ from diloco.perf_model import choose_recovery, expected_stall_seconds, recovery_
 from diloco.recovery import FIRST_GUESS_READY_S, RecoveryPlanner
 from diloco.run_paths import RunPaths
 from diloco.summary import recovery_choices, state_losses
+from tests.canned_runs import write_jsonl
 from tests.conftest import compose_job
 
 
@@ -110,16 +110,11 @@ def test_a_replacement_alive_but_late_at_the_bound_is_left_to_the_join_rule():
 
 
 # -- the planner ---------------------------------------------------------------------------------
-def _commits(paths: RunPaths, group: int, records: list[dict]) -> None:
-    paths.commits(group).parent.mkdir(parents=True, exist_ok=True)
-    paths.commits(group).write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
 def test_the_planner_measures_the_window_learns_start_times_and_tells_the_lighthouse(tmp_path):
     job = compose_job(["logger=none", "cluster.groups=3"])
     paths = RunPaths(tmp_path)
-    _commits(paths, 0, [{"time": float(t), "committed": True} for t in (10, 12, 14, 16)])
-    _commits(paths, 2, [{"time": float(t), "committed": True} for t in (11, 13, 15, 17)])
+    write_jsonl(paths.commits(0), [{"time": float(t), "committed": True} for t in (10, 12, 14, 16)])
+    write_jsonl(paths.commits(2), [{"time": float(t), "committed": True} for t in (11, 13, 15, 17)])
     rules = QuorumRules(min_groups=1, join_timeout_s=0.5, heartbeat_timeout_s=10.0)
     with Lighthouse(LighthouseConfig(port=0), rules, job.name) as lighthouse:
         cluster = dataclasses.replace(job.cluster, lighthouse=LighthouseConfig(port=lighthouse.port))
@@ -135,7 +130,7 @@ def test_the_planner_measures_the_window_learns_start_times_and_tells_the_lighth
         assert fresh["ready_s"] == 1.0 + FIRST_GUESS_READY_S["fork"] and fresh["lighthouse_told"]
         assert fresh["choice"] == "go_on" and fresh["wait_s"] == 0.0  # 1.5 s > 2 / √2
         assert "group1" not in lighthouse._book.healthy(time.monotonic()), "gone: rounds stop waiting for it"
-        _commits(paths, 1, [{"time": 21.5, "asked_at": 21.3, "committed": False}])
+        write_jsonl(paths.commits(1), [{"time": 21.5, "asked_at": 21.3, "committed": False}])
         spare = planner.plan(1, 30.0, spare=True, delay_s=0.0, alive=[0, 2])
         assert planner.measured["fork"] == [pytest.approx(0.3)], "asked 1.3 s after the death, 1 s of it backoff"
         assert spare["choice"] == "wait" and spare["wait_s"] == pytest.approx(0.1 + job.cluster.timeouts.recovery)

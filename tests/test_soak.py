@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from experiments.common import compose_job
 from experiments.fault_tolerance import load_run
 from experiments.soak import EXPERIMENT, digest_mismatches, numbers, table, targets
+from tests.canned_runs import canned_run, commit_record, write_jsonl
 from tests.conftest import compose_job as compose_like_run_py
 from tests.conftest import run_experiment
 
@@ -45,40 +45,9 @@ def test_soak_presets_compose():
     assert compose_like_run_py(["+experiment=soak", "faults=soak"]).algo.name == "streaming"
 
 
-def _write_jsonl(path: Path, records: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
-def _commit(round_: int, time: float, pid: int, digest: str | None, committed: bool = True, **extra) -> dict:
-    record = {"round": round_, "committed": committed, "healed": False, "closing": False, "digest": digest}
-    return record | {"time": time, "pid": pid, "recoveries": 0} | extra
-
-
-def _canned_run(root: Path, name: str, faults: dict[str, int], goodput: float) -> Path:
-    run_dir = root / name
-    summary = {
-        "ok": True,
-        "failure": None,
-        "groups": 3,
-        "steps": 100,
-        "wall_seconds": 60.0,
-        "faults": faults,
-        "lighthouse_restarts": 0,
-        "syncs_committed": 9,
-        "syncs_attempted": 10,
-        "final_eval_loss": 2.0,
-        "goodput_tokens_per_s": goodput,
-        "time_to_heal_s": {"count": 0},
-    }
-    run_dir.mkdir(parents=True)
-    (run_dir / "summary.json").write_text(json.dumps(summary))
-    return run_dir
-
-
-def test_soak_counts_on_a_canned_run(tmp_path):
-    faulty = _canned_run(tmp_path, "faulty", {"kill": 3, "restart": 3, "hang": 1, "nan": 2, "lighthouse_down": 1}, 50)
-    _write_jsonl(
+def test_soak_counts_on_acanned_run(tmp_path):
+    faulty = canned_run(tmp_path, "faulty", {"kill": 3, "restart": 3, "hang": 1, "nan": 2, "lighthouse_down": 1}, 50)
+    write_jsonl(
         faulty / "events.jsonl",
         [
             {"time": 10.0, "kind": "restart", "group": 1},
@@ -86,24 +55,24 @@ def test_soak_counts_on_a_canned_run(tmp_path):
             {"time": 30.0, "kind": "restart", "group": 2},
         ],
     )
-    _write_jsonl(
+    write_jsonl(
         faulty / "commits" / "group0.jsonl",
-        [_commit(3, 4.0, 100, "a"), _commit(4, 8.0, 100, "c"), _commit(5, 9.0, 100, "e")],
+        [commit_record(3, 4.0, 100, "a"), commit_record(4, 8.0, 100, "c"), commit_record(5, 9.0, 100, "e")],
     )
-    _write_jsonl(
+    write_jsonl(
         faulty / "commits" / "group1.jsonl",
         [
-            _commit(3, 5.0, 101, "b", recoveries=1),  # the killed process's: before the restart, not a recovery
-            _commit(3, 11.0, 102, None, committed=False),  # the new process, not yet healed
-            _commit(4, 12.0, 102, "c", healed=True, recoveries=1),  # healed from a peer: restart 1 recovered
-            _commit(6, 21.0, 103, "x"),  # the process of the second restart never healed
+            commit_record(3, 5.0, 101, "b", recoveries=1),  # the killed process's: before the restart, not a recovery
+            commit_record(3, 11.0, 102, None, committed=False),  # the new process, not yet healed
+            commit_record(4, 12.0, 102, "c", healed=True, recoveries=1),  # healed from a peer: restart 1 recovered
+            commit_record(6, 21.0, 103, "x"),  # the process of the second restart never healed
         ],
     )
-    _write_jsonl(  # healed at the job's end, in a closing round that commits nothing: a recovery too
+    write_jsonl(  # healed at the job's end, in a closing round that commits nothing: a recovery too
         faulty / "commits" / "group2.jsonl",
-        [_commit(5, 31.0, 104, "e", committed=False, healed=True, closing=True, recoveries=1)],
+        [commit_record(5, 31.0, 104, "e", committed=False, healed=True, closing=True, recoveries=1)],
     )
-    _canned_run(tmp_path, "fault-free", {}, 100)
+    canned_run(tmp_path, "fault-free", {}, 100)
     runs = {name: load_run(name, tmp_path / name, 20, start=0.0) for name in ("faulty", "fault-free")}
 
     # Round 3: two groups, two digests (a mismatch); round 4: two groups, one digest; rounds 5 and 6: one
