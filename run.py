@@ -236,6 +236,23 @@ def run_group(job: JobConfig, paths: RunPaths) -> NoReturn:
     exit_without_teardown(1 if problem else 0, problem and f"job failed: {problem}")
 
 
+def output_folder_problem(argv: list[str]) -> str | None:
+    """Why hydra could not make the job's output folder, if a file stands in its path: hydra makes
+    it before ``main`` runs and would stop with its own traceback."""
+    mode = "sweep" if {"-m", "--multirun"} & set(argv) else "run"
+    key = f"hydra.{mode}.dir"
+    given = [arg.split("=", 1)[1] for arg in argv if arg.lstrip("+").startswith(f"{key}=")]
+    default = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))["hydra"][mode]["dir"]
+    folder = given[-1] if given else default
+    known = folder.split("${", 1)[0]  # what is fixed before hydra resolves the rest
+    if "${" in folder:
+        known = known.rsplit("/", 1)[0] if "/" in known else ""
+    existing = next(part for part in (Path(known), *Path(known).parents) if part.exists())
+    if existing.is_dir():
+        return None
+    return f"error: {key}={folder}: {existing} is a file, not a folder; pick another {key}"
+
+
 def exit_like(stop: SystemExit | None) -> NoReturn:
     """Exit as ``stop`` says (None: 0; a message: printed, 1), skipping the half second torch's
     interpreter teardown takes once everything is written."""
@@ -246,6 +263,8 @@ def exit_like(stop: SystemExit | None) -> NoReturn:
 
 
 if __name__ == "__main__":
+    if problem := output_folder_problem(sys.argv[1:]):
+        exit_without_teardown(1, problem)
     store_base_config()
     try:
         main()

@@ -16,7 +16,7 @@ from hydra.errors import ConfigCompositionException
 from diloco.config import JobConfig, job_config_from_dict
 from diloco.config_base import ConfigError, to_dict
 from diloco.local_cluster import free_port
-from run import compose_raw
+from run import compose_raw, output_folder_problem
 from tests.conftest import CONF_DIR, FAST, REPO, compose_job
 
 
@@ -237,6 +237,26 @@ def test_run_py_refuses_a_run_directory_that_holds_a_run_and_touches_nothing(tmp
     )
     assert "Traceback" not in result.stderr
     assert (tmp_path / "config.yaml").read_text() == "old: run\n" and not (tmp_path / "logs").exists()
+
+
+def test_an_output_folder_with_a_file_in_its_path_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Hydra makes the folder before run.py's main: a file in its path would end in hydra's traceback."""
+    (tmp_path / "afile").touch()
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert output_folder_problem([f"hydra.run.dir={tmp_path}/afile/run"]) == (
+        f"error: hydra.run.dir={tmp_path}/afile/run: {tmp_path}/afile is a file, not a folder; "
+        "pick another hydra.run.dir"
+    )
+    assert "afile is a file" in output_folder_problem(["-m", "hydra.sweep.dir=afile/${now:%H}", "trainer.seed=1,2"])
+    assert output_folder_problem(["hydra.sweep.dir=afile/x"]) is None, "a single run does not make the sweep folder"
+    assert output_folder_problem(["hydra.run.dir=runs/new/deeper", "hydra.run.dir=runs/x_${now:%H}"]) is None
+    assert output_folder_problem([]) is None  # the default, outputs/${now:...}, with no outputs here yet
+    (tmp_path / "outputs").touch()
+    assert output_folder_problem([]) == (
+        "error: hydra.run.dir=outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}: outputs is a file, not a folder; "
+        "pick another hydra.run.dir"
+    )
 
 
 @pytest.mark.slow
