@@ -17,7 +17,6 @@ holds every file's size and sha256, so a truncated or altered file is refused by
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 from diloco.config_base import ConfigError, check
-from diloco.files import write_json_atomically
+from diloco.files import file_sha256, write_json_atomically
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -176,11 +175,7 @@ def verify_rank(folder: Path) -> dict[str, Any]:
 
 
 def _file_record(path: Path) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def complete_info(group_folder: Path) -> dict[str, Any] | None:

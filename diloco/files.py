@@ -8,6 +8,7 @@ whole and raises an error that says which file could not be written.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -38,3 +39,12 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 def write_json_atomically(path: Path, data: Any) -> None:
     text = json.dumps(data, indent=2).encode()
     write_atomically(path, lambda fh: fh.write(text))
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB chunks (a model need not fit in memory twice)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -7,6 +7,7 @@ trained it; the corpus and batch shape from the command line.
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import zipfile
@@ -20,6 +21,7 @@ from diloco.checkpoint import complete_info, group_dir, rank_dir, read_rank
 from diloco.config_base import ConfigError, check
 from diloco.data import ByteTokenizer, eval_batches, load_corpus
 from diloco.distributed import select_device
+from diloco.files import file_sha256
 from diloco.fragments import fragment_parameter_names
 from diloco.logger import perplexity
 from diloco.model import ModelConfig, Transformer, meta_model
@@ -78,10 +80,26 @@ def read_weights(weights: Path, trained: JobConfig) -> dict[str, torch.Tensor]:
     shards put back together."""
     if weights.is_dir():
         return checkpoint_global_weights(weights, trained)
+    check_unaltered(weights)
     try:
         return torch.load(weights, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
         raise ConfigError(f"checkpoint={weights}: not a readable model file ({error})") from None
+
+
+def check_unaltered(weights: Path) -> None:
+    """Refuse a model.pt whose bytes differ from those its job recorded (``model_sha256`` in the
+    summary.json beside it, where there is one): corrupt or altered since the job ended."""
+    summary = weights.parent / "summary.json"
+    try:
+        recorded = json.loads(summary.read_text()).get("model_sha256")
+    except (OSError, ValueError, AttributeError):  # no summary (a copied model.pt), or a summary of no use
+        return
+    if recorded is not None and file_sha256(weights) != recorded:
+        raise ConfigError(
+            f"checkpoint={weights}: corrupt or altered since its job wrote it (its sha256 differs from "
+            f"model_sha256 in {summary}); use an intact copy of the run's model.pt"
+        )
 
 
 def checkpoint_global_weights(group_folder: Path, trained: JobConfig) -> dict[str, torch.Tensor]:

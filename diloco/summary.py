@@ -16,7 +16,7 @@ from typing import Any
 from diloco.checkpoint import whole_group_checkpoints
 from diloco.config import JobConfig
 from diloco.config_base import ConfigError
-from diloco.files import write_json_atomically
+from diloco.files import file_sha256, write_json_atomically
 from diloco.logger import perplexity, read_jsonl
 from diloco.outcome import job_outcome
 from diloco.run_paths import RunPaths
@@ -186,6 +186,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "failure": outcome.failure,
         "final_round": outcome.final_round,
         "model_saved_by_groups": list(outcome.saved_by),
+        "model_sha256": model_sha256(paths),
         "groups_lost_after_end": list(outcome.lost_after_end),
         "parameters": n_params,
         "groups": job.cluster.groups,
@@ -239,8 +240,15 @@ def interrupted_summary(paths: RunPaths, summary: dict[str, Any]) -> dict[str, A
         "interrupted": True,
         "failure": f"interrupted (planned stop): {kept_model}; {resume}",
         "model_saved_by_groups": [] if newest is None else [newest["group"]],
+        "model_sha256": model_sha256(paths),
         "final_round": None if newest is None else newest.get("rounds", 0),
     }
+
+
+def model_sha256(paths: RunPaths) -> str | None:
+    """The sha256 of the run's model.pt as the job left it: ``role=eval`` and ``role=sample``
+    refuse a model.pt that no longer matches (a flipped bit still loads, as a slightly other model)."""
+    return file_sha256(paths.weights) if paths.weights.exists() else None
 
 
 def summarize_after_the_end(job: JobConfig, paths: RunPaths, wait_s: float) -> dict[str, Any]:

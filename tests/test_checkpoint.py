@@ -4,6 +4,7 @@ job equal bit for bit to an uninterrupted one, and Ctrl-C keeping summary, model
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -194,6 +195,7 @@ def test_ctrl_c_keeps_summary_model_and_a_checkpoint_to_resume_from(tmp_path):
     weights = torch.load(run_dir / "model.pt", weights_only=True)
     assert weights and all(torch.isfinite(t).all() for t in weights.values())
     assert not list((run_dir / "results").glob("*.model.pt")), "only the newest group's model is kept, as model.pt"
+    assert summary["model_sha256"] == hashlib.sha256((run_dir / "model.pt").read_bytes()).hexdigest()
     stopped_at = {r["group"]: r["steps"] for r in summary["per_group"]}
     for group, step in stopped_at.items():
         assert (group_dir(step_dir(run_dir, step), group) / "complete.json").exists(), "a stop checkpoint per group"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -17,11 +18,13 @@ from diloco.inference import (
     evaluate_checkpoint,
     generate,
     load_model,
-    mean_loss,
     locate_weights,
+    mean_loss,
     sample_text,
 )
 from diloco.model import ModelConfig, Transformer
+from diloco.run_paths import RunPaths
+from diloco.summary import model_sha256
 from tests.conftest import compose_job
 
 CPU = torch.device("cpu")
@@ -91,6 +94,20 @@ def test_a_checkpoint_that_is_missing_corrupt_or_of_another_shape_is_refused_by_
     path.write_bytes(path.read_bytes()[:100])  # torn
     with pytest.raises(ConfigError, match="not a readable model file"):
         load_model(path, trained_with(SMALL), CPU)
+
+
+def test_a_model_altered_since_its_job_recorded_it_is_refused_and_an_intact_one_loads(tmp_path):
+    """A flipped bit in a tensor still loads, as a slightly different model: only the recorded sha256 tells."""
+    model, path = saved_model(tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps({"model_sha256": model_sha256(RunPaths(tmp_path))}))
+    assert torch.equal(load_model(path, trained_with(SMALL), CPU).output.weight, model.output.weight)
+    flipped = bytearray(path.read_bytes())
+    flipped[len(flipped) // 2] ^= 0x01
+    path.write_bytes(flipped)
+    with pytest.raises(ConfigError, match=r"model.pt: corrupt or altered since its job wrote it .*summary.json"):
+        load_model(path, trained_with(SMALL), CPU)
+    (tmp_path / "summary.json").write_text(json.dumps({"ok": False}))  # a run from before model_sha256: no check
+    load_model(path, trained_with(SMALL), CPU)
 
 
 def test_sampling_needs_a_byte_level_model():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import subprocess
@@ -133,7 +134,7 @@ def test_python_run_py_end_to_end_with_offline_wandb_then_eval_and_sample(tmp_pa
     assert summary["groups"] == 2 and summary["rounds"] >= 2 and summary["bytes_sent"] > 0
     assert len({g["digest"] for g in summary["per_group"]}) == 1
     assert (tmp_path / "config.yaml").read_text().startswith("model:")
-    assert (tmp_path / "model.pt").exists()
+    assert summary["model_sha256"] == hashlib.sha256((tmp_path / "model.pt").read_bytes()).hexdigest()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 2, list(tmp_path.rglob("*"))  # one wandb run per group, grouped by job
 
