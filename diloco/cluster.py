@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from diloco.config_base import check
@@ -50,7 +50,8 @@ class TimeoutsConfig:
     long groups that finished wait for the others to finish before the job ends; ``stop``: how
     long a planned stop (Ctrl-C) waits for the groups to finish their round and save;
     ``recovery``: how much longer than its predicted return the survivors' rounds wait for a
-    dead group's replacement (when the launcher chose to wait for it).
+    dead group's replacement (when the launcher chose to wait for it); ``lighthouse``: how long
+    a local job's lighthouse may leave /status unanswered before the launcher replaces it (hung).
     """
 
     connect: float = 60.0
@@ -62,11 +63,12 @@ class TimeoutsConfig:
     end: float = 120.0
     stop: float = 90.0  # > quorum: a group waiting on a quorum its peers left gets no answer before that
     recovery: float = 1.0
+    lighthouse: float = 10.0
 
     def validate(self) -> None:
-        for key in ("connect", "collective", "quorum", "heartbeat", "join", "start", "end", "stop", "recovery"):
-            value = getattr(self, key)
-            check(value > 0, f"cluster.timeouts.{key}", value, "must be > 0 seconds")
+        for key in fields(self):
+            value = getattr(self, key.name)
+            check(value > 0, f"cluster.timeouts.{key.name}", value, "must be > 0 seconds")
 
 
 @dataclass(frozen=True)

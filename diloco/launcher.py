@@ -17,6 +17,7 @@ from diloco.config import JobConfig
 from diloco.config_base import ConfigError
 from diloco.faults import plan_faults
 from diloco.files import write_json_atomically
+from diloco.lighthouse_watch import LighthouseWatch
 from diloco.local_cluster import POLL_INTERVAL_S, JobFailed, LocalCluster
 from diloco.progress import ProgressView, say
 from diloco.run_paths import RunPaths
@@ -54,6 +55,7 @@ def _launch_claimed(job: JobConfig, paths: RunPaths, out: TextIO) -> dict[str, A
         say(f"resuming: {describe_checkpoints(resume_folders(job, paths))}", out)
     start = time.monotonic()
     events = EventLog(paths.events, time.time())
+    watch = LighthouseWatch(cluster.lighthouse_url, job.cluster.timeouts.lighthouse)
     supervisor = Supervisor(
         cluster,
         events,
@@ -61,6 +63,7 @@ def _launch_claimed(job: JobConfig, paths: RunPaths, out: TextIO) -> dict[str, A
         backoff_s=job.cluster.restart_backoff,
         end_grace_s=job.cluster.timeouts.quorum,
         spares=job.cluster.spares,
+        lighthouse_watch=watch,
     )
     injector = FaultInjector(
         cluster,
@@ -77,6 +80,7 @@ def _launch_claimed(job: JobConfig, paths: RunPaths, out: TextIO) -> dict[str, A
     try:
         if job.algo.name != "local":
             cluster.start_lighthouse()
+            watch.start()
         for group in range(job.cluster.groups):
             cluster.start_group(group)
         view = ProgressView([paths.metrics(g) for g in range(job.cluster.groups)], job.trainer.max_steps, out=out)
@@ -97,6 +101,7 @@ def _launch_claimed(job: JobConfig, paths: RunPaths, out: TextIO) -> dict[str, A
         planned_stop = True
         _stop_planned(cluster, job.cluster.timeouts.stop, out)
     finally:
+        watch.close()
         cluster.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.faults import FaultEvent, kill_target
+from diloco.lighthouse_watch import LighthouseWatch
 from diloco.local_cluster import JobFailed, LocalCluster, crash_report
 from diloco.logger import read_jsonl_tail
 from diloco.recovery import RecoveryPlanner
@@ -95,9 +96,11 @@ class Supervisor:
         backoff_s: float,
         end_grace_s: float,
         spares: int = 0,
+        lighthouse_watch: LighthouseWatch | None = None,
     ) -> None:
         self.cluster = cluster
         self.events = events
+        self.lighthouse_watch = lighthouse_watch
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
         self.end_grace_s = end_grace_s
@@ -190,14 +193,22 @@ class Supervisor:
         return self.job_over and not self._running() and not self.restart_at
 
     def _check_lighthouse(self, now: float) -> None:
-        """A lighthouse that died unplanned is restarted at once (it exits 0 only after the job's end).
+        """A lighthouse that died unplanned is restarted at once (it exits 0 only after the job's
+        end); one that hung (silent on /status past ``cluster.timeouts.lighthouse``) is killed first.
 
         Only deaths in a row within ``LIGHTHOUSE_SETTLED_S`` of a start count toward
         ``max_restarts`` (a crash loop); one that served for longer was killed, not broken.
         """
         lighthouse = self.cluster.lighthouse
-        if lighthouse is None or lighthouse.poll() is None:
-            return  # a planned outage, or running
+        if lighthouse is None:
+            return  # a planned outage
+        if lighthouse.poll() is None:
+            silent_s = self.lighthouse_watch.hung_for(lighthouse.pid) if self.lighthouse_watch else None
+            if silent_s is None:
+                return  # running
+            self.events.write("lighthouse_hung", silent_s=round(silent_s, 1))
+            lighthouse.kill()
+            lighthouse.wait()
         if lighthouse.poll() == 0:
             self.end_seen = True  # it exits 0 only once the job's end has been served
             return

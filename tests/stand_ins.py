@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from diloco.lighthouse_watch import LighthouseWatch
 from diloco.local_cluster import LocalCluster, WorkerProcess
 from diloco.run_paths import RunPaths
 from diloco.supervisor import EventLog, Supervisor
@@ -34,9 +35,11 @@ def supervise(
     max_restarts: int = 1,
     backoff_s: float = 0.0,
     spares: int = 0,
+    lighthouse_watch: LighthouseWatch | None = None,
 ) -> Supervisor:
     """A supervisor over a real LocalCluster of 3 groups holding ``processes`` (group -> its one
-    worker); starting a group records it in ``cluster.started`` and starts a stand-in process."""
+    worker); starting a group, or the lighthouse, records it in ``cluster.started`` and starts a
+    stand-in process."""
     cluster = LocalCluster(compose_job(["logger=none", "cluster.groups=3"]), RunPaths(tmp_path), "sig")
     cluster.groups = {g: [worker(g, p)] for g, p in processes.items()}
     cluster.lighthouse = lighthouse
@@ -46,8 +49,19 @@ def supervise(
         cluster.started.append(group)
         cluster.groups[group] = [worker(group, running())]
 
+    def start_lighthouse() -> None:
+        cluster.started.append("lighthouse")
+        cluster.lighthouse = running()
+
     cluster.start_group = start_group
+    cluster.start_lighthouse = start_lighthouse
     events = EventLog(cluster.paths.events, 0.0)
     return Supervisor(
-        cluster, events, max_restarts=max_restarts, backoff_s=backoff_s, end_grace_s=60.0, spares=spares
+        cluster,
+        events,
+        max_restarts=max_restarts,
+        backoff_s=backoff_s,
+        end_grace_s=60.0,
+        spares=spares,
+        lighthouse_watch=lighthouse_watch,
     )

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
+from diloco.lighthouse_watch import LighthouseWatch
 from diloco.local_cluster import crash_report, last_exception
 from diloco.logger import read_jsonl
 from diloco.worker import JOB_ENDED_EXIT_CODE
@@ -44,6 +48,31 @@ def test_a_lighthouse_that_exited_0_ended_the_job_and_a_group_killed_then_is_not
         supervisor.check(now=1.0)
         assert supervisor.job_over and not supervisor.cluster.started
     finally:
+        supervisor.cluster.stop()
+
+
+def test_a_lighthouse_silent_past_its_limit_is_killed_and_restarted_and_one_that_answers_is_not(tmp_path):
+    """A hung lighthouse is alive to poll(): only its silence on /status tells (here the test says
+    who answered; the watch's own thread asks a real lighthouse in test_chaos)."""
+    answering, hung = running(), running()
+    watch = LighthouseWatch("http://127.0.0.1:9", limit_s=0.5)  # never started
+    supervisor = supervise(tmp_path, {g: running() for g in range(3)}, lighthouse=answering, lighthouse_watch=watch)
+    try:
+        watch.hung_for(answering.pid)  # watched from now on
+        time.sleep(0.6)
+        watch.heard_from(answering.pid)
+        supervisor.check(now=1.0)
+        assert supervisor.cluster.lighthouse is answering and answering.poll() is None
+        supervisor.cluster.lighthouse = hung  # never answers
+        watch.hung_for(hung.pid)
+        time.sleep(0.6)
+        supervisor.check(now=2.0)
+        assert hung.poll() == -signal.SIGKILL and supervisor.cluster.started == ["lighthouse"]
+        events = read_jsonl(supervisor.cluster.paths.events)
+        assert [e["kind"] for e in events] == ["lighthouse_hung", "lighthouse_crash", "lighthouse_restart"], events
+        assert events[0]["silent_s"] >= 0.5
+    finally:
+        answering.kill()
         supervisor.cluster.stop()
 
 

@@ -295,6 +295,49 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
     wait_until(lambda: not _processes_mentioning(str(run_dir)), 10, "the ended job's processes to end")
 
 
+def test_a_lighthouse_that_hangs_is_replaced_and_the_job_ends_ok(tmp_path):
+    """SIGSTOP of the lighthouse for good: its process is alive, so only its silence tells. The
+    launcher kills it after ``cluster.timeouts.lighthouse`` and starts another on its address,
+    before the groups' collectives time out (before, every group crashed again and again)."""
+    run_dir = tmp_path / "run"
+    options = ["logger=none", "cluster.groups=2", "cluster.workers_per_group=2", "algo.sync_every=10"]
+    options += ["trainer.max_steps=150", "trainer.eval_every=0", "cluster.timeouts.lighthouse=2"]
+    launcher = subprocess.Popen(
+        [sys.executable, "run.py", *options, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True)
+    reader.start()
+    try:
+        printed = process_exited(launcher, lambda: "".join(output))
+        wait_until(lambda: any("status page" in line for line in output), 120, "the status page", gone=printed)
+        url = re.search(r"(http://\S+?)/?$", next(line for line in output if "status page" in line).strip()).group(1)
+        committed = RunPaths(run_dir).commits(0)
+        wait_until(lambda: '"committed": true' in _text(committed), 120, "a first commit", gone=printed)
+        hung = serving_pid(url)
+        os.kill(hung, signal.SIGSTOP)
+        launcher.wait(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        reader.join(5)
+    log = "".join(output)
+    assert launcher.returncode == 0, log
+    kinds = [e["kind"] for e in read_jsonl(run_dir / "events.jsonl")]
+    assert kinds.index("lighthouse_hung") < kinds.index("lighthouse_restart") and "crash" not in kinds, kinds
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ok"] and summary["lighthouse_restarts"] >= 1 and summary["steps"] == 150, summary
+    assert not Path(f"/proc/{hung}").exists(), "the hung lighthouse was killed, not left stopped"
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def _resume(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
