@@ -53,18 +53,18 @@ def test_a_lighthouse_that_exited_0_ended_the_job_and_a_group_killed_then_is_not
 
 def test_a_lighthouse_silent_past_its_limit_is_killed_and_restarted_and_one_that_answers_is_not(tmp_path):
     """A hung lighthouse is alive to poll(): only its silence on /status tells (here the test says
-    who answered; the watch's own thread asks a real lighthouse in test_chaos)."""
+    what the watch heard; its own thread asks a real lighthouse in test_chaos)."""
     answering, hung = running(), running()
     watch = LighthouseWatch("http://127.0.0.1:9", limit_s=0.5)  # never started
     supervisor = supervise(tmp_path, {g: running() for g in range(3)}, lighthouse=answering, lighthouse_watch=watch)
     try:
-        watch.hung_for(answering.pid)  # watched from now on
-        time.sleep(0.6)
         watch.heard_from(answering.pid)
+        time.sleep(0.6)  # no question asked meanwhile (the launcher itself was stopped): no silence
         supervisor.check(now=1.0)
         assert supervisor.cluster.lighthouse is answering and answering.poll() is None
         supervisor.cluster.lighthouse = hung  # never answers
-        watch.hung_for(hung.pid)
+        watch.unanswered()
+        supervisor.check(now=1.5)  # silent, but not for long
         time.sleep(0.6)
         supervisor.check(now=2.0)
         assert hung.poll() == -signal.SIGKILL and supervisor.cluster.started == ["lighthouse"]
