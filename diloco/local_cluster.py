@@ -331,8 +331,10 @@ class LocalCluster:
     def _fork(self, request: Callable[[ForkServer], ForkedProcess]) -> ForkedProcess:
         """``request`` a process from the fork server, starting one first if none is alive.
 
-        A server killed between the liveness check and its answer is replaced and asked again
-        (a few times: one that keeps dying at once is a failure of the job, not a fault to ride).
+        A server killed between the liveness check and its answer is replaced and asked again, and
+        so is one alive that did not answer in time (stopped or stuck: it is killed; the workers
+        it forked run on without it). A few times: one that keeps failing is a failure of the
+        job, not a fault to ride.
         """
         log_path = self.paths.logs / "forkserver.log"
         for attempt in range(FORK_ATTEMPTS):
@@ -341,12 +343,11 @@ class LocalCluster:
                     self.fork_server = ForkServer.start(self.paths.root, self._lifeline(), log_path)
                 return request(self.fork_server)
             except ForkServerError as error:
-                gone = isinstance(error, ForkServerGone)
-                if gone and attempt + 1 < FORK_ATTEMPTS:
-                    self.fork_server = None
-                    continue
-                times = f" ({FORK_ATTEMPTS} times)" if gone else ""
-                raise JobFailed(f"{error}{times}; {crash_report(log_path)}") from error
+                if attempt + 1 == FORK_ATTEMPTS:
+                    raise JobFailed(f"{error} ({FORK_ATTEMPTS} times); {crash_report(log_path)}") from error
+                if self.fork_server is not None and not isinstance(error, ForkServerGone):
+                    self.fork_server.kill_hung()
+                self.fork_server = None
 
     def signal_group(self, group: int, signum: int) -> None:
         """Send ``signum`` to every worker of ``group`` (SIGKILL, SIGSTOP, SIGCONT, SIGUSR1...).

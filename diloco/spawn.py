@@ -27,6 +27,9 @@ from diloco.lifeline import Lifeline
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 WAIT_POLL_S = 0.02
+# A fork server reports a child's exit within its reap interval (50 ms); a death unreported for
+# this long means the server is stopped or stuck.
+UNREPORTED_DEATH_S = 5.0
 
 
 class ForkServerError(RuntimeError):
@@ -97,6 +100,7 @@ class ForkedProcess:
         self.args = f"process {pid} forked by fork server {server.process.pid}"
         self.returncode: int | None = None
         self._server = server
+        self._dead_since: float | None = None  # when it was first seen dead with no report
 
     def exited(self, code: int) -> None:
         self.returncode = code
@@ -104,9 +108,24 @@ class ForkedProcess:
     def poll(self) -> int | None:
         if self.returncode is None:
             self._server.read_answers()
+        if self.returncode is None and not self._server.gone and self._death_unreported():
+            self._server.kill_hung()  # its children, this one included, become ours to reap
         if self.returncode is None and self._server.gone:
             self._reap_orphan()
         return self.returncode
+
+    def _death_unreported(self) -> bool:
+        """Dead (a zombie its server has not reaped) for ``UNREPORTED_DEATH_S``: the server, which
+        reports an exit within milliseconds, is stopped or stuck, and nobody would learn of it."""
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False  # reaped: its report is on the way
+        if state != "Z":
+            return False
+        now = time.monotonic()
+        self._dead_since = self._dead_since if self._dead_since is not None else now
+        return now - self._dead_since > UNREPORTED_DEATH_S
 
     def _reap_orphan(self) -> None:
         try:
@@ -250,6 +269,13 @@ class ForkServer:
             child = ForkedProcess(answer["pid"], self)
             self._children[child.pid] = child
             self._started[answer["id"]] = child
+
+    def kill_hung(self) -> None:
+        """Kill a server that stopped answering (SIGSTOP, stuck): its children run on, re-parented
+        to this process (their subreaper), which reads their exits from now on."""
+        self.process.kill()
+        self.process.wait()
+        self.read_answers()
 
     def stop(self, timeout_s: float) -> None:
         """Close its requests (it kills what it still runs and exits); kill it if it does not."""

@@ -17,7 +17,7 @@ from diloco.config_base import ConfigError, to_dict
 from diloco.distributed import WorkerEnv
 from diloco.launcher import launch
 from diloco.lifeline import Lifeline
-from diloco.local_cluster import LocalCluster, log_tail, wait_until
+from diloco.local_cluster import LocalCluster, log_tail, serving_pid, wait_until
 from diloco.logger import read_jsonl
 from diloco.run_paths import RunPaths
 from diloco.spawn import ForkedProcess, ForkServer, WorkerSpec, become_subreaper
@@ -224,6 +224,37 @@ def test_killing_the_fork_server_leaves_its_workers_running(tmp_path):
     finally:
         cluster.stop()
     assert not any(is_running(w.process.pid) for ws in cluster.groups.values() for w in ws)
+
+
+@linux_only
+@pytest.mark.slow
+def test_a_fork_server_that_stopped_answering_is_replaced(tmp_path):
+    """SIGSTOP of the fork server: alive, it answers no request and reports no exit. A request
+    is asked again of a fresh server after cluster.timeouts.connect (before: the job failed), and
+    a child's death it leaves unreported gets it killed, so the child is reaped here (before: the
+    launcher waited for the report forever)."""
+    job = compose_job(FT + ["cluster.timeouts.connect=10"])
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    cluster = LocalCluster(job, paths, preflight(job, paths)[1])
+    try:
+        cluster.start_lighthouse()
+        stopped = cluster.fork_server
+        stopped.process.send_signal(signal.SIGSTOP)
+        cluster.start_group(0)
+        assert cluster.fork_server is not stopped and stopped.process.poll() == -signal.SIGKILL
+        assert cluster.groups[0][0].process.poll() is None
+
+        stopped = cluster.fork_server  # now one that stops with children to report
+        stopped.process.send_signal(signal.SIGSTOP)
+        lighthouse = cluster.lighthouse  # forked by the first server: an orphan of it, ours to reap
+        cluster.signal_group(0, signal.SIGKILL)  # waits for the worker's exit
+        cluster.kill_lighthouse()
+        assert stopped.process.poll() == -signal.SIGKILL and lighthouse.returncode == -signal.SIGKILL
+        cluster.start_lighthouse()
+        assert serving_pid(cluster.lighthouse_url) == cluster.lighthouse.pid
+    finally:
+        cluster.stop()
 
 
 def job_processes(run_dir: Path) -> list[int]:
