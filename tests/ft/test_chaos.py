@@ -73,6 +73,7 @@ STREAMING_CHAOS = [
     "cluster.timeouts.end=30",
     "cluster.max_restarts=100",
     "cluster.restart_backoff=0.2",
+    "cluster.timeouts.lighthouse=3",
 ]
 
 
@@ -239,9 +240,10 @@ def _job_processes(run_dir: Path, lighthouse_url: str) -> dict[str, list[int]]:
 
 def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_exit_0(tmp_path):
     """Not a planned fault plan: SIGKILL of any process of a running job (the lighthouse, the
-    fork server, any worker of 3 groups x 2 workers) and SIGSTOP of random workers, at random
-    times, from outside the launcher, on streaming DiLoCo, until the launcher exits: through the
-    closing rounds and the second after the job's end too. The job must still end with one
+    fork server, any worker of 3 groups x 2 workers), SIGSTOP of random workers for a while and
+    of the lighthouse or the fork server for good, at random times, from outside the launcher, on
+    streaming DiLoCo, until the launcher exits: through the closing rounds and the second after
+    the job's end too. The job must still end with one
     trained model and exit 0; a group may only lack a result if the lighthouse saw it end
     holding the final state (killed after the end, before it wrote its result)."""
     run_dir = tmp_path / "run"
@@ -270,15 +272,16 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
             roles = _job_processes(run_dir, lighthouse_url)
             targets = {"kill lighthouse": roles["lighthouse"], "kill forkserver": roles["forkserver"]}
             targets |= {"kill worker": roles["worker"], "stop worker": roles["worker"]}
+            targets |= {"stop lighthouse": roles["lighthouse"], "stop forkserver": roles["forkserver"]}
             if targets[action]:
                 pid = rng.choice(targets[action])
                 done.append(action)
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGSTOP if action == "stop worker" else signal.SIGKILL)
+                    os.kill(pid, signal.SIGSTOP if action.startswith("stop") else signal.SIGKILL)
                 if action == "stop worker":
                     threading.Timer(rng.uniform(1.0, 8.0), _resume, args=(pid,)).start()
             time.sleep(rng.uniform(2.0, 5.0))
-            action = rng.choices(list(targets), weights=[1, 1, 5, 3])[0]
+            action = rng.choices(list(targets), weights=[1, 1, 5, 3, 1, 1])[0]
         launcher.wait(timeout=300)
     finally:
         if launcher.poll() is None:
@@ -287,6 +290,7 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
     log = "".join(output)
     assert launcher.returncode == 0, log
     assert done.count("kill lighthouse") >= 1 and done.count("kill worker") >= 3 and "stop worker" in done, done
+    assert "stop lighthouse" in done or "stop forkserver" in done, done
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ok"], summary["failure"]
     assert set(summary["groups_missing_results"]) <= set(summary["groups_lost_after_end"]), summary
