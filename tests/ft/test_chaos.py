@@ -247,25 +247,11 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
     trained model and exit 0; a group may only lack a result if the lighthouse saw it end
     holding the final state (killed after the end, before it wrote its result)."""
     run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [sys.executable, "run.py", *STREAMING_CHAOS, f"hydra.run.dir={run_dir}"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True)
-    reader.start()
+    launcher, output, reader = _run_py(STREAMING_CHAOS, run_dir)
     rng = random.Random(7)
     done: list[str] = []
     try:
-        printed = process_exited(launcher, lambda: "".join(output))
-        wait_until(
-            lambda: any("status page" in line for line in output), 120, "the status page's address", gone=printed
-        )
-        first_line = next(line for line in output if "status page" in line)
-        lighthouse_url = re.search(r"(http://\S+?)/?$", first_line.strip()).group(1)
+        lighthouse_url = _lighthouse_url(launcher, output)
         time.sleep(8)  # let every group start and commit
         action = "kill lighthouse"  # the first fault hits the lighthouse, the rest are drawn
         while launcher.poll() is None:
@@ -306,21 +292,11 @@ def test_a_lighthouse_that_hangs_is_replaced_and_the_job_ends_ok(tmp_path):
     run_dir = tmp_path / "run"
     options = ["logger=none", "cluster.groups=2", "cluster.workers_per_group=2", "algo.sync_every=10"]
     options += ["trainer.max_steps=150", "trainer.eval_every=0", "cluster.timeouts.lighthouse=2"]
-    launcher = subprocess.Popen(
-        [sys.executable, "run.py", *options, f"hydra.run.dir={run_dir}"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True)
-    reader.start()
+    launcher, output, reader = _run_py(options, run_dir)
     try:
-        printed = process_exited(launcher, lambda: "".join(output))
-        wait_until(lambda: any("status page" in line for line in output), 120, "the status page", gone=printed)
-        url = re.search(r"(http://\S+?)/?$", next(line for line in output if "status page" in line).strip()).group(1)
+        url = _lighthouse_url(launcher, output)
         committed = RunPaths(run_dir).commits(0)
+        printed = process_exited(launcher, lambda: "".join(output))
         wait_until(lambda: '"committed": true' in _text(committed), 120, "a first commit", gone=printed)
         hung = serving_pid(url)
         os.kill(hung, signal.SIGSTOP)
@@ -336,6 +312,28 @@ def test_a_lighthouse_that_hangs_is_replaced_and_the_job_ends_ok(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ok"] and summary["lighthouse_restarts"] >= 1 and summary["steps"] == 150, summary
     assert not Path(f"/proc/{hung}").exists(), "the hung lighthouse was killed, not left stopped"
+
+
+def _run_py(args: list[str], run_dir: Path) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+    """``python run.py`` started in the background, its output lines collected as they come."""
+    launcher = subprocess.Popen(
+        [sys.executable, "run.py", *args, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True)
+    reader.start()
+    return launcher, output, reader
+
+
+def _lighthouse_url(launcher: subprocess.Popen, output: list[str]) -> str:
+    """The lighthouse address the launcher prints on its first line."""
+    printed = process_exited(launcher, lambda: "".join(output))
+    wait_until(lambda: any("status page" in line for line in output), 120, "the status page's address", gone=printed)
+    return re.search(r"(http://\S+?)/?$", next(line for line in output if "status page" in line).strip()).group(1)
 
 
 def _text(path: Path) -> str:
