@@ -35,6 +35,7 @@ from diloco.spawn import (
     ForkServer,
     ForkServerError,
     ForkServerGone,
+    ForkServerSilent,
     ProcessHandle,
     WorkerSpec,
     exec_lighthouse,
@@ -343,9 +344,12 @@ class LocalCluster:
                     self.fork_server = ForkServer.start(self.paths.root, self._lifeline(), log_path)
                 return request(self.fork_server)
             except ForkServerError as error:
-                if attempt + 1 == FORK_ATTEMPTS:
-                    raise JobFailed(f"{error} ({FORK_ATTEMPTS} times); {crash_report(log_path)}") from error
-                if self.fork_server is not None and not isinstance(error, ForkServerGone):
+                # Gone or silent: this server failed, a fresh one may not (a platform refusal would).
+                transient = isinstance(error, (ForkServerGone, ForkServerSilent))
+                if not transient or attempt + 1 == FORK_ATTEMPTS:
+                    times = f" ({FORK_ATTEMPTS} times)" if transient else ""
+                    raise JobFailed(f"{error}{times}; {crash_report(log_path)}") from error
+                if isinstance(error, ForkServerSilent):
                     self.fork_server.kill_hung()
                 self.fork_server = None
 

@@ -40,6 +40,11 @@ class ForkServerGone(ForkServerError):
     """The fork server exited (killed, say) before it answered: a fresh one may be asked again."""
 
 
+class ForkServerSilent(ForkServerError):
+    """The fork server is alive but did not answer in time (stopped or stuck): once it is
+    killed, a fresh one may be asked again."""
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """One worker to start: its place in its group, its share of the cores, its log."""
@@ -235,7 +240,7 @@ class ForkServer:
                 raise ForkServerGone(f"the fork server exited before it started {what}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ForkServerError(
+                raise ForkServerSilent(
                     f"the fork server did not start {what} within {timeout_s:.0f}s "
                     "(cluster.timeouts.connect); raise it on a loaded machine"
                 )
