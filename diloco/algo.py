@@ -26,7 +26,12 @@ class AlgoConfig:
     fragments: int = 1
     pattern: Literal["strided", "sequential"] = "strided"
     delay: int = 0
-    alpha: float = 0.0
+    # After each outer step a group keeps α of its own weights (0: DiLoCo's reset to θ_g). α
+    # ramps linearly from 0 over the job's first ``alpha_warmup_steps`` inner steps (0: α from
+    # the first round): early windows, whose pseudo-gradients are the largest, reset to the
+    # global model; later ones keep half their own, which the 5,000-step runs need (README).
+    alpha: float = 0.5
+    alpha_warmup_steps: int = 1000
     quantize: Literal["none", "bf16", "fp8", "int8", "fp4"] = "none"
     weighting: Literal["uniform", "tokens"] = "uniform"
     # steps: every group runs H inner steps per window. time: a window lasts as long as the
@@ -59,11 +64,23 @@ class AlgoConfig:
             f"picks Streaming DiLoCo's overlap (algo.delay) and payload format; algo={self.name} has no overlap, "
             "so use algo=streaming or algo.auto=false",
         )
+        check(
+            _is_int(self.alpha_warmup_steps) and self.alpha_warmup_steps >= 0,
+            "algo.alpha_warmup_steps",
+            self.alpha_warmup_steps,
+            "must be an integer >= 0 (0: α is algo.alpha from the first round)",
+        )
         if self.name == "diloco":
             check(
                 self.fragments == 1, "algo.fragments", self.fragments, "must be 1 for algo=diloco; use algo=streaming"
             )
             check(self.delay == 0, "algo.delay", self.delay, "must be 0 for algo=diloco; use algo=streaming")
+
+    def mixing_alpha(self, launch_step: int) -> float:
+        """α for the round launched after inner step ``launch_step``; depends on nothing else, so no state."""
+        if self.alpha_warmup_steps == 0:
+            return self.alpha
+        return self.alpha * min(1.0, max(launch_step, 1) / self.alpha_warmup_steps)
 
     def check_fits(self, *, n_blocks: int, max_steps: int) -> None:
         """The checks that need the model and the trainer: fragments per block, whole windows."""

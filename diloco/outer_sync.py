@@ -360,7 +360,7 @@ class OuterSync(Synchronizer):
 
     @torch.no_grad()
     def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int) -> None:
-        """θ_g,p ← OuterOpt(θ_g,p, Δ̄_p); then θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p."""
+        """θ_g,p ← OuterOpt(θ_g,p, Δ̄_p); then θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p (α warmed up, ``algo``)."""
         if fragment.momentum_warmup is not None:
             fragment.momentum_warmup.apply(launch_step)
         offset = 0
@@ -370,7 +370,7 @@ class OuterSync(Synchronizer):
         fragment.optimizer.step()
         fragment.optimizer.zero_grad(set_to_none=True)
         self._state_changed(fragment.index)
-        alpha = self.algo.alpha
+        alpha = self.algo.mixing_alpha(launch_step)
         for g, local in zip(fragment.global_, fragment.local):
             new_global = g.to(local.device, non_blocking=True).to(local.dtype)
             local.copy_(alpha * local + (1 - alpha) * new_global if alpha > 0 else new_global)

@@ -7,14 +7,16 @@ by earlier invocations, e.g. a long grid split over several sessions.
 Each configuration is a whole job (``conf/experiment/compare_ddp.yaml`` plus its overrides) run
 through the launcher, one after the other on this machine: ``ddp`` (gradients all-reduced
 every step: the quality DiLoCo aims for), ``local`` (groups that never communicate: the floor
-DiLoCo must beat), DiLoCo at several H and M, the paper's exact outer settings, and Streaming
-DiLoCo (P=4, τ=1, fp4; mixing α on and off). Every group reads its own shard and takes the same
-inner steps, so at M groups every configuration sees the same tokens.
+DiLoCo must beat), DiLoCo at several H and M, with the mixing α ramped (the default), off and
+from the first round, the paper's exact settings, and Streaming DiLoCo (P=4, τ=1, fp4; α on
+and off). Every group reads its own shard and takes the same inner steps, so at M groups
+every configuration sees the same tokens.
 
 The table gives the final eval loss of the job's global model, its ratio to ddp with as many
 groups, the gap closed, (local − x)/(local − ddp), and bytes sent per token; the PNG draws eval
 loss against the job's tokens (group 0's model at each evaluation: with ``trainer.eval_every`` a
-multiple of H it is evaluated right after a sync, so for DiLoCo it is the global model).
+multiple of H it is evaluated right after a sync, so for DiLoCo it is the global model, or with
+α > 0 the group's mix of it and its own weights; the final loss is always the global model's).
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ CONFIGS = [
     _diloco(10),
     _diloco(50),
     _diloco(100),
-    _diloco(50, 2, "outer_opt.momentum_warmup_steps=0", name="diloco H=50, paper's outer settings"),
+    _diloco(50, 2, "algo.alpha=0", name="diloco H=50, α=0"),
+    _diloco(50, 2, "algo.alpha_warmup_steps=0", name="diloco H=50, α=0.5 from the first round"),
+    _diloco(50, 2, "outer_opt.momentum_warmup_steps=0", "algo.alpha=0", name="diloco H=50, paper's settings"),
     Config("streaming H=100 P=4 τ=1 fp4", 2, STREAMING),
     Config("streaming H=100 P=4 τ=1 fp4, α=0", 2, (*STREAMING, "algo.alpha=0")),
     Config("streaming H=100 P=4 τ=1 fp32", 2, (*STREAMING, "algo.quantize=none")),

@@ -68,11 +68,14 @@ def test_configurations_are_chosen_by_name_and_group_count():
         names("--only", "diloco H=7")
 
 
-def test_the_paper_preset_is_the_published_outer_step():
+def test_the_paper_preset_is_the_published_outer_step_and_reset():
     job = compose_like_run_py(["+experiment=diloco_paper"])
     opt = job.outer_opt
     assert (opt.name, opt.lr, opt.momentum, opt.momentum_warmup_steps) == ("nesterov", 0.7, 0.9, 0)
-    assert compose_like_run_py([]).outer_opt.momentum_warmup_steps > 0, "the default recipe warms the momentum up"
+    assert job.algo.mixing_alpha(5000) == 0.0, "every group takes θ_g whole after each outer step"
+    default = compose_like_run_py([])
+    assert default.outer_opt.momentum_warmup_steps > 0, "the default recipe warms the momentum up"
+    assert [default.algo.mixing_alpha(s) for s in (1, 500, 1000, 5000)] == [0.0005, 0.25, 0.5, 0.5], "and α"
 
 
 def canned_run(root: Path, loss: float, curve: list[float], ok: bool = True, bytes_per_token: float = 0.0) -> Path:

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from diloco.algo import validate_schedule
+from diloco.algo import AlgoConfig, validate_schedule
 from diloco.config_base import ConfigError
 from diloco.fragments import (
     fragment_of_parameter,
@@ -214,3 +214,24 @@ def test_other_keys():
     msg = bad(sync_every=24, fragments=24, delay=0, n_blocks=12)
     assert msg.startswith("algo.fragments=24: is larger than the model's 12 transformer blocks (model.n_layers)")
     assert bad(sync_every=True).startswith("algo.sync_every=True")
+
+
+# --- mixing α warm-up ------------------------------------------------------------------------
+
+
+def test_alpha_without_warmup_is_the_configured_alpha_from_the_first_round():
+    algo = AlgoConfig(alpha=0.5, alpha_warmup_steps=0)
+    assert [algo.mixing_alpha(s) for s in (1, 50, 10_000)] == [0.5, 0.5, 0.5]
+
+
+def test_alpha_warmup_ramps_linearly_with_the_launch_step_then_holds():
+    algo = AlgoConfig(alpha=0.5, alpha_warmup_steps=1000)
+    assert [algo.mixing_alpha(s) for s in (250, 500, 1000, 4000)] == [0.125, 0.25, 0.5, 0.5]
+    assert algo.mixing_alpha(0) == algo.mixing_alpha(1) == 0.0005  # a join round at step 0 mixes like step 1
+    assert AlgoConfig(alpha=0.0, alpha_warmup_steps=1000).mixing_alpha(500) == 0.0
+
+
+@pytest.mark.parametrize("steps", [-1, 2.5, True])
+def test_alpha_warmup_steps_must_be_a_count(steps):
+    with pytest.raises(ConfigError, match=rf"algo.alpha_warmup_steps={steps}: must be an integer >= 0"):
+        AlgoConfig(alpha_warmup_steps=steps).validate()

@@ -81,10 +81,13 @@ def mock_inner_step(model: torch.nn.Module, step: int, scale: float) -> None:
             p.sub_(scale * 0.01 * (step + i) * torch.ones_like(p))
 
 
-def reference_streaming(theta0, names_by_fragment, steps, H, P, tau, alpha, lr, momentum, scale, warmup=0):
+def reference_streaming(
+    theta0, names_by_fragment, steps, H, P, tau, alpha, lr, momentum, scale, warmup=0, alpha_warmup=0
+):
     """Closed-form Streaming DiLoCo for one group, written from the paper's update rule.
 
-    With ``warmup`` > 0 the momentum of a round launched after inner step s is μ·min(1, s/warmup).
+    With ``warmup`` > 0 the momentum of a round launched after inner step s is μ·min(1, s/warmup);
+    with ``alpha_warmup`` > 0 its mixing is α·min(1, s/alpha_warmup).
     """
     local = {n: t.clone() for n, t in theta0.items()}
     global_ = {n: t.clone() for n, t in theta0.items()}
@@ -99,25 +102,35 @@ def reference_streaming(theta0, names_by_fragment, steps, H, P, tau, alpha, lr, 
         for p in fragments_to_apply(step, H, P, tau):
             launch_step, deltas = in_flight.pop(p)
             mu = momentum * min(1.0, launch_step / warmup) if warmup else momentum
+            a = alpha * min(1.0, launch_step / alpha_warmup) if alpha_warmup else alpha
             for n, delta in deltas.items():
                 buf = mu * buffers[n] + delta
                 buffers[n] = buf
                 global_[n] = global_[n] - lr * (delta + mu * buf)  # Nesterov SGD
-                local[n] = alpha * local[n] + (1 - alpha) * global_[n]
+                local[n] = a * local[n] + (1 - a) * global_[n]
     return local, global_
 
 
 @pytest.mark.parametrize(
-    ("P", "tau", "alpha", "warmup"),
-    [(1, 0, 0.0, 0), (2, 0, 0.0, 0), (2, 1, 0.5, 0), (2, 2, 0.25, 0), (1, 0, 0.0, 20), (2, 1, 0.5, 12)],
+    ("P", "tau", "alpha", "warmup", "alpha_warmup"),
+    [
+        (1, 0, 0.0, 0, 0),
+        (2, 0, 0.0, 0, 0),
+        (2, 1, 0.5, 0, 0),
+        (2, 2, 0.25, 0, 0),
+        (1, 0, 0.0, 20, 0),
+        (2, 1, 0.5, 12, 0),
+        (1, 0, 0.5, 0, 20),
+        (2, 1, 0.5, 12, 16),
+    ],
 )
-def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P, tau, alpha, warmup):
+def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P, tau, alpha, warmup, alpha_warmup):
     H, steps = 8, 24
     job = compose_job(
         BASE
         + ["cluster.groups=1", "algo=streaming", f"algo.sync_every={H}", f"algo.fragments={P}"]
         + [f"algo.delay={tau}", f"algo.alpha={alpha}", "algo.quantize=none", f"trainer.max_steps={steps}"]
-        + [f"outer_opt.momentum_warmup_steps={warmup}"]
+        + [f"outer_opt.momentum_warmup_steps={warmup}", f"algo.alpha_warmup_steps={alpha_warmup}"]
     )
     torch.manual_seed(0)
     model = Transformer(job.model)
@@ -131,7 +144,9 @@ def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P
             mock_inner_step(model, step, scale=1.0)
             outer.after_inner_step(step, tokens=1)
         outer.close()
-    local, global_ = reference_streaming(theta0, names, steps, H, P, tau, alpha, 0.7, 0.9, scale=1.0, warmup=warmup)
+    local, global_ = reference_streaming(
+        theta0, names, steps, H, P, tau, alpha, 0.7, 0.9, scale=1.0, warmup=warmup, alpha_warmup=alpha_warmup
+    )
     assert all((f.momentum_warmup is None) == (warmup == 0) for f in outer.fragments)
     got_global = {n: t for f in outer.fragments for n, t in zip(names[f.index], f.global_)}
     for n, p in model.named_parameters():
@@ -142,7 +157,9 @@ def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P
 
 def test_pseudo_gradient_points_from_local_to_global(tmp_path):
     """Δ = θ_g − θ_l: an outer SGD step of lr 0.5 moves θ_g halfway towards θ_l, not away."""
-    job = compose_job(BASE + ["cluster.groups=1", "algo.sync_every=4", "trainer.max_steps=4", "outer_opt=sgd"])
+    job = compose_job(
+        BASE + ["cluster.groups=1", "algo.sync_every=4", "trainer.max_steps=4", "outer_opt=sgd", "algo.alpha=0"]
+    )
     job = dataclasses.replace(job, outer_opt=dataclasses.replace(job.outer_opt, lr=0.5, momentum=0.0))
     torch.manual_seed(0)
     model = Transformer(job.model)
@@ -186,7 +203,9 @@ def _two_groups_mock(job, tmp_path, scales, steps, tokens=(1, 1)):
 
 
 def test_avg_outer_optimizer_is_parameter_averaging(tmp_path):
-    job = compose_job(BASE + ["cluster.groups=2", "algo.sync_every=5", "trainer.max_steps=5", "outer_opt=avg"])
+    job = compose_job(
+        BASE + ["cluster.groups=2", "algo.sync_every=5", "trainer.max_steps=5", "outer_opt=avg", "algo.alpha=0"]
+    )
     models, outers, pre_sync = _two_groups_mock(job, tmp_path, scales=(1.0, 3.0), steps=5)
     for a, b, la, lb in zip(models[0].parameters(), models[1].parameters(), *pre_sync):
         torch.testing.assert_close(a.detach(), (la + lb) / 2, rtol=0, atol=1e-6)
@@ -196,7 +215,7 @@ def test_avg_outer_optimizer_is_parameter_averaging(tmp_path):
 
 def test_token_weighting_averages_by_tokens_and_is_plain_averaging_for_equal_groups(tmp_path):
     """algo.weighting=tokens: Δ̄ = Σ tokens_m·Δ_m / Σ tokens_m over the window; equal groups give the plain mean."""
-    common = BASE + ["cluster.groups=2", "algo.sync_every=5", "trainer.max_steps=5", "outer_opt=avg"]
+    common = BASE + ["cluster.groups=2", "algo.sync_every=5", "trainer.max_steps=5", "outer_opt=avg", "algo.alpha=0"]
     tokens = compose_job(common + ["algo.weighting=tokens"])
     models, _, pre_sync = _two_groups_mock(tokens, tmp_path / "unequal", scales=(1.0, 3.0), steps=5, tokens=(1, 3))
     for a, la, lb in zip(models[0].parameters(), *pre_sync):
@@ -267,13 +286,19 @@ def _two_group_trainers(job, tmp_path) -> list[Trainer]:
 
 
 def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco_bit_for_bit(tmp_path):
-    common = BASE + ["cluster.groups=2", "algo.sync_every=4", "trainer.max_steps=8", "trainer.seq_len=32"]
+    common = BASE + [
+        "cluster.groups=2",
+        "algo.sync_every=4",
+        "trainer.max_steps=8",
+        "trainer.seq_len=32",
+        "algo.alpha=0",
+    ]
     diloco = _two_group_trainers(compose_job(common + ["algo=diloco"]), tmp_path)
     streaming = _two_group_trainers(
         compose_job(
             common
             + ["algo=streaming", "algo.sync_every=4", "algo.fragments=1", "algo.delay=0"]
-            + ["algo.alpha=0.0", "algo.quantize=none"]
+            + ["algo.quantize=none"]
         ),
         tmp_path,
     )

@@ -191,7 +191,9 @@ def _two_groups(job, tmp_path, steps: int, slow_steps: int | None = None, one_be
 
 def _job(*overrides: str):
     return compose_job(
-        BASE + ["cluster.groups=2", f"algo.sync_every={H}", f"trainer.max_steps={2 * H}", "outer_opt=avg", *overrides]
+        BASE
+        + ["cluster.groups=2", f"algo.sync_every={H}", f"trainer.max_steps={2 * H}", "outer_opt=avg", "algo.alpha=0"]
+        + list(overrides)
     )
 
 
