@@ -360,7 +360,7 @@ class OuterSync(Synchronizer):
 
     @torch.no_grad()
     def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int) -> None:
-        """θ_g,p ← OuterOpt(θ_g,p, Δ̄_p); then θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p (α warmed up, ``algo``)."""
+        """θ_g,p ← OuterOpt(θ_g,p, Δ̄_p); then θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p, α = ``algo.mixing_alpha``."""
         if fragment.momentum_warmup is not None:
             fragment.momentum_warmup.apply(launch_step)
         offset = 0
