@@ -30,8 +30,12 @@ class AlgoConfig:
     # ramps linearly from 0 over the job's first ``alpha_warmup_steps`` inner steps (0: α from
     # the first round): early windows, whose pseudo-gradients are the largest, reset to the
     # global model; later ones keep half their own, which the 5,000-step runs need (README).
+    # α is tuned for rounds of ``alpha_reference_groups`` groups (N); a round of M > N groups
+    # averages a less noisy pseudo-gradient and keeps less of its own: α·(N/M)², which reaches
+    # DiLoCo's reset, tuned with eight workers, as M grows (README; 0: α whatever M).
     alpha: float = 0.5
     alpha_warmup_steps: int = 1000
+    alpha_reference_groups: int = 2
     quantize: Literal["none", "bf16", "fp8", "int8", "fp4"] = "none"
     weighting: Literal["uniform", "tokens"] = "uniform"
     # steps: every group runs H inner steps per window. time: a window lasts as long as the
@@ -70,17 +74,29 @@ class AlgoConfig:
             self.alpha_warmup_steps,
             "must be an integer >= 0 (0: α is algo.alpha from the first round)",
         )
+        check(
+            _is_int(self.alpha_reference_groups) and self.alpha_reference_groups >= 0,
+            "algo.alpha_reference_groups",
+            self.alpha_reference_groups,
+            "must be an integer >= 0 (0: α is algo.alpha whatever the number of groups in a round)",
+        )
         if self.name == "diloco":
             check(
                 self.fragments == 1, "algo.fragments", self.fragments, "must be 1 for algo=diloco; use algo=streaming"
             )
             check(self.delay == 0, "algo.delay", self.delay, "must be 0 for algo=diloco; use algo=streaming")
 
-    def mixing_alpha(self, launch_step: int) -> float:
-        """α for the round launched after inner step ``launch_step``; depends on nothing else, so no state."""
-        if self.alpha_warmup_steps == 0:
-            return self.alpha
-        return self.alpha * min(1.0, max(launch_step, 1) / self.alpha_warmup_steps)
+    def mixing_alpha(self, launch_step: int, groups: int) -> float:
+        """α for the round of ``groups`` groups launched after inner step ``launch_step``.
+
+        Both are the same on every group of a round, so every group mixes alike and no state is kept.
+        """
+        alpha = self.alpha
+        if self.alpha_reference_groups:
+            alpha *= min(1.0, (self.alpha_reference_groups / groups) ** 2)
+        if self.alpha_warmup_steps:
+            alpha *= min(1.0, max(launch_step, 1) / self.alpha_warmup_steps)
+        return alpha
 
     def check_fits(self, *, n_blocks: int, max_steps: int) -> None:
         """The checks that need the model and the trainer: fragments per block, whole windows."""

@@ -348,7 +348,7 @@ class OuterSync(Synchronizer):
         committed = self.manager.commit(flight.round, average is not None)
         tokens = 0.0
         if committed:
-            self._outer_step(fragment, average, flight.launch_step)
+            self._outer_step(fragment, average, flight.launch_step, flight.round.size)
             self.bytes_sent += flight.bytes_sent[i]
             if flight.weights[i] > 0:  # each fragment carries 1/P of the window's inner work
                 tokens = fragment.tokens_since_sync / self.algo.fragments
@@ -359,7 +359,7 @@ class OuterSync(Synchronizer):
         return self._record(flight.round, committed, step, sync_ms, tokens)
 
     @torch.no_grad()
-    def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int) -> None:
+    def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int, groups: int) -> None:
         """θ_g,p ← OuterOpt(θ_g,p, Δ̄_p); then θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p, α = ``algo.mixing_alpha``."""
         if fragment.momentum_warmup is not None:
             fragment.momentum_warmup.apply(launch_step)
@@ -370,7 +370,7 @@ class OuterSync(Synchronizer):
         fragment.optimizer.step()
         fragment.optimizer.zero_grad(set_to_none=True)
         self._state_changed(fragment.index)
-        alpha = self.algo.mixing_alpha(launch_step)
+        alpha = self.algo.mixing_alpha(launch_step, groups)
         for g, local in zip(fragment.global_, fragment.local):
             new_global = g.to(local.device, non_blocking=True).to(local.dtype)
             local.copy_(alpha * local + (1 - alpha) * new_global if alpha > 0 else new_global)

@@ -7,10 +7,10 @@ by earlier invocations, e.g. a long grid split over several sessions.
 Each configuration is a whole job (``conf/experiment/compare_ddp.yaml`` plus its overrides) run
 through the launcher, one after the other on this machine: ``ddp`` (gradients all-reduced
 every step: the quality DiLoCo aims for), ``local`` (groups that never communicate: the floor
-DiLoCo must beat), DiLoCo at several H and M, with the mixing α ramped (the default), off and
-from the first round, the paper's exact settings, and Streaming DiLoCo (P=4, τ=1, fp4; α on
-and off). Every group reads its own shard and takes the same inner steps, so at M groups
-every configuration sees the same tokens.
+DiLoCo must beat), DiLoCo at several H and M, with the mixing α ramped (the default), off,
+from the first round and (at M=4) not scaled down by the number of groups, the paper's exact
+settings, and Streaming DiLoCo (P=4, τ=1, fp4; α on and off). Every group reads its own shard
+and takes the same inner steps, so at M groups every configuration sees the same tokens.
 
 The table gives the final eval loss of the job's global model, its ratio to ddp with as many
 groups, the gap closed, (local − x)/(local − ddp), and bytes sent per token; the PNG draws eval
@@ -89,6 +89,8 @@ CONFIGS = [
     Config("ddp", 4, ("algo=ddp",)),
     Config("local", 4, ("algo=local",)),
     _diloco(50, 4),
+    _diloco(50, 4, "algo.alpha=0", name="diloco H=50, α=0"),
+    _diloco(50, 4, "algo.alpha_reference_groups=0", name="diloco H=50, α=0.5 whatever M"),
 ]
 QUICK_STEPS = 100
 

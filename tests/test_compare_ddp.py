@@ -72,10 +72,10 @@ def test_the_paper_preset_is_the_published_outer_step_and_reset():
     job = compose_like_run_py(["+experiment=diloco_paper"])
     opt = job.outer_opt
     assert (opt.name, opt.lr, opt.momentum, opt.momentum_warmup_steps) == ("nesterov", 0.7, 0.9, 0)
-    assert job.algo.mixing_alpha(5000) == 0.0, "every group takes θ_g whole after each outer step"
+    assert job.algo.mixing_alpha(5000, 2) == 0.0, "every group takes θ_g whole after each outer step"
     default = compose_like_run_py([])
     assert default.outer_opt.momentum_warmup_steps > 0, "the default recipe warms the momentum up"
-    assert [default.algo.mixing_alpha(s) for s in (1, 500, 1000, 5000)] == [0.0005, 0.25, 0.5, 0.5], "and α"
+    assert [default.algo.mixing_alpha(s, 2) for s in (1, 500, 1000, 5000)] == [0.0005, 0.25, 0.5, 0.5], "and α"
 
 
 def canned_run(root: Path, loss: float, curve: list[float], ok: bool = True, bytes_per_token: float = 0.0) -> Path:

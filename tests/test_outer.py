@@ -176,14 +176,16 @@ def test_pseudo_gradient_points_from_local_to_global(tmp_path):
         torch.testing.assert_close(new_local.detach(), (start + end) / 2, rtol=0, atol=1e-6)
 
 
-def _two_groups_mock(job, tmp_path, scales, steps, tokens=(1, 1)):
-    """Two groups (threads) with different deterministic inner updates, each reporting ``tokens[g]``
-    tokens per inner step; returns models, outers and each group's θ_l just before the last sync."""
+def _groups_mock(job, tmp_path, scales, steps, tokens=None):
+    """One group (thread) per scale, each with its own deterministic inner update and reporting
+    ``tokens[g]`` tokens per inner step (1 by default); returns models, outers and each group's
+    θ_l just before the last sync."""
+    tokens = tokens or (1,) * len(scales)
     torch.manual_seed(0)
     models = [Transformer(job.model) for _ in scales]
     for m in models[1:]:
         m.load_state_dict(models[0].state_dict())
-    pre_sync: list[list[torch.Tensor]] = [[], []]
+    pre_sync: list[list[torch.Tensor]] = [[] for _ in scales]
     with lighthouse_for(job) as job:
         outers = [
             outer_for(job, g, m, build_inner_optimizer(list(m.parameters()), job.inner_opt, steps)[0], tmp_path)
@@ -198,7 +200,7 @@ def _two_groups_mock(job, tmp_path, scales, steps, tokens=(1, 1)):
                 outers[g].after_inner_step(step, tokens=tokens[g])
             outers[g].close()
 
-        run_threads(lambda: group(0), lambda: group(1))
+        run_threads(*(lambda g=g: group(g) for g in range(len(scales))))
     return models, outers, pre_sync
 
 
@@ -206,7 +208,7 @@ def test_avg_outer_optimizer_is_parameter_averaging(tmp_path):
     job = compose_job(
         BASE + ["cluster.groups=2", "algo.sync_every=5", "trainer.max_steps=5", "outer_opt=avg", "algo.alpha=0"]
     )
-    models, outers, pre_sync = _two_groups_mock(job, tmp_path, scales=(1.0, 3.0), steps=5)
+    models, outers, pre_sync = _groups_mock(job, tmp_path, scales=(1.0, 3.0), steps=5)
     for a, b, la, lb in zip(models[0].parameters(), models[1].parameters(), *pre_sync):
         torch.testing.assert_close(a.detach(), (la + lb) / 2, rtol=0, atol=1e-6)
         assert torch.equal(a, b)
@@ -217,13 +219,29 @@ def test_token_weighting_averages_by_tokens_and_is_plain_averaging_for_equal_gro
     """algo.weighting=tokens: Δ̄ = Σ tokens_m·Δ_m / Σ tokens_m over the window; equal groups give the plain mean."""
     common = BASE + ["cluster.groups=2", "algo.sync_every=5", "trainer.max_steps=5", "outer_opt=avg", "algo.alpha=0"]
     tokens = compose_job(common + ["algo.weighting=tokens"])
-    models, _, pre_sync = _two_groups_mock(tokens, tmp_path / "unequal", scales=(1.0, 3.0), steps=5, tokens=(1, 3))
+    models, _, pre_sync = _groups_mock(tokens, tmp_path / "unequal", scales=(1.0, 3.0), steps=5, tokens=(1, 3))
     for a, la, lb in zip(models[0].parameters(), *pre_sync):
         torch.testing.assert_close(a.detach(), (1 * la + 3 * lb) / 4, rtol=0, atol=1e-6)
-    weighted, _, _ = _two_groups_mock(tokens, tmp_path / "equal", scales=(1.0, 3.0), steps=5, tokens=(7, 7))
-    plain, _, _ = _two_groups_mock(compose_job(common), tmp_path / "plain", scales=(1.0, 3.0), steps=5)
+    weighted, _, _ = _groups_mock(tokens, tmp_path / "equal", scales=(1.0, 3.0), steps=5, tokens=(7, 7))
+    plain, _, _ = _groups_mock(compose_job(common), tmp_path / "plain", scales=(1.0, 3.0), steps=5)
     for a, b in zip(weighted[0].parameters(), plain[0].parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # the same mean, rounded through 7·Δ
+
+
+@pytest.mark.parametrize(("reference", "expected_alpha"), [(2, 0.125), (0, 0.5)])
+def test_four_groups_mix_alpha_scaled_by_the_reference_count_over_four(tmp_path, reference, expected_alpha):
+    """θ_l ← α_M·θ_l + (1 − α_M)·θ_g with α_M = α·(reference/M)²: 0.5·(2/4)² for M = 4; α with scaling off."""
+    job = compose_job(
+        BASE
+        + ["cluster.groups=4", "algo.sync_every=5", "trainer.max_steps=5", "outer_opt=avg", "algo.alpha=0.5"]
+        + ["algo.alpha_warmup_steps=0", f"algo.alpha_reference_groups={reference}"]
+    )
+    models, outers, pre_sync = _groups_mock(job, tmp_path, scales=(1.0, 2.0, 3.0, 5.0), steps=5)
+    for g, model in enumerate(models):
+        for p, own, *others in zip(model.parameters(), pre_sync[g], *pre_sync):
+            mixed = expected_alpha * own + (1 - expected_alpha) * sum(others) / len(others)
+            torch.testing.assert_close(p.detach(), mixed, rtol=0, atol=1e-6)
+    assert len({o.group_digest() for o in outers}) == 1, "θ_g is the same on every group"
 
 
 def _sgd_trainer(job, group: int, num_groups: int, tmp_path: Path | None = None) -> Trainer:
