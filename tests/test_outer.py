@@ -238,8 +238,8 @@ def test_four_groups_mix_alpha_scaled_by_the_reference_count_over_four(tmp_path,
     )
     models, outers, pre_sync = _groups_mock(job, tmp_path, scales=(1.0, 2.0, 3.0, 5.0), steps=5)
     for g, model in enumerate(models):
-        for p, own, *others in zip(model.parameters(), pre_sync[g], *pre_sync):
-            mixed = expected_alpha * own + (1 - expected_alpha) * sum(others) / len(others)
+        for p, own, *every_group in zip(model.parameters(), pre_sync[g], *pre_sync):
+            mixed = expected_alpha * own + (1 - expected_alpha) * sum(every_group) / len(every_group)
             torch.testing.assert_close(p.detach(), mixed, rtol=0, atol=1e-6)
     assert len({o.group_digest() for o in outers}) == 1, "θ_g is the same on every group"
 
