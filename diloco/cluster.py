@@ -70,6 +70,17 @@ class TimeoutsConfig:
             value = getattr(self, key.name)
             check(value > 0, f"cluster.timeouts.{key.name}", value, "must be > 0 seconds")
 
+    @property
+    def control(self) -> float:
+        """How long a rank waits on its own group's control messages (the quorum answer, commit votes).
+
+        It must outwait the longest its peers may legitimately be away in between: the leader's
+        quorum long-poll (``quorum`` plus the ``connect`` slack of its HTTP call) or a lane's
+        rendezvous and transfers (``connect`` plus ``collective``). At ``collective`` alone, a
+        leader kept waiting by a slow or hung peer group killed its own healthy followers.
+        """
+        return max(self.quorum, self.collective) + self.connect
+
 
 @dataclass(frozen=True)
 class ClusterConfig:

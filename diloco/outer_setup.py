@@ -88,7 +88,7 @@ def build_outer_sync(
         )
     manager = Manager(
         group=group,
-        inner_pg=control_group(env, timeouts.collective),
+        inner_pg=control_group(env, timeouts.control),
         client=client,
         lanes=Lanes(local_rank=env.rank, connect_timeout_s=timeouts.connect, collective_timeout_s=timeouts.collective),
         quorum_timeout_s=timeouts.quorum,

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ from diloco.worker import preflight
 from tests.conftest import compose_job
 
 pytestmark = pytest.mark.slow
+
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only
 
 FT = [
     "logger=none",
@@ -201,6 +204,33 @@ def test_late_group_heals_and_joins(job_factory):
     first = committed_rounds(job.paths, 2)[0]
     assert first["round"] > 3, "the late group must continue the job's rounds, not start its own"
     assert_digests_agree(job.paths, 3)
+
+
+def test_followers_outwait_a_leader_kept_waiting_for_its_first_quorum(job_factory):
+    """Group 1 starts late by more than the collective timeout. Group 0's leader long-polls for
+    the job's first quorum (it waits for every group) while its second rank waits for the
+    answer on the group's control channel: that rank must outwait its leader, not die at the
+    collective timeout and take a healthy group down with it."""
+    job = job_factory(
+        "cluster.groups=2",
+        "cluster.workers_per_group=2",
+        "trainer.max_steps=100000",
+        "cluster.timeouts.collective=3",
+        "cluster.timeouts.start=90",
+    )
+    job.start([0])
+
+    def asked_for_a_quorum() -> bool:
+        with NO_PROXY.open(job.cluster.lighthouse_url + "/status", timeout=5.0) as answer:
+            return any(g["id"] == "group0" and g["waiting_for_quorum"] for g in json.loads(answer.read())["groups"])
+
+    job.cluster.wait_for(asked_for_a_quorum, 60, "group0's leader to ask for its first quorum")
+    time.sleep(2 * job.job.cluster.timeouts.collective + 1)
+    assert job.cluster.failed_worker() is None, "group0 died while its leader waited for a quorum"
+    job.start([1])
+    both = ["group0", "group1"]
+    job.cluster.wait_for(lambda: all(job.committed_with(g, both) for g in range(2)), 120, "a round of both groups")
+    assert assert_digests_agree(job.paths, 2) >= 1
 
 
 def test_injected_allreduce_failure_is_not_committed_and_heals(job_factory):
