@@ -6,6 +6,7 @@ import copy
 import functools
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from run import compose_config, plain_config
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
 CONF_GROUPS = frozenset(p.name for p in CONF_DIR.iterdir() if p.is_dir())
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # tests talk to lighthouses on loopback only
 
 
 def run_experiment(script: str, args: list[str], timeout_s: float) -> tuple[str, str]:

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,11 +20,9 @@ from diloco.logger import read_jsonl
 from diloco.run_paths import RunPaths
 from diloco.summary import state_losses
 from diloco.worker import preflight
-from tests.conftest import compose_job
+from tests.conftest import NO_PROXY, compose_job
 
 pytestmark = pytest.mark.slow
-
-NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only
 
 FT = [
     "logger=none",

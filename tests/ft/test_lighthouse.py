@@ -41,11 +41,11 @@ from diloco.ft.protocol import (
     QuorumTimeout,
 )
 from diloco.ft.quorum import JobEnd, QuorumRules
+from tests.conftest import NO_PROXY
 
 JOB, SIG, TOKEN = "job-1", "sig-abc", "s3cret"
 FAST = QuorumRules(min_groups=1, join_timeout_s=0.3, heartbeat_timeout_s=1.0)
 REPO = Path(__file__).resolve().parents[2]
-NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @pytest.fixture
