@@ -22,27 +22,22 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from diloco.config import JobConfig, job_config_from_dict
-from diloco.config_base import ConfigError, to_dict
-from diloco.data import DataError
-from diloco.distributed import WorkerEnv
+from diloco.config.base import ConfigError, to_dict
+from diloco.config.job import JobConfig, job_config_from_dict
+from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
 from diloco.files import OutputError, write_atomically, write_json_atomically
 from diloco.ft.lighthouse import serve_forever
 from diloco.ft.manager import JobEndedError, MembershipError
-from diloco.inference import evaluate_checkpoint, locate_weights, sample_text
-from diloco.launcher import JobInterrupted, launch, run_dir_claimed
-from diloco.local_cluster import JobFailed
-from diloco.outcome import group_outcome
-from diloco.progress import say
+from diloco.launch.launcher import JobInterrupted, launch, run_dir_claimed
+from diloco.launch.local_cluster import JobFailed
+from diloco.launch.outcome import group_outcome
+from diloco.launch.progress import say
+from diloco.launch.summary import summarize_after_the_end, summarize_finished_run
 from diloco.run_paths import RunPaths
-from diloco.summary import summarize_after_the_end, summarize_finished_run
-from diloco.worker import (
-    INTERRUPTED_EXIT_CODE,
-    JOB_ENDED_EXIT_CODE,
-    exit_without_teardown,
-    refuse_finished_group,
-    run_worker,
-)
+from diloco.train.data import DataError
+from diloco.launch.inference import evaluate_checkpoint, locate_weights, sample_text
+from diloco.worker.entry import refuse_finished_group, run_worker
+from diloco.worker.env import WorkerEnv
 
 BASE_CONFIG = "base_config"
 CONF_DIR = Path(__file__).resolve().parent / "conf"

@@ -9,7 +9,7 @@ same number of inner steps:
 - fixed: the preset's τ and format, whatever the link;
 - ``algo.auto=true``: after every round the groups re-pick τ and the format from what they
   measured (inner step time, the link's seconds per byte), so each fragment's all-reduce
-  hides behind its overlap (``diloco/overlap_plan.py``); the first round runs the preset's.
+  hides behind its overlap (``diloco/outer/overlap_plan.py``); the first round runs the preset's.
 
 Reported from each run directory: training seconds, final eval loss of the global model, the
 plan of the last round (from the commit logs), and the median time a round held training up.
@@ -33,8 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco.logger import read_jsonl  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
+from diloco.train.logger import read_jsonl  # noqa: E402
 from experiments.common import (  # noqa: E402
     add_output_arguments,
     compose_job,

@@ -21,8 +21,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
 
-from diloco.config_base import from_dict  # noqa: E402
-from diloco.model import ModelConfig, Transformer, count_parameters, meta_model  # noqa: E402
+from diloco.config.base import from_dict  # noqa: E402
+from diloco.config.model import ModelConfig  # noqa: E402
+from diloco.train.model import Transformer, count_parameters, meta_model  # noqa: E402
 
 CPU_PRESETS = ("tiny", "small")
 

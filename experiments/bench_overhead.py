@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco.logger import read_jsonl  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
+from diloco.train.logger import read_jsonl  # noqa: E402
 from experiments.common import (  # noqa: E402
     add_output_arguments,
     compose_job,

@@ -2,7 +2,7 @@
 
 The scripts use the library one way (STYLE rule 7): a job is composed from ``conf/`` with
 hydra exactly as ``python run.py`` would compose it, turned into a ``JobConfig`` once, and
-run through ``diloco.local_cluster`` (``launch`` for a whole job, ``LocalCluster`` to kill and
+run through ``diloco.launch.local_cluster`` (``launch`` for a whole job, ``LocalCluster`` to kill and
 restart groups). Nothing here forks the training code.
 """
 
@@ -27,12 +27,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # python experiments/<script>.py from a checkout, installed or not
 
-from diloco.config import JobConfig, job_config_from_dict  # noqa: E402
-from diloco.launcher import launch  # noqa: E402
-from diloco.local_cluster import JobFailed, LocalCluster, logs_tail  # noqa: E402
-from diloco.logger import read_jsonl  # noqa: E402
+from diloco.config.job import JobConfig, job_config_from_dict  # noqa: E402
+from diloco.launch.launcher import launch  # noqa: E402
+from diloco.launch.local_cluster import JobFailed, LocalCluster, logs_tail  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
-from diloco.worker import preflight  # noqa: E402
+from diloco.train.logger import read_jsonl  # noqa: E402
+from diloco.worker.entry import preflight  # noqa: E402
 from run import compose_raw  # noqa: E402
 
 CONF_DIR = REPO / "conf"

@@ -34,8 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco.logger import read_jsonl  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
+from diloco.train.logger import read_jsonl  # noqa: E402
 from experiments.common import (  # noqa: E402
     NO_MATPLOTLIB,
     RESULTS,

@@ -44,10 +44,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco.logger import read_jsonl  # noqa: E402
-from diloco.perf_model import death_to_commit_seconds  # noqa: E402
+from diloco.launch.summary import FAILURES  # noqa: E402
+from diloco.outer.perf_model import death_to_commit_seconds  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
-from diloco.summary import FAILURES  # noqa: E402
+from diloco.train.logger import read_jsonl  # noqa: E402
 from experiments.common import (  # noqa: E402
     NO_MATPLOTLIB,
     RESULTS,
@@ -132,7 +132,7 @@ class Run:
         return statistics.median(held) if held else math.nan
 
     def predicted_death_to_commit(self) -> float:
-        """diloco.perf_model's expected death-to-commit, fed with this run's measured readiness, window and round."""
+        """diloco.outer.perf_model's expected death-to-commit, fed with this run's measured readiness, window and round."""
         ready = self.summary["death_to_ready_s"]
         if not ready.get("count"):
             return math.nan

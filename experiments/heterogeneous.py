@@ -38,9 +38,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco.logger import read_jsonl  # noqa: E402
-from diloco.perf_model import time_window_speedup  # noqa: E402
+from diloco.outer.perf_model import time_window_speedup  # noqa: E402
 from diloco.run_paths import RunPaths  # noqa: E402
+from diloco.train.logger import read_jsonl  # noqa: E402
 from experiments.common import (  # noqa: E402
     NO_MATPLOTLIB,
     RESULTS,
@@ -204,7 +204,7 @@ def main() -> None:
         f"Equal tokens: the fixed-H run trains {steps} inner steps, the time-bounded one "
         f"{time_bounded_steps(steps, groups, args.slowdown, h)} (its slow group runs fewer per window). "
         "Throughput: tokens trained per second of training, all groups; the performance model predicts "
-        f"{time_window_speedup([1.0] * (groups - 1) + [args.slowdown]):.2f}x (diloco.perf_model.time_window_speedup)."
+        f"{time_window_speedup([1.0] * (groups - 1) + [args.slowdown]):.2f}x (diloco.outer.perf_model.time_window_speedup)."
     )
     folder = Path(args.results) if args.results else RESULTS
     drawn = plot(runs, folder / "heterogeneous.png")

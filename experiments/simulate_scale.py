@@ -1,5 +1,5 @@
 """The bandwidth each method needs for 95% compute utilization at 1B, 10B and 100B parameters,
-from the performance model (diloco/perf_model.py), beside the Streaming DiLoCo paper's Table 4.
+from the performance model (diloco/outer/perf_model.py), beside the Streaming DiLoCo paper's Table 4.
 
     python experiments/simulate_scale.py [--utilization 0.95] [--groups 2]
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco.perf_model import SyncPlan, bandwidth_for  # noqa: E402
+from diloco.outer.perf_model import SyncPlan, bandwidth_for  # noqa: E402
 from experiments.common import add_output_arguments, markdown_table, write_result  # noqa: E402
 
 BACKWARD = 0.5  # share of a step an all-reduce hides behind

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from diloco.config_base import check
+from diloco.config.base import check
 from outer_opt.registry import available
 
 

@@ -15,7 +15,7 @@ from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
-from diloco.config import JobConfig, job_config_from_dict
+from diloco.config.job import JobConfig, job_config_from_dict
 from run import compose_config, plain_config
 
 REPO = Path(__file__).resolve().parents[1]

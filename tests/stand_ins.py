@@ -6,10 +6,10 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from diloco.lighthouse_watch import LighthouseWatch
-from diloco.local_cluster import LocalCluster, WorkerProcess
+from diloco.launch.lighthouse_watch import LighthouseWatch
+from diloco.launch.local_cluster import LocalCluster, WorkerProcess
+from diloco.launch.supervisor import EventLog, Supervisor
 from diloco.run_paths import RunPaths
-from diloco.supervisor import EventLog, Supervisor
 from tests.conftest import compose_job
 
 

@@ -8,16 +8,16 @@ import time
 import pytest
 import torch
 
-from diloco.algo import AlgoConfig
-from diloco.auto_overlap import AutoOverlap
-from diloco.config_base import ConfigError
-from diloco.ft.bandwidth import TokenBucket, bucket_for
-from diloco.inner_opt import build_inner_optimizer
-from diloco.logger import read_jsonl
-from diloco.model import Transformer
-from diloco.outer_reduce import bytes_sent_for, launch_reduce
-from diloco.quantize import FORMATS
-from diloco.overlap_plan import HYSTERESIS, STALL_SLACK, choose_overlap
+from diloco.config.algo import AlgoConfig
+from diloco.config.base import ConfigError
+from diloco.outer.auto_overlap import AutoOverlap
+from diloco.outer.bandwidth import TokenBucket, bucket_for
+from diloco.outer.overlap_plan import HYSTERESIS, STALL_SLACK, choose_overlap
+from diloco.outer.quantize import FORMATS
+from diloco.outer.reduce import bytes_sent_for, launch_reduce
+from diloco.train.inner_opt import build_inner_optimizer
+from diloco.train.logger import read_jsonl
+from diloco.train.model import Transformer
 from tests.conftest import compose_job
 from tests.test_outer import BASE, lighthouse_for, mock_inner_step, outer_for, run_threads
 

@@ -1,4 +1,4 @@
-"""Planned stop and resume (diloco/checkpoint.py, worker_state.py): files refused by name when
+"""Planned stop and resume (diloco/train/checkpoint.py, worker_state.py): files refused by name when
 partial or corrupt, the resume source chosen as documented, and with real processes a resumed
 job equal bit for bit to an uninterrupted one, and Ctrl-C keeping summary, model and checkpoint."""
 
@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.checkpoint import (
+from diloco.config.base import ConfigError
+from diloco.launch.inference import locate_weights, read_weights
+from diloco.launch.launcher import launch
+from diloco.launch.local_cluster import wait_until
+from diloco.run_paths import RunPaths
+from diloco.train.checkpoint import (
     CheckpointError,
     check_compatible,
     group_dir,
@@ -27,13 +32,8 @@ from diloco.checkpoint import (
     save_rank,
     step_dir,
 )
-from diloco.config_base import ConfigError
-from diloco.inference import locate_weights, read_weights
-from diloco.launcher import launch
-from diloco.local_cluster import wait_until
-from diloco.model import meta_model, param_signature
-from diloco.run_paths import RunPaths
-from diloco.worker import checkpoint_identity, preflight
+from diloco.train.model import meta_model, param_signature
+from diloco.worker.entry import checkpoint_identity, preflight
 from tests.conftest import REPO, compose_job
 
 TENSORS = {"model.w": torch.arange(6.0).view(2, 3), "inner.0.step": torch.tensor(7.0)}

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco.model import count_parameters, meta_model
 from diloco.run_paths import RunPaths
+from diloco.train.model import count_parameters, meta_model
 from experiments.common import NO_MATPLOTLIB, compose_job
 from experiments.compare_ddp import (
     CONFIG_FILE,

@@ -13,9 +13,9 @@ import torch
 import yaml
 from hydra.errors import ConfigCompositionException
 
-from diloco.config import JobConfig, job_config_from_dict
-from diloco.config_base import ConfigError, to_dict
-from diloco.local_cluster import free_port
+from diloco.config.base import ConfigError, to_dict
+from diloco.config.job import JobConfig, job_config_from_dict
+from diloco.launch.local_cluster import free_port
 from run import compose_raw, output_folder_problem
 from tests.conftest import CONF_DIR, FAST, REPO, compose_job
 
@@ -263,7 +263,7 @@ def test_an_output_folder_with_a_file_in_its_path_is_refused_in_one_line(tmp_pat
 def test_run_py_refuses_a_run_directory_another_launcher_is_using_and_touches_nothing(tmp_path):
     holder_code = (
         "import sys, time; from pathlib import Path\n"
-        "from diloco.launcher import run_dir_claimed; from diloco.run_paths import RunPaths\n"
+        "from diloco.launch.launcher import run_dir_claimed; from diloco.run_paths import RunPaths\n"
         "with run_dir_claimed(RunPaths(Path(sys.argv[1]))):\n"
         "    Path(sys.argv[1], 'config.yaml').write_text('first: launcher\\n'); print('held', flush=True)\n"
         "    time.sleep(120)\n"
@@ -330,9 +330,10 @@ def test_every_job_of_every_sweep_preset_composes():
     assert sweeps >= 7, "compare_ddp_sweep (4 algorithms) and sync_every_sweep (3 values of H)"
 
 
-def test_the_readme_lists_every_key_with_the_default_python_run_py_uses():
-    """README's key reference cannot go stale: every key, and each default as composed."""
-    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| ([^|]*) \|", (REPO / "README.md").read_text(), re.MULTILINE))
+def test_the_configuration_reference_lists_every_key_with_the_default_python_run_py_uses():
+    """docs/configuration.md's key reference cannot go stale: every key, and each default as composed."""
+    reference = (REPO / "docs" / "configuration.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| ([^|]*) \|", reference, re.MULTILINE))
 
     def shown(value: object) -> str:
         if value is None:
@@ -351,6 +352,6 @@ def test_the_readme_lists_every_key_with_the_default_python_run_py_uses():
 
     composed = flat(to_dict(compose_job([])))
     missing = sorted(set(composed) - set(rows))
-    assert not missing, f"README's key reference lacks {missing}"
+    assert not missing, f"docs/configuration.md's key reference lacks {missing}"
     wrong = {k: (rows[k].strip(), shown(v)) for k, v in composed.items() if rows[k].strip() != shown(v)}
-    assert not wrong, f"README shows other defaults than python run.py composes: {wrong}"
+    assert not wrong, f"docs/configuration.md shows other defaults than python run.py composes: {wrong}"

@@ -10,17 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import diloco.data as data_module
-from diloco.config_base import ConfigError
-from diloco.data import (
-    ByteTokenizer,
-    DataConfig,
-    DataError,
-    ShardedBatches,
-    eval_batches,
-    load_corpus,
-    stdlib_files,
-)
+import diloco.train.data as data_module
+from diloco.config.base import ConfigError
+from diloco.config.data import DataConfig
+from diloco.train.data import ByteTokenizer, DataError, ShardedBatches, eval_batches, load_corpus, stdlib_files
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.config_base import ConfigError
-from diloco.faults import FaultHook, FaultsConfig, kill_target, plan_faults, request_fault
+from diloco.config.base import ConfigError
+from diloco.config.faults import FaultsConfig
+from diloco.ft.fault_requests import FaultHook, request_fault
+from diloco.launch.faults import kill_target, plan_faults
 from tests.conftest import compose_job
 
 

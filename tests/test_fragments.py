@@ -6,9 +6,10 @@ import itertools
 
 import pytest
 
-from diloco.algo import AlgoConfig, validate_schedule
-from diloco.config_base import ConfigError
-from diloco.fragments import (
+from diloco.config.algo import AlgoConfig, validate_schedule
+from diloco.config.base import ConfigError
+from diloco.config.model import ModelConfig
+from diloco.outer.fragments import (
     fragment_of_parameter,
     fragment_offset,
     fragment_parameter_names,
@@ -16,7 +17,7 @@ from diloco.fragments import (
     fragments_to_launch,
     partition_blocks,
 )
-from diloco.model import ModelConfig, Transformer
+from diloco.train.model import Transformer
 
 # --- partitions ------------------------------------------------------------------------------
 

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from diloco.config import JobConfig
-from diloco.config_base import ConfigError
-from diloco.data import ByteTokenizer, eval_batches, load_corpus
-from diloco.inference import (
-    SampleConfig,
+from diloco.config.base import ConfigError
+from diloco.config.job import JobConfig
+from diloco.config.model import ModelConfig
+from diloco.config.sample import SampleConfig
+from diloco.launch.inference import (
     byte_tokenizer,
     evaluate_checkpoint,
     generate,
@@ -22,9 +22,10 @@ from diloco.inference import (
     mean_loss,
     sample_text,
 )
-from diloco.model import ModelConfig, Transformer
+from diloco.launch.summary import model_sha256
 from diloco.run_paths import RunPaths
-from diloco.summary import model_sha256
+from diloco.train.data import ByteTokenizer, eval_batches, load_corpus
+from diloco.train.model import Transformer
 from tests.conftest import compose_job
 
 CPU = torch.device("cpu")

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from diloco.inner_opt import InnerOptConfig, build_inner_optimizer, lr_multiplier
+from diloco.config.inner_opt import InnerOptConfig
+from diloco.train.inner_opt import build_inner_optimizer, lr_multiplier
 
 
 def test_warmup_is_linear_and_starts_above_zero():

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from diloco.config_base import ConfigError
-from diloco.launcher import run_dir_claimed
+from diloco.config.base import ConfigError
+from diloco.launch.launcher import run_dir_claimed
 from diloco.run_paths import RunPaths
 
 

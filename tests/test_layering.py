@@ -1,9 +1,9 @@
-"""Layering: the library never depends on hydra, and its parts depend on each other one way only.
+"""Layering: one door to hydra, and the library's layers depend on each other one way only.
 
-``run.py`` is the only door from config files into the library. Inside it, the
-fault-tolerance layer (``diloco/ft``) knows nothing of the trainer, a group's processes
-never load the lighthouse server, and ``diloco`` and ``outer_opt`` import each other in no
-circle. The import graph is read from the source with ``ast`` (what ``import`` would run:
+``run.py`` and ``diloco/launch/compose.py`` are the only doors from config files into the
+library; nothing imports run.py. Inside, imports run launch -> worker -> outer -> train -> ft
+-> config -> leaves (docs/architecture.md), a group's processes never load the lighthouse
+server, and ``diloco`` and ``outer_opt`` import each other in no circle. The import graph is read from the source with ``ast`` (what ``import`` would run:
 lazy imports inside functions count, ``if TYPE_CHECKING:`` blocks do not).
 """
 
@@ -21,18 +21,21 @@ from tests.conftest import REPO
 
 FORBIDDEN = {"hydra", "omegaconf"}
 PACKAGES = ("diloco", "outer_opt")
+# The one module below run.py that speaks hydra: it composes conf/ for run.py, tests and experiments.
+HYDRA_DOOR = "diloco/launch/compose.py"
 
-# What diloco/ft may load: itself, the shared config helpers, the cluster config it serves
-# (``cluster.lighthouse``, ``QuorumRules``), raw tensor views for the state transfer, and the
-# outer optimizer's state tensors that a healing group receives.
-FT_MAY_LOAD = ("diloco.ft", "diloco.config_base", "diloco.byte_view", "diloco.cluster", "outer_opt")
-# The lighthouse process's entry point reads the whole job config from job.json: it is wiring,
-# like run.py, not part of the layer.
-FT_ENTRY_POINTS = {"diloco.ft.__main__"}
+# The layers of diloco/, top to bottom (DESIGN section 5): a module may import its own layer and
+# those below it, never one above. ``leaf`` is diloco/'s root: small shared modules (paths, files,
+# exit codes) that import only each other; ``config`` holds every config dataclass and imports
+# only itself, the leaves and outer_opt's config.
+LAYERS = ("launch", "worker", "outer", "train", "ft", "config", "leaf")
+# outer_opt (the outer optimizers) sits beside the layers: ft (a healing group's optimizer state),
+# outer and config import it, and it imports only diloco's config helpers.
+OUTER_OPT_MAY_LOAD = ("outer_opt", "diloco.config.base")
 LIGHTHOUSE_SERVER = "diloco.ft.lighthouse"
 # A group's processes: the worker and the groups' side of the fault-tolerance layer.
 GROUP_SIDE = (
-    "diloco.worker",
+    "diloco.worker.entry",
     "diloco.ft.client",
     "diloco.ft.manager",
     "diloco.ft.lanes",
@@ -41,8 +44,16 @@ GROUP_SIDE = (
     "diloco.ft.protocol",
 )
 # Modules both packages load: each imports neither package, so it closes no circle (``diloco``
-# is the package's empty __init__, which every diloco module loads).
-SHARED_LEAVES = {"diloco", "diloco.config_base"}
+# and ``diloco.config`` are packages whose __init__ holds only a docstring).
+SHARED_LEAVES = {"diloco", "diloco.config", "diloco.config.base"}
+
+
+def layer_of(module: str) -> str:
+    """``diloco.outer.reduce`` -> ``outer``; diloco/'s own modules -> ``leaf``; outer_opt -> ``outer_opt``."""
+    parts = module.split(".")
+    if parts[0] == "outer_opt":
+        return "outer_opt"
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "leaf"
 
 
 def module_name(path: Path) -> str:
@@ -130,10 +141,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_library_does_not_import_hydra_or_omegaconf():
+def test_only_the_compose_module_imports_hydra_or_omegaconf():
     offenders = []
     for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):
+            if str(path.relative_to(REPO)) == HYDRA_DOOR:
+                continue
             for node in ast.walk(ast.parse(path.read_text())):
                 names = []
                 if isinstance(node, ast.Import):
@@ -144,11 +157,33 @@ def test_library_does_not_import_hydra_or_omegaconf():
     assert not offenders, offenders
 
 
+def test_nothing_imports_run_py():
+    """run.py is the entry point alone: the library, the tests and the experiments import the package."""
+    offenders = []
+    for folder in (*PACKAGES, "tests", "experiments"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import) and any(a.name == "run" for a in node.names):
+                    offenders.append(str(path.relative_to(REPO)))
+                elif isinstance(node, ast.ImportFrom) and node.module == "run" and not node.level:
+                    offenders.append(str(path.relative_to(REPO)))
+    assert not offenders, offenders
+
+
+def test_experiments_import_the_installed_package_and_edit_no_sys_path():
+    offenders = [
+        str(path.relative_to(REPO))
+        for path in sorted((REPO / "experiments").rglob("*.py"))
+        if "sys.path" in path.read_text()
+    ]
+    assert not offenders, offenders
+
+
 def test_library_reads_no_environment_variables():
     """No hidden inputs below the entry points (run.py and the worker's main())."""
     # Entry points (the worker's and the fork server's main) and the launcher's modules that
     # pass the environment on to the processes they start.
-    allowed = {"diloco/worker.py", "diloco/forkserver.py", "diloco/spawn.py"}
+    allowed = {"diloco/worker/entry.py", "diloco/launch/forkserver.py", "diloco/launch/spawn.py"}
     offenders = []
     for path in sorted((REPO / "diloco").rglob("*.py")):
         rel = str(path.relative_to(REPO))
@@ -157,19 +192,40 @@ def test_library_reads_no_environment_variables():
     assert not offenders, offenders
 
 
-def test_the_fault_tolerance_layer_never_loads_the_trainer_side():
+def test_every_import_points_down_the_layers():
+    """launch -> worker -> outer -> train -> ft -> config -> leaves: no arrow points back up, so
+    train/ and outer/ never import worker/ or launch/, ft/ never imports train/ or outer/, and
+    config/ imports no runtime code."""
+    graph = import_graph(with_parents=False)
+    assert {layer_of(m) for m in graph} >= set(LAYERS) | {"outer_opt"}, sorted(graph)
+    upward = []
+    for module, targets in sorted(graph.items()):
+        here = layer_of(module)
+        for target in sorted(targets):
+            there = layer_of(target)
+            if here == "outer_opt":
+                allowed = within(target, OUTER_OPT_MAY_LOAD)
+            elif there == "outer_opt":
+                allowed = LAYERS.index(here) <= LAYERS.index("config")
+            else:
+                allowed = LAYERS.index(there) >= LAYERS.index(here)
+            if not allowed:
+                upward.append(f"{module} ({here}) imports {target} ({there})")
+    assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+
+
+def test_reading_a_config_or_serving_the_lighthouse_loads_no_trainer_synchronizer_or_worker():
+    """The job config is plain dataclasses, and the lighthouse process reads it and serves quorums:
+    neither loads the training side (the lighthouse needs no model)."""
     graph = import_graph()
-    layer = sorted(m for m in graph if within(m, ("diloco.ft",)) and m not in FT_ENTRY_POINTS)
-    assert "diloco.ft.manager" in layer and "diloco.ft.lighthouse" in layer, layer
-    allowed = {m for m in graph if within(m, FT_MAY_LOAD)} | {"diloco"}  # and the package's empty __init__
-    offenders = {}  # the first forbidden module on each chain, once
-    for module in layer:
-        for target, chain in chains_from(graph, module).items():
-            if target not in allowed and set(chain[:-1]) <= allowed:
-                offenders.setdefault(target, " -> ".join(chain))
-    assert not offenders, (
-        "diloco/ft may load only " + ", ".join(FT_MAY_LOAD) + "; found:\n" + "\n".join(offenders.values())
-    )
+    training_side = ("diloco.train", "diloco.outer", "diloco.worker")
+    for start, may_not in (
+        ("diloco.config.job", training_side + ("diloco.ft", "diloco.launch")),
+        ("diloco.launch.lighthouse_process", training_side),
+    ):
+        loaded = chains_from(graph, start)
+        offenders = [" -> ".join(chain) for target, chain in loaded.items() if within(target, may_not)]
+        assert not offenders, f"{start} loads:\n" + "\n".join(offenders)
 
 
 def test_a_groups_processes_never_load_the_lighthouse_server():
@@ -219,8 +275,9 @@ def test_the_launcher_leaves_fsdp_dtensor_and_dynamo_to_the_workers(tmp_path):
     TorchDynamo)."""
     heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch._dynamo")
     probe = (
-        "import sys, run; from diloco.run_paths import RunPaths; from diloco.worker import preflight; "
-        f"preflight(run.job_config_from_dict(run.compose_raw([])), RunPaths({str(tmp_path)!r})); "
+        "import sys; from diloco.launch.compose import compose_job; from diloco.run_paths import RunPaths; "
+        "from diloco.worker.entry import preflight; "
+        f"preflight(compose_job([]), RunPaths({str(tmp_path)!r})); "
         f"print([m for m in {heavy!r} if m in sys.modules])"
     )
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -11,10 +11,10 @@ import torch
 from einops import rearrange, repeat
 from omegaconf import OmegaConf
 
-from diloco.config_base import ConfigError, from_dict
-from diloco.model import (
+from diloco.config.base import ConfigError, from_dict
+from diloco.config.model import ModelConfig
+from diloco.train.model import (
     Attention,
-    ModelConfig,
     Transformer,
     apply_rotary,
     count_parameters,

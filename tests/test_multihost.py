@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from diloco.local_cluster import free_port
+from diloco.launch.local_cluster import free_port
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow

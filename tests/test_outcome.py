@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diloco.outcome import group_outcome, job_outcome
+from diloco.launch.outcome import group_outcome, job_outcome
 
 END = {"round": 12, "digest": "aaaa" * 16, "holders": ["group0", "group1", "group2"]}
 

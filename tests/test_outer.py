@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.cluster import LighthouseConfig
-from diloco.config import GroupConfig, JobConfig
-from diloco.distributed import WorkerEnv
-from diloco.fragments import fragment_parameter_names, fragments_to_apply, fragments_to_launch
+from diloco.config.cluster import LighthouseConfig
+from diloco.config.job import GroupConfig, JobConfig
 from diloco.ft.lighthouse import Lighthouse
-from diloco.inner_opt import build_inner_optimizer
-from diloco.model import Transformer, param_signature
-from diloco.outer_setup import build_outer_sync
-from diloco.outer_sync import OuterSync
-from diloco.trainer import Trainer
-from diloco.worker import build_inner, build_trainer
+from diloco.outer.diloco_sync import OuterSync
+from diloco.outer.fragments import fragment_parameter_names, fragments_to_apply, fragments_to_launch
+from diloco.train.inner_opt import build_inner_optimizer
+from diloco.train.model import Transformer, param_signature
+from diloco.train.trainer import Trainer
+from diloco.worker.entry import build_inner, build_trainer
+from diloco.worker.env import WorkerEnv
+from diloco.worker.outer_builder import build_outer_sync
 from tests.conftest import compose_job
 
 BASE = ["logger=none", "cluster.device=cpu", "cluster.workers_per_group=1", "trainer.eval_every=0"]
@@ -395,8 +395,8 @@ def test_a_bug_inside_a_round_stops_the_worker_instead_of_failing_the_round(tmp_
     def buggy(*args, **kwargs):
         raise RuntimeError("deliberate bug in a round: shapes [3] and [4] differ")
 
-    monkeypatch.setattr("diloco.outer_sync.launch_reduce", buggy)
-    monkeypatch.setattr("diloco.gradient_sync.launch_reduce", buggy)
+    monkeypatch.setattr("diloco.outer.diloco_sync.launch_reduce", buggy)
+    monkeypatch.setattr("diloco.outer.ddp_sync.launch_reduce", buggy)
     job = compose_job(
         BASE + ["cluster.groups=1", "algo.sync_every=4", "trainer.max_steps=8", "trainer.seq_len=32"] + algo
     )

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 import outer_opt
-from diloco.config_base import ConfigError, from_dict
+from diloco.config.base import ConfigError, from_dict
 from outer_opt import (
     MomentumWarmup,
     OuterOptConfig,

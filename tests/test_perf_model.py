@@ -1,4 +1,4 @@
-"""The performance model (diloco/perf_model.py): its closed forms, and the scale simulation it feeds."""
+"""The performance model (diloco/outer/perf_model.py): its closed forms, and the scale simulation it feeds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from diloco.perf_model import (
+from diloco.outer.perf_model import (
     Link,
     SyncPlan,
     allreduce_seconds,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import json
 
-from diloco.logger import MetricsLogger, read_jsonl_tail
-from diloco.progress import ProgressView, remaining_seconds, render_progress
+from diloco.launch.progress import ProgressView, remaining_seconds, render_progress
+from diloco.train.logger import MetricsLogger, read_jsonl_tail
 
 
 def test_render_progress_shows_step_bar_loss_throughput_and_eta():

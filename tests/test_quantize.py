@@ -7,14 +7,7 @@ import math
 import pytest
 import torch
 
-from diloco.quantize import (
-    DEFAULT_BLOCK,
-    FORMATS,
-    dequantize,
-    packed_nbytes,
-    quantize,
-    reduce_quantized,
-)
+from diloco.outer.quantize import DEFAULT_BLOCK, FORMATS, dequantize, packed_nbytes, quantize, reduce_quantized
 
 BLOCK_FORMATS = ("fp8", "int8", "fp4")
 QMAX = {"fp8": 448.0, "int8": 127.0, "fp4": 6.0}

@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from diloco.cluster import LighthouseConfig
+from diloco.config.cluster import LighthouseConfig, QuorumRules
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lighthouse import Lighthouse
-from diloco.ft.quorum import QuorumBook, QuorumRequest, QuorumRules
-from diloco.perf_model import choose_recovery, expected_stall_seconds, recovery_costs
-from diloco.recovery import FIRST_GUESS_READY_S, RecoveryPlanner
+from diloco.ft.quorum import QuorumBook, QuorumRequest
+from diloco.launch.recovery import FIRST_GUESS_READY_S, RecoveryPlanner
+from diloco.launch.summary import recovery_choices, state_losses
+from diloco.outer.perf_model import choose_recovery, expected_stall_seconds, recovery_costs
 from diloco.run_paths import RunPaths
-from diloco.summary import recovery_choices, state_losses
 from tests.canned_runs import write_jsonl
 from tests.conftest import compose_job
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from diloco.local_cluster import JobFailed, LocalCluster, Spare, WorkerProcess, wait_until
-from diloco.logger import read_jsonl
+from diloco.launch.local_cluster import JobFailed, LocalCluster, Spare, WorkerProcess, wait_until
+from diloco.launch.supervisor import Supervisor
 from diloco.run_paths import RunPaths
-from diloco.spares import Assignment, SpareAssignmentError, assign, make_pipes, wait_for_assignment
-from diloco.supervisor import Supervisor
+from diloco.train.logger import read_jsonl
+from diloco.worker.spares import Assignment, SpareAssignmentError, assign, make_pipes, wait_for_assignment
 from tests.stand_ins import exited, running, supervise, worker
 
 
@@ -103,7 +103,7 @@ def test_a_plain_file_is_not_a_spare_pipe(tmp_path):
 SPARE_STAND_IN = """
 import sys, time
 from pathlib import Path
-from diloco.spares import wait_for_assignment
+from diloco.worker.spares import wait_for_assignment
 pipe = Path(sys.argv[1])
 Path(f"{pipe}.got").write_text(str(wait_for_assignment(pipe).group))
 time.sleep(60)

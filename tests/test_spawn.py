@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from diloco.config_base import ConfigError, to_dict
-from diloco.distributed import WorkerEnv
-from diloco.launcher import launch
+from diloco.config.base import ConfigError, to_dict
+from diloco.launch.launcher import launch
+from diloco.launch.local_cluster import LocalCluster, log_tail, serving_pid, wait_until
+from diloco.launch.spawn import ForkedProcess, ForkServer, WorkerSpec, become_subreaper
 from diloco.lifeline import Lifeline
-from diloco.local_cluster import LocalCluster, log_tail, serving_pid, wait_until
-from diloco.logger import read_jsonl
 from diloco.run_paths import RunPaths
-from diloco.spawn import ForkedProcess, ForkServer, WorkerSpec, become_subreaper
-from diloco.worker import preflight
+from diloco.train.logger import read_jsonl
+from diloco.worker.entry import preflight
+from diloco.worker.env import WorkerEnv
 from tests.conftest import FAST, REPO, compose_job, process_exited
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="cluster.spawn=fork needs Linux")
@@ -68,7 +68,7 @@ def test_forked_and_execd_workers_train_the_same_model(tmp_path, shape):
 # exit with code 3 on SIGUSR1: the exit-code plumbing without the seconds a real worker takes.
 WAITING_SERVER = """
 import os, signal, sys
-import diloco.forkserver as server
+import diloco.launch.forkserver as server
 
 def wait_then_exit_3(paths, group, env, started_at, spare=None):
     signal.signal(signal.SIGUSR1, lambda *_: os._exit(3))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import signal
 import time
 
-from diloco.lighthouse_watch import LighthouseWatch
-from diloco.local_cluster import crash_report, last_exception
-from diloco.logger import read_jsonl
-from diloco.worker import JOB_ENDED_EXIT_CODE
+from diloco.exits import JOB_ENDED_EXIT_CODE
+from diloco.launch.lighthouse_watch import LighthouseWatch
+from diloco.launch.local_cluster import crash_report, last_exception
+from diloco.train.logger import read_jsonl
 from tests.stand_ins import exited, running, supervise
 
 
@@ -83,9 +83,11 @@ def test_a_crash_report_names_the_exception_of_the_last_traceback_first(tmp_path
         'step 10/100\nTraceback (most recent call last):\n  File "a.py", line 1, in <module>\n'
         "KeyError: 'old'\n\nDuring handling of the above exception, another exception occurred:\n\n"
         'Traceback (most recent call last):\n  File "b.py", line 2, in load\n    raise DataError(msg)\n'
-        "diloco.data.DataError: data state has n_windows=5 but this group has n_windows=4\n"
+        "diloco.train.data.DataError: data state has n_windows=5 but this group has n_windows=4\n"
     )
-    assert last_exception(log) == "diloco.data.DataError: data state has n_windows=5 but this group has n_windows=4"
+    assert (
+        last_exception(log) == "diloco.train.data.DataError: data state has n_windows=5 but this group has n_windows=4"
+    )
     report = crash_report(log)
     assert report.splitlines()[0] == f"last error: {last_exception(log)}; last lines of {log}:"
     log.write_text("step 10/100\nstep 20/100\n")  # killed by a signal: no traceback, nothing guessed

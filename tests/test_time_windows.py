@@ -9,15 +9,16 @@ import time
 import pytest
 import torch
 
-from diloco.cluster import LighthouseConfig
-from diloco.config_base import ConfigError
-from diloco.faults import FaultsConfig, straggler_pace
-from diloco.fragments import fragments_to_launch, next_launch_step, skip_target
+from diloco.config.base import ConfigError
+from diloco.config.cluster import LighthouseConfig, QuorumRules
+from diloco.config.faults import FaultsConfig
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lighthouse import Lighthouse
-from diloco.ft.quorum import QuorumBook, QuorumRequest, QuorumRules
-from diloco.inner_opt import build_inner_optimizer
-from diloco.model import Transformer
+from diloco.ft.quorum import QuorumBook, QuorumRequest
+from diloco.outer.fragments import fragments_to_launch, next_launch_step, skip_target
+from diloco.train.inner_opt import build_inner_optimizer
+from diloco.train.model import Transformer
+from diloco.worker.entry import straggler_pace
 from tests.conftest import compose_job
 from tests.test_outer import BASE, lighthouse_for, mock_inner_step, outer_for, run_threads
 

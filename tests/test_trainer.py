@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from diloco.model import Transformer
-from diloco.trainer import Trainer
-from diloco.worker import build_trainer
+from diloco.train.model import Transformer
+from diloco.train.trainer import Trainer
+from diloco.worker.entry import build_trainer
 from tests.conftest import compose_job
 
 

@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from diloco.launcher import launch
-from diloco.logger import read_jsonl
-from diloco.model import Transformer
+from diloco.launch.launcher import launch
 from diloco.run_paths import RunPaths
+from diloco.train.logger import read_jsonl
+from diloco.train.model import Transformer
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow

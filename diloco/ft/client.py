@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from diloco.config_base import check
+from diloco.config.base import check
 from diloco.ft.protocol import (
     ErrorAnswer,
     ErrorCode,

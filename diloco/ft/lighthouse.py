@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from diloco.cluster import LighthouseConfig
+from diloco.config.cluster import LighthouseConfig, QuorumRules
 from diloco.ft import status_page
 from diloco.ft.http_front import LighthouseHTTPServer, LighthouseRequestHandler
 from diloco.ft.identity import JobIdentity, NotThisJob
@@ -45,7 +45,7 @@ from diloco.ft.protocol import (
     parse_request,
     quorum_answer_to_json,
 )
-from diloco.ft.quorum import JobEnd, Quorum, QuorumBook, QuorumRequest, QuorumRules
+from diloco.ft.quorum import JobEnd, Quorum, QuorumBook, QuorumRequest
 
 log = logging.getLogger(__name__)
 

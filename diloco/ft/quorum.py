@@ -8,39 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.config_base import check
-
-
-@dataclass(frozen=True)
-class QuorumRules:
-    """``min_groups`` must ask before any quorum forms; ``join_timeout_s`` is how long the
-    first asker waits for the rest; a group silent for ``heartbeat_timeout_s`` is dropped.
-
-    ``expected_groups`` is the job's number of groups (0: unknown, which turns off the two
-    waits it allows): a job's first quorum waits up to ``start_timeout_s`` for all of them,
-    so no window is lost to a slow start; finished groups wait up to ``end_timeout_s`` for
-    the rest to finish before the job ends.
-    """
-
-    min_groups: int = 1
-    join_timeout_s: float = 5.0
-    heartbeat_timeout_s: float = 10.0
-    expected_groups: int = 0
-    start_timeout_s: float = 60.0
-    end_timeout_s: float = 120.0
-
-    def validate(self) -> None:
-        check(self.min_groups >= 1, "cluster.min_groups", self.min_groups, "must be a positive integer")
-        check(self.join_timeout_s > 0, "cluster.timeouts.join", self.join_timeout_s, "must be > 0 seconds")
-        check(
-            self.heartbeat_timeout_s > 0,
-            "cluster.timeouts.heartbeat",
-            self.heartbeat_timeout_s,
-            "must be > 0 seconds",
-        )
-        check(self.expected_groups >= 0, "cluster.groups", self.expected_groups, "must be a positive integer")
-        check(self.start_timeout_s > 0, "cluster.timeouts.start", self.start_timeout_s, "must be > 0 seconds")
-        check(self.end_timeout_s > 0, "cluster.timeouts.end", self.end_timeout_s, "must be > 0 seconds")
+from diloco.config.cluster import QuorumRules
 
 
 @dataclass(frozen=True)

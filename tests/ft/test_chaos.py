@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from diloco.launcher import launch
-from diloco.local_cluster import JobFailed, serving_pid, wait_until
-from diloco.logger import read_jsonl
+from diloco.launch.launcher import launch
+from diloco.launch.local_cluster import JobFailed, serving_pid, wait_until
 from diloco.run_paths import RunPaths
-from diloco.worker import preflight
+from diloco.train.logger import read_jsonl
+from diloco.worker.entry import preflight
 from tests.conftest import REPO, compose_job, process_exited
 
 pytestmark = pytest.mark.slow
@@ -203,11 +203,13 @@ def test_a_group_that_keeps_crashing_fails_the_job_with_its_last_lines(tmp_path,
         data.unlink()
         return found
 
-    monkeypatch.setattr("diloco.launcher.preflight", check_then_delete)
+    monkeypatch.setattr("diloco.launch.launcher.preflight", check_then_delete)
     with pytest.raises(JobFailed, match=r"failed 2 times \(cluster\.max_restarts=1\)") as failure:
         launch(job, tmp_path / "run")
     first_line = str(failure.value).splitlines()[0]  # what summary.json keeps: it names the cause
-    assert "last error: diloco.data.DataError: " in first_line and "no such file or folder" in first_line, first_line
+    assert "last error: diloco.train.data.DataError: " in first_line and "no such file or folder" in first_line, (
+        first_line
+    )
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["failure"] == first_line
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     assert [e["kind"] for e in events if e["group"] == 0].count("crash") >= 1
@@ -227,7 +229,7 @@ def _job_processes(run_dir: Path, lighthouse_url: str) -> dict[str, list[int]]:
             continue
         if pid == lighthouse:
             roles["lighthouse"].append(pid)
-        elif "diloco.forkserver" in cmdline:
+        elif "diloco.launch.forkserver" in cmdline:
             servers.add(pid)
     for pid in servers - {lighthouse}:
         try:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from diloco.local_cluster import LocalCluster, log_tail
-from diloco.logger import read_jsonl
+from diloco.launch.local_cluster import LocalCluster, log_tail
+from diloco.launch.summary import state_losses
 from diloco.run_paths import RunPaths
-from diloco.summary import state_losses
-from diloco.worker import preflight
+from diloco.train.logger import read_jsonl
+from diloco.worker.entry import preflight
 from tests.conftest import NO_PROXY, compose_job
 
 pytestmark = pytest.mark.slow

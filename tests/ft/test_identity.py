@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.config import training_config
+from diloco.config.job import training_config
 from diloco.ft.identity import JobIdentity, NotThisJob, config_differences
 from tests.conftest import compose_job
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from diloco.cluster import LighthouseConfig
-from diloco.config_base import ConfigError
+from diloco.config.base import ConfigError
+from diloco.config.cluster import LighthouseConfig, QuorumRules
 from diloco.ft import status_page
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import Lanes
@@ -40,7 +40,7 @@ from diloco.ft.protocol import (
     QuorumSuperseded,
     QuorumTimeout,
 )
-from diloco.ft.quorum import JobEnd, QuorumRules
+from diloco.ft.quorum import JobEnd
 from tests.conftest import NO_PROXY
 
 JOB, SIG, TOKEN = "job-1", "sig-abc", "s3cret"
@@ -611,7 +611,7 @@ def test_no_pickle_anywhere_in_diloco_ft():
 def test_serve_forever_prints_its_address_and_a_sigterm_before_the_end_is_no_clean_exit():
     """Exit 0 means the job ended (a supervisor or orchestrator then restarts nothing)."""
     code = (
-        "from diloco.cluster import LighthouseConfig; from diloco.ft.lighthouse import serve_forever; "
+        "from diloco.config.cluster import LighthouseConfig; from diloco.ft.lighthouse import serve_forever; "
         "from diloco.ft.quorum import JobEnd, QuorumRules; "
         "serve_forever(LighthouseConfig(port=0), QuorumRules(), 'solo', 'sig')"
     )

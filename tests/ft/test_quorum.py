@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from diloco.config.cluster import QuorumRules
 from diloco.ft.quorum import (
     JobEnd,
     Quorum,
     QuorumBook,
     QuorumRequest,
-    QuorumRules,
     assign_healing,
     healthy_groups,
     next_quorum_id,
@@ -218,7 +218,7 @@ class TestBook:
 
 @pytest.mark.parametrize("field,value", [("min_groups", 0), ("join_timeout_s", 0.0), ("heartbeat_timeout_s", -1.0)])
 def test_rules_validation_names_the_key(field, value):
-    from diloco.config_base import ConfigError
+    from diloco.config.base import ConfigError
 
     with pytest.raises(ConfigError, match="cluster"):
         QuorumRules(**{field: value}).validate()

@@ -1,0 +1,3 @@
+"""The local job: launcher, supervisor, fault injection, process spawning, warm spares, recovery
+choice, the lighthouse process, summary and progress.
+"""

@@ -1,0 +1,198 @@
+"""Using a trained model: its loss on a corpus (``role=eval``) and text from a prompt (``role=sample``).
+
+Both read the weights a job saved (``model.pt``: the final global model every group agreed
+on) on one CPU or GPU, with no process group. The model's shape comes from the run that
+trained it; the corpus and batch shape from the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diloco.config.base import ConfigError, check
+from diloco.config.model import ModelConfig
+from diloco.config.sample import SampleConfig
+from diloco.files import file_sha256
+from diloco.outer.fragments import fragment_parameter_names
+from diloco.train.checkpoint import complete_info, group_dir, rank_dir, read_rank
+from diloco.train.data import ByteTokenizer, eval_batches, load_corpus
+from diloco.train.device import select_device
+from diloco.train.logger import perplexity
+from diloco.train.model import Transformer, meta_model
+from diloco.train.trainer import Batch, next_token_loss
+
+if TYPE_CHECKING:
+    from diloco.config.job import JobConfig
+
+
+def locate_weights(checkpoint: str | None) -> tuple[Path, Path]:
+    """The model ``checkpoint`` names and the run directory that trained it (its config.yaml
+    gives the model's shape): a run directory or its model.pt, or a training checkpoint
+    (``checkpoints/step-N``: group 0's global model, or one group's folder in it)."""
+    check(checkpoint is not None, "checkpoint", checkpoint, "required: a run directory, its model.pt or a checkpoint")
+    path = Path(checkpoint)
+    if complete_info(group_dir(path, 0)) is not None:
+        return group_dir(path, 0), path.parents[1]
+    if complete_info(path) is not None:
+        return path, path.parents[2]
+    weights = path / "model.pt" if path.is_dir() else path
+    if not weights.is_file():
+        where = f"{path} holds no model.pt" if path.is_dir() else f"{path} does not exist"
+        raise ConfigError(
+            f"checkpoint={checkpoint}: {where}; point it at a finished run's directory, its model.pt, "
+            "or a checkpoint (RUN/checkpoints/step-N)"
+        )
+    return weights, weights.parent
+
+
+def read_weights(weights: Path, trained: JobConfig) -> dict[str, torch.Tensor]:
+    """The weights of a model.pt (``weights_only``: tensors, never arbitrary pickled objects), or
+    the global model of a group's checkpoint (``trained``: the job that wrote it), its workers'
+    shards put back together."""
+    if weights.is_dir():
+        return checkpoint_global_weights(weights, trained)
+    check_unaltered(weights)
+    try:
+        return torch.load(weights, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+        raise ConfigError(f"checkpoint={weights}: not a readable model file ({error})") from None
+
+
+def check_unaltered(weights: Path) -> None:
+    """Refuse a model.pt whose bytes differ from those its job recorded (``model_sha256`` in the
+    summary.json beside it, where there is one): corrupt or altered since the job ended."""
+    summary = weights.parent / "summary.json"
+    try:
+        recorded = json.loads(summary.read_text()).get("model_sha256")
+    except (OSError, ValueError, AttributeError):  # no summary (a copied model.pt), or a summary of no use
+        return
+    if recorded is not None and file_sha256(weights) != recorded:
+        raise ConfigError(
+            f"checkpoint={weights}: corrupt or altered since its job wrote it (its sha256 differs from "
+            f"model_sha256 in {summary}); use an intact copy of the run's model.pt"
+        )
+
+
+def checkpoint_global_weights(group_folder: Path, trained: JobConfig) -> dict[str, torch.Tensor]:
+    """θ_g of a group's checkpoint by parameter name (θ_l for algo=local, which has no θ_g).
+
+    Each worker saved its FSDP shard (a run of dim 0); they are concatenated in rank order.
+    """
+    names = [name for name, _ in meta_model(trained.model).named_parameters()]
+    algo = trained.algo
+    if algo.name == "local":
+        key_of = {name: f"model.{name}" for name in names}
+    elif algo.name == "ddp":
+        key_of = {name: f"global.0.{i}" for i, name in enumerate(names)}
+    else:
+        parts = fragment_parameter_names(names, trained.model.n_layers, algo.fragments, algo.pattern)
+        key_of = {name: f"global.{p}.{i}" for p, part in enumerate(parts) for i, name in enumerate(part)}
+    workers = (complete_info(group_folder) or {}).get("workers", 1)
+    shards = [read_rank(rank_dir(group_folder, rank)) for rank in range(workers)]
+    return {name: torch.cat([shard[key] for shard in shards], dim=0) for name, key in key_of.items()}
+
+
+def load_model(weights: Path, trained: JobConfig, device: torch.device) -> Transformer:
+    """The model ``trained`` (the job that wrote ``weights``) describes, holding ``weights``
+    (``read_weights``); weights that are not such a model are refused by name."""
+    cfg = trained.model
+    state = read_weights(weights, trained)
+    model = Transformer(cfg)
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, TypeError, AttributeError) as error:
+        first = str(error).strip().splitlines()[0]
+        raise ConfigError(
+            f"checkpoint={weights}: does not fit a model of dim {cfg.dim}, {cfg.n_layers} layers and vocabulary "
+            f"{cfg.vocab_size} ({first}); "
+            "is it the model.pt of the run whose config.yaml lies beside it?"
+        ) from None
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, batches: list[Batch], device: torch.device) -> float:
+    """Mean next-token loss (nats per token) over every token of ``batches``."""
+    total = count = 0.0
+    for batch in batches:
+        n = batch[1].numel()
+        total += next_token_loss(model, batch, device).item() * n
+        count += n
+    return total / count
+
+
+def byte_tokenizer(model_cfg: ModelConfig) -> ByteTokenizer:
+    """Sampling reads and writes text: only a byte-level model has a tokenizer here to do it."""
+    check(
+        model_cfg.vocab_size == ByteTokenizer.vocab_size,
+        "model.vocab_size",
+        model_cfg.vocab_size,
+        "role=sample needs a byte-level model (vocabulary 256: trained with data=stdlib or data=text); "
+        "a tokens corpus's tokenizer is not part of this project",
+    )
+    return ByteTokenizer()
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: torch.Tensor, cfg: SampleConfig, device: torch.device) -> torch.Tensor:
+    """``cfg.max_new_tokens`` token ids continuing ``prompt`` (1-D), attending to at most
+    ``max_seq_len`` tokens back; seeded, so the same call gives the same text."""
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    ids = prompt.to(device).view(1, -1)
+    for _ in range(cfg.max_new_tokens):
+        logits = model(ids[:, -model.cfg.max_seq_len :])[:, -1, :].float()
+        if cfg.temperature == 0:
+            token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / cfg.temperature
+            if cfg.top_k:
+                kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, -math.inf)
+            token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        ids = torch.cat([ids, token], dim=1)
+    return ids[0, prompt.numel() :].cpu()
+
+
+def evaluate_checkpoint(job: JobConfig, weights: Path, trained: JobConfig) -> dict[str, Any]:
+    """``role=eval``: the loss of the model in ``weights`` on the held-out windows of ``job``'s data.
+
+    The windows a group of a training job with the same data and trainer options evaluated
+    on (``batch_size`` sequences per worker), so a finished run's final eval loss reproduces.
+    """
+    check(
+        trained.model.vocab_size == job.data.vocab_size,
+        "data.vocab_size",
+        job.data.vocab_size,
+        f"differs from the trained model's vocabulary ({trained.model.vocab_size}); "
+        "evaluate on a corpus of its tokenizer",
+    )
+    device = select_device(job.cluster.device, 0)
+    model = load_model(weights, trained, device)
+    t = job.trainer
+    batches = eval_batches(
+        load_corpus(job.data).val,
+        seq_len=t.seq_len,
+        batch_size=t.batch_size * job.cluster.workers_per_group,
+        max_batches=t.eval_batches,
+        worker=0,
+        num_workers=1,
+    )
+    loss = mean_loss(model, batches, device)
+    tokens = sum(b[1].numel() for b in batches)
+    return {"checkpoint": str(weights), "tokens": tokens, "eval_loss": loss, "eval_ppl": perplexity(loss)}
+
+
+def sample_text(job: JobConfig, weights: Path, trained: JobConfig) -> str:
+    """``role=sample``: ``job.sample.prompt`` followed by the text the model in ``weights`` continues it with."""
+    tokenizer = byte_tokenizer(trained.model)
+    device = select_device(job.cluster.device, 0)
+    model = load_model(weights, trained, device)
+    continuation = generate(model, tokenizer.encode(job.sample.prompt), job.sample, device)
+    return job.sample.prompt + tokenizer.decode(continuation)

@@ -1,0 +1,172 @@
+"""``python run.py`` on one machine: the lighthouse, every group, the supervisor, planned faults, progress."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from diloco.config.base import ConfigError
+from diloco.config.job import JobConfig
+from diloco.files import write_json_atomically
+from diloco.launch.faults import FaultInjector, plan_faults
+from diloco.launch.lighthouse_watch import LighthouseWatch
+from diloco.launch.local_cluster import POLL_INTERVAL_S, JobFailed, LocalCluster
+from diloco.launch.progress import ProgressView, say
+from diloco.launch.summary import build_summary, interrupted_summary
+from diloco.launch.supervisor import EventLog, Supervisor
+from diloco.run_paths import RunPaths
+from diloco.train.checkpoint import describe_checkpoints
+from diloco.worker.entry import preflight, resume_folders
+
+FAULT_HORIZON_S = 7 * 24 * 3600.0  # the plan outlasts any local run; firing stops when the job ends
+
+
+def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str, Any]:
+    """Run the whole job on this machine; returns (and writes) the summary.
+
+    The summary's ``ok`` says whether model.pt is the final global model every group holds
+    (``failure`` says why not). A job the supervisor gave up on raises ``JobFailed`` after
+    writing its summary. Ctrl-C or SIGTERM is a planned stop: every group stops after its
+    current round (saving its checkpoint if ``trainer.checkpoint.every`` is set), model.pt
+    gets the newest committed global model, summary.json says ``interrupted``, and
+    ``JobInterrupted`` is raised; a second Ctrl-C stops every process at once.
+    """
+    paths = RunPaths(run_dir)
+    with run_dir_claimed(paths):
+        return _launch_claimed(job, paths, out)
+
+
+def _launch_claimed(job: JobConfig, paths: RunPaths, out: TextIO) -> dict[str, Any]:
+    n_params, signature = preflight(job, paths)
+    cluster = LocalCluster(job, paths, signature)
+    say(
+        f"model: {n_params:,} parameters; {job.cluster.groups} group(s) x {job.cluster.workers_per_group} "
+        f"worker(s); lighthouse status page {cluster.lighthouse_url}/",
+        out,
+    )
+    if job.trainer.resume:
+        say(f"resuming: {describe_checkpoints(resume_folders(job, paths))}", out)
+    start = time.monotonic()
+    events = EventLog(paths.events, time.time())
+    watch = LighthouseWatch(cluster.lighthouse_url, job.cluster.timeouts.lighthouse)
+    supervisor = Supervisor(
+        cluster,
+        events,
+        max_restarts=job.cluster.max_restarts,
+        backoff_s=job.cluster.restart_backoff,
+        end_grace_s=job.cluster.timeouts.quorum,
+        spares=job.cluster.spares,
+        lighthouse_watch=watch,
+    )
+    injector = FaultInjector(
+        cluster,
+        plan_faults(job.faults, job.cluster.groups, FAULT_HORIZON_S),
+        events,
+        hang_s=job.faults.hang_seconds,
+        down_s=job.faults.lighthouse_down_seconds,
+        min_alive=job.faults.min_alive,
+    )
+    # Both explicitly: a launcher started with SIGINT ignored (a background job of a
+    # non-interactive shell) still stops as planned on Ctrl-C.
+    previous = {s: signal.signal(s, _raise_keyboard_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    planned_stop = False
+    try:
+        if job.algo.name != "local":
+            cluster.start_lighthouse()
+            watch.start()
+        for group in range(job.cluster.groups):
+            cluster.start_group(group)
+        view = ProgressView([paths.metrics(g) for g in range(job.cluster.groups)], job.trainer.max_steps, out=out)
+        while not supervisor.done():
+            elapsed = time.monotonic() - start
+            # Planned faults go on through the job's closing rounds, until a group has left.
+            injector.fire_due(elapsed, new_faults=not supervisor.job_over)
+            supervisor.check(elapsed)
+            view.update(elapsed)
+            cluster.nap(POLL_INTERVAL_S)
+        view.update(time.monotonic() - start, final=True)
+    except JobFailed as failure:
+        cluster.stop()
+        summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
+        write_json_atomically(paths.summary, summary | {"ok": False, "failure": str(failure).splitlines()[0]})
+        raise
+    except KeyboardInterrupt:
+        planned_stop = True
+        _stop_planned(cluster, job.cluster.timeouts.stop, out)
+    finally:
+        watch.close()
+        cluster.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
+    if planned_stop and not summary["ok"]:  # (a stop asked for after every group had finished changes nothing)
+        summary |= interrupted_summary(paths, summary)
+        write_json_atomically(paths.summary, summary)
+        raise JobInterrupted(summary["failure"])
+    write_json_atomically(paths.summary, summary)
+    return summary
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """A planned stop (Ctrl-C, SIGTERM) ended the job; its summary and newest global model are written."""
+
+
+def _stop_planned(cluster: LocalCluster, timeout_s: float, out: TextIO) -> None:
+    say(f"stopping: each group stops after its current round (up to {timeout_s:g}s; Ctrl-C again: at once)", out)
+    try:
+        if not cluster.stop_planned(timeout_s):
+            say(f"stopping: some workers were still running after {timeout_s:g}s (cluster.timeouts.stop)", out)
+    except KeyboardInterrupt:
+        say("stopping at once", out)
+
+
+_CLAIMED: dict[Path, TextIO] = {}  # run directory -> its open lock file, while this process runs a job there
+
+
+@contextlib.contextmanager
+def run_dir_claimed(paths: RunPaths) -> Iterator[None]:
+    """Hold the run directory for one launcher: a second one started on the same hydra.run.dir
+    is refused at once (it would otherwise overwrite config.yaml and fight over the lighthouse
+    port until both failed), and one started after the job finds its outputs. Reentrant."""
+    if paths.root in _CLAIMED:
+        yield
+        return
+    paths.root.mkdir(parents=True, exist_ok=True)
+    with open(paths.launcher_lock, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise ConfigError(
+                f"hydra.run.dir={paths.root}: another launcher (pid {lock.read().strip() or '?'}) is running a "
+                "job there; pick a new hydra.run.dir"
+            ) from None
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        _CLAIMED[paths.root] = lock
+        try:
+            refuse_reused_run_dir(paths)
+            yield
+        finally:
+            del _CLAIMED[paths.root]
+
+
+def refuse_reused_run_dir(paths: RunPaths) -> None:
+    """A run directory holds one run: appending a second one's logs would mix and double-count both."""
+    if found := paths.outputs_present():
+        raise ConfigError(
+            f"hydra.run.dir={paths.root}: already holds a run ({', '.join(found)}); "
+            "pick a new hydra.run.dir (or remove the old run)"
+        )
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -1,0 +1,271 @@
+"""Keeps a local job alive: restarts dead groups and a dead lighthouse, fires planned faults, logs every event.
+
+A group that crashes is restarted after a backoff that doubles with each crash, up to a
+limit of crashes in a row without progress; a group killed on purpose by the fault plan is
+restarted without counting against it. With ``cluster.spares=K`` the supervisor keeps K warm
+spares (diloco.worker.spares): a group killed, or crashed after holding the job's state, is handed
+to a ready one at once, no backoff, and the pool is refilled in the background. Every return
+is a live recovery: the restarted group heals from a peer, never a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from diloco.exits import JOB_ENDED_EXIT_CODE
+from diloco.launch.lighthouse_watch import LighthouseWatch
+from diloco.launch.local_cluster import JobFailed, LocalCluster, crash_report
+from diloco.launch.recovery import RecoveryPlanner
+from diloco.train.logger import read_jsonl_tail
+
+log = logging.getLogger(__name__)
+
+LIGHTHOUSE_SETTLED_S = 60.0  # a lighthouse that served this long and then died was not crash-looping
+
+
+class EventLog:
+    """``events.jsonl``: one line per fault, crash and restart, with wall and elapsed time."""
+
+    def __init__(self, path: Path, start: float) -> None:
+        self.path = path
+        self.start = start
+
+    def write(self, kind: str, group: int | None = None, **extra: Any) -> None:
+        now = time.time()
+        record = {"time": now, "elapsed": now - self.start, "kind": kind, "group": group, **extra}
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        log.info("%s%s at %.1fs", kind, "" if group is None else f" group {group}", record["elapsed"])
+
+
+class StateHolders:
+    """Which processes have held the job's state (they committed a round or healed), from the commit logs."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self._offsets: dict[int, int] = {}
+        self._pids: set[int] = set()
+
+    def held_state(self, pid: int) -> bool:
+        self._refresh()
+        return pid in self._pids
+
+    def current(self) -> set[int]:
+        """The groups whose running processes hold the job's state now."""
+        self._refresh()
+        return {
+            g
+            for g, workers in self.cluster.groups.items()
+            if all(w.process.poll() is None for w in workers) and workers[0].process.pid in self._pids
+        }
+
+    def _refresh(self) -> None:
+        for group in range(self.cluster.job.cluster.groups):
+            path = self.cluster.paths.commits(group)
+            records, self._offsets[group] = read_jsonl_tail(path, self._offsets.get(group, 0))
+            self._pids.update(r["pid"] for r in records if r.get("committed") or r.get("healed"))
+
+
+class Supervisor:
+    """Restarts the dead groups and the dead lighthouse of a ``LocalCluster`` (limit and backoff from config).
+
+    ``max_restarts`` bounds crash loops: crashes in a row of a group whose processes never
+    held the job's state (never committed or healed), deaths in a row of a lighthouse soon
+    after its start; the backoff doubles with each.
+
+    Until the job's end a group that dies is restarted, even one killed just before the
+    end: the groups that finished wait for it and hand it their final state (DESIGN
+    invariant 7). A group exits 0 only once the lighthouse has declared the end, and one
+    restarted too late exits ``JOB_ENDED_EXIT_CODE``; from either on nothing is restarted,
+    and groups still running ``end_grace_s`` later were left behind and are stopped. The
+    lighthouse is restarted at once on the same address.
+    """
+
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        events: EventLog,
+        *,
+        max_restarts: int,
+        backoff_s: float,
+        end_grace_s: float,
+        spares: int = 0,
+        lighthouse_watch: LighthouseWatch | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.events = events
+        self.lighthouse_watch = lighthouse_watch
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.end_grace_s = end_grace_s
+        self.spares = spares
+        self.spare_crashes = 0  # spares that died in a row before one took a group over
+        self.over_since: float | None = None
+        self.crashes: dict[int, int] = {}
+        self.lighthouse_crashes = 0  # unplanned deaths in a row, each soon after its start
+        self.lighthouse_started_at = 0.0
+        self.holders = StateHolders(cluster)
+        self.restart_at: dict[int, float] = {}
+        self.planner = RecoveryPlanner(cluster.job, cluster.paths, cluster.signature)
+        self.finished_groups: set[int] = set()
+        self.end_seen = False  # the lighthouse exited 0, or refused a group because the job had ended
+
+    def check(self, now: float) -> None:
+        """Notice a dead lighthouse, dead and finished groups; restart groups whose backoff has passed."""
+        if not self.job_over and self.cluster.replace_dead_fork_server():
+            self.events.write("forkserver_restart")
+        self._check_lighthouse(now)
+        self._keep_spares()
+        for group in range(self.cluster.job.cluster.groups):
+            workers = self.cluster.groups.get(group)
+            if workers is None:
+                if group not in self.restart_at:
+                    self._schedule_restart(group, now, crashes=0)  # killed on purpose
+            elif all(w.process.poll() == 0 for w in workers):
+                self.finished_groups.add(group)
+            elif any(w.process.poll() == JOB_ENDED_EXIT_CODE for w in workers):
+                self._too_late(group)
+            elif any(w.process.poll() not in (None, 0) for w in workers):
+                self._crashed(group, now)
+        if self.job_over:
+            self.restart_at.clear()  # the job has ended: a restarted group could not take part any more
+            self.over_since = self.over_since if self.over_since is not None else now
+            if now - self.over_since > self.end_grace_s:
+                self._stop_at_end(self._running())
+        for group, at in sorted(self.restart_at.items()):
+            if now >= at:
+                del self.restart_at[group]
+                self._restart(group)
+
+    def _restart(self, group: int) -> None:
+        """A warm spare that is ready takes the group over; else fresh workers start."""
+        spare = self.cluster.take_spare(group) if self.spares else None
+        if spare is None:
+            self.cluster.start_group(group)
+            self.events.write("restart", group)
+            return
+        self.spare_crashes = 0
+        self.events.write("restart", group, spare=spare)
+        self._keep_spares()  # refill the pool now: the next failure may come before the next check
+
+    def _restart_delay(self, crashes: int) -> float:
+        """No wait for a group that failed after holding the job's state when spares are kept
+        (replacing it at once is their point); else the backoff, doubling per crash in a row."""
+        if self.spares and crashes <= 1:
+            return 0.0
+        return self.backoff_s * 2 ** max(crashes - 1, 0)
+
+    def _keep_spares(self) -> None:
+        """Replace dead spares and refill the pool to ``spares``; none once the job is over.
+
+        A spare never exits on its own, so one that did crashed (its log says why); more
+        than ``max_restarts`` of them in a row fails the job, as a crash-looping group does.
+        """
+        for spare in self.cluster.remove_dead_spares():
+            self.spare_crashes += 1
+            failed = next(w for w in spare.workers if w.process.poll() is not None)
+            self.events.write("spare_crash", spare=spare.index, rank=failed.rank, code=failed.process.returncode)
+            if self.spare_crashes > self.max_restarts:
+                raise JobFailed(
+                    f"warm spares failed {self.spare_crashes} times in a row "
+                    f"(cluster.max_restarts={self.max_restarts}); "
+                    f"{crash_report(failed.log_path)}"
+                )
+        if self.job_over:
+            self.cluster.stop_spares()
+            return
+        while len(self.cluster.spares) < self.spares:
+            self.cluster.start_spare()
+
+    @property
+    def job_over(self) -> bool:
+        """The job has ended (a group finished, or the lighthouse said so): nothing is restarted any more."""
+        return bool(self.finished_groups) or self.end_seen
+
+    def done(self) -> bool:
+        """Every group finished, or the job ended while some were down."""
+        return self.job_over and not self._running() and not self.restart_at
+
+    def _check_lighthouse(self, now: float) -> None:
+        """A lighthouse that died unplanned is restarted at once (it exits 0 only after the job's
+        end); one that hung (silent on /status past ``cluster.timeouts.lighthouse``) is killed first.
+
+        Only deaths in a row within ``LIGHTHOUSE_SETTLED_S`` of a start count toward
+        ``max_restarts`` (a crash loop); one that served for longer was killed, not broken.
+        """
+        lighthouse = self.cluster.lighthouse
+        if lighthouse is None:
+            return  # a planned outage
+        if lighthouse.poll() is None:
+            silent_s = self.lighthouse_watch.hung_for(lighthouse.pid) if self.lighthouse_watch else None
+            if silent_s is None:
+                return  # running
+            self.events.write("lighthouse_hung", silent_s=round(silent_s, 1))
+            lighthouse.kill()
+            lighthouse.wait()
+        if lighthouse.poll() == 0:
+            self.end_seen = True  # it exits 0 only once the job's end has been served
+            return
+        if now - self.lighthouse_started_at >= LIGHTHOUSE_SETTLED_S:
+            self.lighthouse_crashes = 0
+        self.lighthouse_crashes += 1
+        self.events.write("lighthouse_crash", code=lighthouse.returncode)
+        log_path = self.cluster.paths.logs / "lighthouse.log"
+        if self.lighthouse_crashes > self.max_restarts:
+            raise JobFailed(
+                f"the lighthouse failed {self.lighthouse_crashes} times (cluster.max_restarts={self.max_restarts}); "
+                f"{crash_report(log_path)}"
+            )
+        self.cluster.start_lighthouse()
+        self.lighthouse_started_at = now
+        self.events.write("lighthouse_restart")
+
+    def _running(self) -> list[int]:
+        return [g for g, ws in self.cluster.groups.items() if any(w.process.poll() is None for w in ws)]
+
+    def _stop_at_end(self, groups: list[int]) -> None:
+        for group in groups:
+            self.cluster.signal_group(group, signal.SIGCONT)
+            self.cluster.signal_group(group, signal.SIGKILL)
+            self.events.write("stopped_at_end", group)
+
+    def _too_late(self, group: int) -> None:
+        """A restarted group came back after the job's end and was refused: left behind, not crashed."""
+        self.cluster.signal_group(group, signal.SIGKILL)
+        self.end_seen = True
+        self.events.write("left_behind", group, reason="the job had ended")
+
+    def _crashed(self, group: int, now: float) -> None:
+        workers = self.cluster.groups[group]
+        failed = next(w for w in workers if w.process.poll() not in (None, 0))
+        leader_pid = next(w.process.pid for w in workers if w.rank == 0)
+        self.cluster.signal_group(group, signal.SIGKILL)  # a group missing a worker cannot go on
+        if self.job_over:  # after the end: it was left behind (refused), there is nothing to restart
+            self.events.write("left_behind", group, rank=failed.rank, code=failed.process.returncode)
+            return
+        # Crashes in a row without progress count: a process that held the job's state ran fine until killed.
+        self.crashes[group] = 1 if self.holders.held_state(leader_pid) else self.crashes.get(group, 0) + 1
+        self.events.write("crash", group, rank=failed.rank, code=failed.process.returncode)
+        if self.crashes[group] > self.max_restarts:
+            raise JobFailed(
+                f"group {group} failed {self.crashes[group]} times (cluster.max_restarts={self.max_restarts}); "
+                f"{crash_report(failed.log_path)}"
+            )
+        self._schedule_restart(group, now, self.crashes[group])
+
+    def _schedule_restart(self, group: int, now: float, crashes: int) -> None:
+        """Restart ``group`` after its delay; meanwhile the survivors wait for it or go on (diloco.launch.recovery)."""
+        if self.job_over:
+            return  # nothing is restarted any more
+        delay = self._restart_delay(crashes)
+        self.restart_at[group] = now + delay
+        spare = bool(self.spares and self.cluster.spares) and delay == 0
+        alive = [g for g in self._running() if g != group]
+        self.events.write(
+            "recovery", group, **self.planner.plan(group, time.time(), spare=spare, delay_s=delay, alive=alive)
+        )

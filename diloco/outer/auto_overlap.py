@@ -1,0 +1,86 @@
+"""``algo.auto`` on one worker: measure, share the measurements through each round, re-plan.
+
+Every group must use the same τ and payload format in a round, or their all-reduces would
+not match. So the plan is part of the job's state, like θ_g: each round's all-reduce also
+sums what every group measured (its inner step time and its link's seconds per byte, from
+the round before), every group that commits the round gets the same sums and so computes
+the same plan (``overlap_plan.choose_overlap``) for the rounds after it, and a group that
+heals or resumes takes the plan with the state (``HealState.extra``, in the digest too).
+Within a group, the leader's lane decides and its ranks follow (they must agree on τ too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from diloco.config.algo import AlgoConfig
+from diloco.outer.overlap_plan import OverlapPlan, choose_overlap
+from diloco.outer.quantize import FORMATS
+
+N_MEASUREMENTS = 3  # what each group adds to a round's sum: [known, inner step s, link s per byte]
+
+
+class AutoOverlap:
+    """The current plan (a tensor of the job's state) and this worker's measurements."""
+
+    def __init__(self, algo: AlgoConfig, fragment_numel: int) -> None:
+        self.plan = torch.tensor([algo.delay, FORMATS.index(algo.quantize)], dtype=torch.int64)
+        self.window_steps = algo.sync_every // algo.fragments
+        self.fragment_numel = fragment_numel  # the largest fragment of this worker's shard
+        self._step_times: list[float] = []
+        self._step_began: float | None = None
+        self._seconds_per_byte: float | None = None
+
+    def step_begins(self) -> None:
+        self._step_began = time.perf_counter()
+
+    def step_ends(self) -> None:
+        """An inner step ended; the time since ``step_begins`` was compute, not sync."""
+        if self._step_began is not None:
+            self._step_times.append(time.perf_counter() - self._step_began)
+            self._step_began = None
+
+    def transferred(self, seconds: float, nbytes: int) -> None:
+        """A round's all-reduce sent ``nbytes`` from this worker in ``seconds``."""
+        if nbytes > 0 and seconds > 0:
+            self._seconds_per_byte = seconds / nbytes
+
+    def measurements(self) -> torch.Tensor:
+        """What this worker adds to the next round's sum (zeros until it has measured both); resets the step times."""
+        steps, self._step_times = self._step_times, []
+        if not steps or self._seconds_per_byte is None:
+            return torch.zeros(N_MEASUREMENTS)
+        return torch.tensor([1.0, sum(steps) / len(steps), self._seconds_per_byte])
+
+    def decide(self, summed: torch.Tensor | None, groups: int) -> OverlapPlan | None:
+        """The plan from a round's summed measurements; None if no group had measured yet."""
+        if summed is None or float(summed[0]) <= 0:
+            return None
+        known = float(summed[0])
+        return choose_overlap(
+            fragment_numel=self.fragment_numel,
+            groups=groups,
+            window_steps=self.window_steps,
+            step_s=float(summed[1]) / known,
+            seconds_per_byte=float(summed[2]) / known,
+            current=(int(self.plan[0]), FORMATS[int(self.plan[1])]),
+        )
+
+    def encode(self, plan: OverlapPlan | None) -> list[int]:
+        """The plan as the leader shares it with its group: [τ, format index] (the current one if None)."""
+        if plan is None:
+            return [int(v) for v in self.plan]
+        return [plan.delay, FORMATS.index(plan.quantize)]
+
+    def adopt(self, encoded: list[int]) -> None:
+        self.plan.copy_(torch.tensor(encoded, dtype=torch.int64))
+
+    def algo_for(self, algo: AlgoConfig) -> AlgoConfig:
+        """``algo`` with the plan's τ and format (a plan out of range, from a peer or a file, is refused)."""
+        delay, fmt = (int(v) for v in self.plan)
+        if not (0 <= delay < self.window_steps and 0 <= fmt < len(FORMATS)):
+            raise ValueError(f"algo.auto plan [delay={delay}, format={fmt}] out of range for H/P={self.window_steps}")
+        return dataclasses.replace(algo, delay=delay, quantize=FORMATS[fmt])

@@ -1,0 +1,398 @@
+"""The outer loop of DiLoCo and Streaming DiLoCo on top of the fault-tolerant layer.
+
+Each worker keeps, for its own FSDP shard, the global parameters θ_g in fp32 on the CPU and
+one outer optimizer per fragment. Fragment p's round: after inner step s − τ the
+pseudo-gradient Δ_p = θ_g,p − θ_l,p is all-reduced over the lane (launch); after step s the
+average over contributing groups is the outer gradient, the group commits only if every
+rank succeeded, and θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p (apply). A failed round resets
+θ_l,p ← θ_g,p and leaves θ_g and the committed count as they were (DESIGN invariant 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from diloco.config.algo import AlgoConfig
+from diloco.ft.lanes import LaneError
+from diloco.ft.manager import Round, wait_work
+from diloco.outer.auto_overlap import N_MEASUREMENTS, AutoOverlap
+from diloco.outer.fragments import fragments_to_apply, fragments_to_launch, skip_target
+from diloco.outer.reduce import launch_reduce
+from diloco.outer.synchronizer import Synchronizer
+from diloco.train.sync_hooks import OuterOutcome
+from outer_opt import MomentumWarmup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Fragment:
+    """One fragment's slice of this worker's shard: θ_l views, θ_g copies, its outer optimizer."""
+
+    index: int
+    local: list[torch.Tensor]
+    global_: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    momentum_warmup: MomentumWarmup | None = None  # None: the optimizer's own constant momentum
+    tokens_since_sync: int = 0
+
+
+@dataclass
+class Flight:
+    """One round between its launch (inner step ``launch_step``) and its apply (τ steps later).
+
+    Filled in by the round's background thread; read by the training thread only once that
+    thread is done. ``averages`` stays None while the reduce has not run: the round found no
+    quorum, or it involves this group in a healing transfer, which waits for the apply step.
+    """
+
+    launch_step: int
+    fragments: list[Fragment]
+    deltas: list[torch.Tensor]
+    weights: list[float]
+    round: Round | None = None
+    averages: list[torch.Tensor | None] | None = None
+    bytes_sent: list[int] = field(default_factory=list)
+    held_ms: float = 0.0  # time the training thread spent on this round
+    done: Future | None = None
+    measured: torch.Tensor | None = None  # algo.auto: this group's measurements, sent with the first fragment
+    shared: torch.Tensor | None = None  # algo.auto: every group's measurements, summed over the lane
+
+
+class OuterSync(Synchronizer):
+    """Launches rounds at the steps the schedule names and applies them τ steps later.
+
+    With τ > 0 a launch only snapshots Δ on the training thread; the quorum, the non-finite
+    check, the quantization and the all-reduce run on a background thread while the next τ
+    inner steps train, so overlap hides the wait for the other groups as well as the
+    transfer. A round that makes this group send or receive state is finished on the
+    training thread at the apply step, where the state is consistent (a healing peer waits
+    up to τ steps for it).
+    """
+
+    def __init__(
+        self, *, algo: AlgoConfig, fragments: list[Fragment], auto: AutoOverlap | None = None, **common: Any
+    ) -> None:
+        """``auto``: algo.auto's plan and measurements (its plan tensor is in ``heal_state.extra``)."""
+        super().__init__(**common)
+        self.algo = algo
+        self.fragments = fragments
+        self.auto = auto
+        self._flight: Flight | None = None
+
+    def join(self) -> OuterOutcome:
+        """A starting group's first round: take the live state from a peer if the job is ahead."""
+        outcome = OuterOutcome()
+        started = time.perf_counter()
+        self._round_starts()
+        flight = Flight(launch_step=0, fragments=[], deltas=[], weights=[], round=self.manager.start_round(0))
+        flight.held_ms = 1000 * (time.perf_counter() - started)
+        self._land(flight, 0, outcome)
+        return outcome
+
+    def after_inner_step(self, step: int, tokens: int) -> OuterOutcome:
+        """After inner step ``step``: launch the due fragments' round, then apply the round due now."""
+        self.tokens += tokens
+        for f in self.fragments:
+            f.tokens_since_sync += tokens
+        if self.auto is not None:
+            self.auto.step_ends()
+        outcome = OuterOutcome()
+        if self.algo.window == "time" and self._flight is None:
+            step = self._end_window_early(step, outcome)
+        due = self._schedule(fragments_to_launch, step)
+        if due:
+            self._launch(step, due)
+        flight = self._flight
+        if flight is not None and self._schedule(fragments_to_apply, step):  # the flight launched τ steps ago
+            self._flight = None
+            self._land(flight, step, outcome)
+        if self.auto is not None:
+            self.auto.step_begins()
+        return outcome
+
+    def _end_window_early(self, step: int, outcome: OuterOutcome) -> int:
+        """Time-bounded windows: if the peers opened this group's next round and it is more than
+        a step away, skip to it (the inner steps not taken are not made up: this group counts
+        by the tokens it trained, and its lr schedule and data position follow the round's step)."""
+        algo = self.algo
+        target = skip_target(step, self.manager.open_round_step(), algo.sync_every, algo.fragments, algo.delay)
+        if target != step:
+            log.debug(
+                "group %s: round open at inner step %d; ending the window at %d", self.manager.group, target, step
+            )
+            outcome.jump_to_step = target
+        return target
+
+    def between_rounds(self, step: int) -> bool:
+        """After a fragment's apply step nothing is in flight (τ < H/P): the next launch is later."""
+        return self._flight is None and bool(self._schedule(fragments_to_apply, step))
+
+    def progress_state(self) -> dict[str, Any]:
+        return super().progress_state() | {"tokens_since_sync": [f.tokens_since_sync for f in self.fragments]}
+
+    def load_progress_state(self, state: dict[str, Any]) -> None:
+        super().load_progress_state(state)
+        for fragment, tokens in zip(self.fragments, state["tokens_since_sync"], strict=True):
+            fragment.tokens_since_sync = int(tokens)
+        self._follow_plan()  # the checkpoint's tensors (loaded first) hold the plan
+
+    def load_global_into_local(self) -> None:
+        """θ_l ← θ_g everywhere: the model to evaluate and save at the end is the global one."""
+        for f in self.fragments:
+            self._reset_local(f)
+
+    def _after_heal(self) -> None:
+        self.load_global_into_local()
+        for f in self.fragments:
+            f.tokens_since_sync = 0
+        self._follow_plan()
+
+    def _follow_plan(self) -> None:
+        """algo.auto: run on the plan held in the state (a peer's after a heal, a checkpoint's after a resume)."""
+        if self.auto is not None:
+            self.algo = self.auto.algo_for(self.algo)
+
+    def _replan(self, flight: Flight, groups: int) -> None:
+        """algo.auto, after a committed round: the plan from every group's summed measurements.
+
+        The leader decides from its lane's sums (the same in every group) and its group follows.
+        """
+        before = self.algo
+        decided = self.auto.decide(flight.shared, groups) if self.manager.client is not None else None
+        self.auto.adopt(self.manager.from_leader(self.auto.encode(decided)))
+        self._follow_plan()
+        if (self.algo.delay, self.algo.quantize) != (before.delay, before.quantize):
+            why = "" if decided is None else f": transfer {decided.transfer_s:.3f}s, hidden {decided.hidden_s:.3f}s"
+            log.info(
+                "group %s: algo.auto now delay=%d quantize=%s (was %d, %s)%s",
+                self.manager.group,
+                self.algo.delay,
+                self.algo.quantize,
+                before.delay,
+                before.quantize,
+                why,
+            )
+
+    def _record_fields(self) -> dict[str, Any]:
+        if self.auto is None:
+            return {}
+        return {"delay": self.algo.delay, "quantize": self.algo.quantize}
+
+    def _schedule(self, rule: Callable[[int, int, int, int], list[int]], step: int) -> list[int]:
+        return rule(step, self.algo.sync_every, self.algo.fragments, self.algo.delay)
+
+    def _launch(self, step: int, due: list[int]) -> None:
+        """Snapshot Δ_p = θ_g,p − θ_l,p of the due fragments and start their round in the background."""
+        started = time.perf_counter()
+        self._round_starts()
+        fragments = [self.fragments[p] for p in due]
+        with torch.no_grad():
+            deltas = [
+                torch.cat([(g - local.float().cpu()).flatten() for g, local in zip(f.global_, f.local)])
+                for f in fragments
+            ]
+        weights = [float(f.tokens_since_sync) if self.algo.weighting == "tokens" else 1.0 for f in fragments]
+        flight = Flight(launch_step=step, fragments=fragments, deltas=deltas, weights=weights)
+        if self.auto is not None:
+            flight.measured = self.auto.measurements()
+        if self.algo.delay > 0:
+            flight.done = run_in_background(lambda: self._quorum_and_reduce(flight), f"outer-round-{step}")
+        else:  # applied right away: nothing to overlap, so no thread
+            self._quorum_and_reduce(flight)
+        flight.held_ms = 1000 * (time.perf_counter() - started)
+        self._flight = flight
+
+    def _quorum_and_reduce(self, flight: Flight) -> None:
+        """The part of a round that overlaps inner steps: the quorum, then the reduce.
+
+        No reduce when a healing transfer involves this group, or in a closing round.
+        """
+        flight.round = round_ = self.manager.start_round(flight.launch_step)
+        if round_ is None or round_.quorum.closing or round_.heal_source is not None or round_.heal_targets:
+            return
+        self._reduce(flight)
+
+    def _reduce(self, flight: Flight) -> None:
+        """All-reduce every fragment's weighted Δ over the lane and average; None where it failed.
+
+        A Δ that is not finite on some rank of the group goes out as zeros with weight 0:
+        the others' average is untouched, and this group does not commit (DESIGN invariant 4).
+        """
+        round_ = flight.round
+        local_ok, pending = [], []
+        started = time.perf_counter()
+        for i, (delta, weight) in enumerate(zip(flight.deltas, flight.weights)):
+            finite = weight == 0.0 or self._all_finite(delta)
+            if not finite:
+                delta.zero_()
+            # Not guarded: Gloo reports a broken lane when the collective is waited on (a
+            # failed round); an error here is a bug, and it stops the worker with its traceback.
+            pending.append(
+                launch_reduce(
+                    round_.lane,
+                    delta,
+                    weight if finite else 0.0,
+                    self.algo.quantize,
+                    round_.size,
+                    extras=self._measurements_to_send(flight) if i == 0 else None,
+                    bucket=self.bucket,
+                )
+            )
+            local_ok.append(finite)
+        if self._injects("break_lane"):
+            self.manager.abandon_round()  # mid all-reduce: this round fails everywhere
+        flight.averages = []
+        for ok, reduce in zip(local_ok, pending):
+            average = None
+            try:
+                average = reduce.result(lambda work: wait_work(work, self.collective_timeout_s))
+            except LaneError as error:
+                log.warning("group %s: round %s failed: %s", self.manager.group, round_.quorum.quorum_id, error)
+            flight.averages.append(average if ok else None)
+            flight.bytes_sent.append(reduce.bytes_sent)
+        if self.auto is not None and pending:
+            flight.shared = pending[0].extras
+            if all(a is not None for a in flight.averages):
+                self.auto.transferred(time.perf_counter() - started, sum(flight.bytes_sent))
+
+    def _measurements_to_send(self, flight: Flight) -> torch.Tensor | None:
+        """algo.auto: every member adds the same number of values to the sum (zeros: nothing measured)."""
+        if self.auto is None:
+            return None
+        return flight.measured if flight.measured is not None else torch.zeros(N_MEASUREMENTS)
+
+    def _land(self, flight: Flight, step: int, outcome: OuterOutcome) -> None:
+        """At the apply step, on the training thread: wait for the round, heal or serve if asked, commit."""
+        started = time.perf_counter()
+        if flight.done is not None:
+            self._wait_background(flight)
+        round_ = flight.round
+        if round_ is None:  # no quorum: these fragments skip this window; θ_l trains on
+            outcome.metrics.update(self._no_quorum_metrics())
+            return
+        if round_.quorum.closing:
+            self._take_final_state(flight, step, outcome, started)
+            return
+        if flight.averages is None:  # a healing transfer involves us: do it now, then reduce
+            ok, healed = self._heal_and_serve(round_, step, flight.launch_step)
+            if healed is not None:
+                step = outcome.jump_to_step = healed.inner_step
+                flight = self._joining_flight(round_, healed.round_step)
+            if not flight.fragments:  # a join round moves no tensors and commits no new state
+                self.manager.settle(ok)
+                sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
+                outcome.metrics.update(self._record(round_, False, step, sync_ms, join=True))
+                return
+            if ok:
+                self._reduce(flight)
+            else:  # the lane was dropped: this round fails here, and at the peers' all-reduce
+                flight.averages = [None] * len(flight.fragments)
+                flight.bytes_sent = [0] * len(flight.fragments)
+        applied = [self._apply(flight, i, step, started) for i in range(len(flight.fragments))]
+        for metrics in applied:
+            outcome.metrics.update(metrics)
+        if self.auto is not None and all(m["outer/committed"] for m in applied):
+            self._replan(flight, round_.size)
+
+    def _take_final_state(self, flight: Flight, step: int, outcome: OuterOutcome, started: float) -> None:
+        """Groups that finished hand this group the job's final state; it takes it and stops training.
+
+        A closing round commits nothing: the state it moves is already the job's last
+        committed one. If the transfer failed, this round's fragments start over from θ_g.
+        """
+        _, healed = self._heal_and_serve(flight.round, step, flight.launch_step)
+        if healed is not None:
+            step = outcome.jump_to_step = healed.inner_step
+        else:
+            for fragment in flight.fragments:
+                self._reset_local(fragment)
+        sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
+        outcome.metrics.update(self._record(flight.round, False, step, sync_ms))
+
+    def _joining_flight(self, round_: Round, round_step: int) -> Flight:
+        """After healing: the peers' round, which this group joins with zeros and weight 0 (DESIGN invariant 3)."""
+        due = self._schedule(fragments_to_launch, round_step) if round_step > 0 else []
+        fragments = [self.fragments[p] for p in due]
+        deltas = [torch.zeros(sum(g.numel() for g in f.global_)) for f in fragments]
+        return Flight(
+            launch_step=round_step, fragments=fragments, deltas=deltas, weights=[0.0] * len(due), round=round_
+        )
+
+    def _wait_background(self, flight: Flight) -> None:
+        """Wait for the round's background part; every wait in it has its own timeout, this is a backstop."""
+        timeout_s = self.manager.start_round_timeout_s + 4 * self.collective_timeout_s
+        try:
+            flight.done.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise RuntimeError(
+                f"group {self.manager.group}: the outer round launched at inner step {flight.launch_step} "
+                f"is still running after {timeout_s:.0f}s (timeouts.quorum, connect and collective bound its waits)"
+            ) from None
+
+    def _apply(self, flight: Flight, i: int, step: int, started: float) -> dict[str, float]:
+        """Commit the flight's i-th fragment iff every rank has its average: then the outer step, else reset θ_l."""
+        fragment, average = flight.fragments[i], flight.averages[i]
+        self.attempted += 1
+        if average is not None and self._injects("fail_round"):
+            average = None
+        committed = self.manager.commit(flight.round, average is not None)
+        tokens = 0.0
+        if committed:
+            self._outer_step(fragment, average, flight.launch_step, flight.round.size)
+            self.bytes_sent += flight.bytes_sent[i]
+            if flight.weights[i] > 0:  # each fragment carries 1/P of the window's inner work
+                tokens = fragment.tokens_since_sync / self.algo.fragments
+        else:
+            self._reset_local(fragment)
+        fragment.tokens_since_sync = 0
+        sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
+        return self._record(flight.round, committed, step, sync_ms, tokens)
+
+    @torch.no_grad()
+    def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int, groups: int) -> None:
+        """θ_g,p ← OuterOpt(θ_g,p, Δ̄_p); then θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p, α = ``algo.mixing_alpha``."""
+        if fragment.momentum_warmup is not None:
+            fragment.momentum_warmup.apply(launch_step)
+        offset = 0
+        for g in fragment.global_:
+            g.grad = average[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+        fragment.optimizer.step()
+        fragment.optimizer.zero_grad(set_to_none=True)
+        self._state_changed(fragment.index)
+        alpha = self.algo.mixing_alpha(launch_step, groups)
+        for g, local in zip(fragment.global_, fragment.local):
+            new_global = g.to(local.device, non_blocking=True).to(local.dtype)
+            local.copy_(alpha * local + (1 - alpha) * new_global if alpha > 0 else new_global)
+
+    @torch.no_grad()
+    def _reset_local(self, fragment: Fragment) -> None:
+        for g, local in zip(fragment.global_, fragment.local):
+            local.copy_(g.to(local.device).to(local.dtype))
+
+
+def run_in_background(work: Callable[[], None], name: str) -> Future:
+    """Run ``work`` on a daemon thread; the future carries its exception, if any, to the waiter."""
+    done: Future = Future()
+
+    def target() -> None:
+        try:
+            work()
+        except BaseException as error:  # noqa: BLE001 - handed to the training thread, which re-raises
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return done

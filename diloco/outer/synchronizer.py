@@ -1,0 +1,315 @@
+"""What every synchronizer shares: rounds through the manager, healing, commit records, digests.
+
+``OuterSync`` (DiLoCo, Streaming DiLoCo) and ``GradientSync`` (the data-parallel baseline)
+differ only in what they all-reduce and when; the trainer talks to either through the
+hooks defined here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from diloco.byte_view import as_bytes_tensor, byte_view
+from diloco.ft.fault_requests import FaultHook
+from diloco.ft.manager import Manager, MembershipError, Round
+from diloco.ft.quorum import JobEnd
+from diloco.ft.state import HealState, Position
+from diloco.outer.bandwidth import TokenBucket
+from diloco.train.sync_hooks import OuterOutcome
+
+log = logging.getLogger(__name__)
+
+NO_QUORUM_PAUSE_S = 0.2  # between a finished group's asks while the lighthouse is unreachable
+# What a checkpoint keeps of a synchronizer besides its tensors, so a resumed job's report goes on counting.
+_COUNTERS = ("attempted", "committed_here", "bytes_sent", "tokens", "tokens_committed", "recoveries")
+
+
+class Synchronizer:
+    """Bookkeeping and healing shared by the synchronizers; subclasses add the all-reduce.
+
+    ``faults`` is composed in only when the job injects faults into workers (see ``FaultHook``);
+    without it a round costs no fault bookkeeping at all. ``bucket`` limits the bandwidth of
+    the outer all-reduces (``cluster.lane_bandwidth_mbps``).
+    """
+
+    def __init__(
+        self,
+        *,
+        manager: Manager,
+        heal_state: HealState,
+        collective_timeout_s: float,
+        end_wait_s: float,
+        commit_log: Callable[[dict], None],
+        faults: FaultHook | None = None,
+        bucket: TokenBucket | None = None,
+    ) -> None:
+        self.manager = manager
+        self.bucket = bucket  # cluster.lane_bandwidth_mbps: paces this worker's outer traffic
+        self.faults = faults
+        self.heal_state = heal_state
+        self.collective_timeout_s = collective_timeout_s
+        self.end_wait_s = end_wait_s
+        self.commit_log = commit_log
+        self.end: JobEnd | None = None  # set once the lighthouse declares the job's end
+        self.attempted = 0
+        self.committed_here = 0
+        self.bytes_sent = 0
+        self.tokens = 0
+        self.tokens_committed = 0.0  # tokens whose inner steps reached a committed global model
+        self.recoveries = 0
+        self.nonfinite_updates = 0  # left out by the guard: when every one was, the reason a group never committed
+        self.diverged_updates = 0  # non-finite in a row (planned NaNs aside); > 0 in every group at the end: diverged
+        self.round_asked_at = 0.0  # wall time this group last started a round (asked for a quorum)
+        self._recoveries_recorded = 0
+        self._fragment_digests: dict[int, bytes] = {}
+
+    def start(self) -> None:
+        """Join the job: the leader reaches the lighthouse and heartbeats from now on."""
+        self.manager.start()
+
+    def close(self) -> None:
+        """Leave the job: stop heartbeating and abort the lane (also after a failure)."""
+        self.manager.stop()
+
+    def join(self) -> OuterOutcome:
+        """A starting group's first round: take the live state from a peer if the job is ahead."""
+        return OuterOutcome()
+
+    def before_optimizer_step(self, step: int) -> OuterOutcome:
+        """Between backward and the inner optimizer step of inner step ``step``."""
+        return OuterOutcome()
+
+    def after_inner_step(self, step: int, tokens: int) -> OuterOutcome:
+        """After inner step ``step`` consumed ``tokens``."""
+        return OuterOutcome()
+
+    def observe(self, step: int, metrics: dict[str, float]) -> None:
+        """The trainer's latest numbers, for the lighthouse's status page (sent with heartbeats)."""
+        loss, rate = (metrics.get(k) for k in ("train/loss", "train/tokens_per_s"))
+        self.manager.note_progress(
+            inner_step=step,
+            train_loss=loss if loss is not None and math.isfinite(loss) else None,  # a diverged group sends none
+            tokens_per_s=rate if rate is not None and math.isfinite(rate) else None,
+        )
+
+    def between_rounds(self, step: int) -> bool:
+        """Whether no round is in flight after inner step ``step`` and one just ended there:
+        where a planned stop or a checkpoint leaves every group at the same round."""
+        return True
+
+    def progress_state(self) -> dict[str, Any]:
+        """The committed round and the counters, JSON-friendly, for a checkpoint."""
+        return {"committed": self.manager.committed} | {name: getattr(self, name) for name in _COUNTERS}
+
+    def load_progress_state(self, state: dict[str, Any]) -> None:
+        self.manager.adopt(int(state["committed"]))
+        for name in _COUNTERS:
+            setattr(self, name, type(getattr(self, name))(state[name]))
+        self._recoveries_recorded = self.recoveries
+        self._state_changed()
+
+    def load_global_into_local(self) -> None:
+        """Make the model hold the job's result (θ_g for DiLoCo) before the final eval and save."""
+
+    def finish(self, step: int) -> JobEnd:
+        """After the last inner step ``step``: stay in the job until it ends (DESIGN invariant 7).
+
+        Finished is not lost: the group stays a quorum member and heal source, handing its
+        final state to groups behind it (a straggler, a restarted group) and taking it if it
+        is behind itself, in closing rounds that commit nothing, until the lighthouse
+        declares the end. Raises ``MembershipError`` when the end is not confirmed within
+        ``end_wait_s`` (the lighthouse gone for good): this group cannot know its state is the job's.
+        """
+        self.manager.finish()
+        deadline = time.monotonic() + self.end_wait_s
+        while True:
+            self.round_asked_at = time.time()
+            answer = self.manager.closing_round(step, self.group_digest())
+            if isinstance(answer, JobEnd):
+                self.end = answer
+                return answer
+            if answer is not None:
+                started = time.perf_counter()
+                self._heal_and_serve(answer, step, step)
+                self._record(answer, False, step, 1000 * (time.perf_counter() - started))
+            elif not self.manager.all_ranks(time.monotonic() < deadline):  # every rank gives up together
+                raise MembershipError(
+                    f"group {self.manager.group} finished training but the lighthouse did not confirm the job's end "
+                    f"within {self.end_wait_s:g}s (cluster.timeouts.end + quorum): its state may not be the job's"
+                )
+            else:
+                time.sleep(NO_QUORUM_PAUSE_S)
+
+    def _after_heal(self) -> None:
+        """Called once a peer's state has been applied."""
+
+    def _round_starts(self) -> None:
+        """Note when the round starts; pick up the faults requested for this group since the last
+        round (with a fault hook only)."""
+        self.round_asked_at = time.time()
+        if self.faults is not None:
+            self.faults.poll()
+
+    def _injects(self, fault: str) -> bool:
+        """Whether this round injects ``fault`` (see ``FaultHook``)."""
+        return self.faults is not None and self.faults.take(fault)
+
+    def _all_finite(self, update: torch.Tensor) -> bool:
+        """Non-finite guard: true only if this update is finite on every rank of the group.
+
+        A group whose update holds NaN or Inf contributes nothing (the others' average is
+        untouched), does not commit, and heals from a peer at the next round.
+        """
+        injected = self._injects("nan")
+        if injected:
+            update[: min(1, update.numel())] = float("nan")
+        finite = self.manager.all_ranks(bool(torch.isfinite(update).all()))
+        if not finite:
+            self.nonfinite_updates += 1
+            log.warning("group %s: non-finite update left out of this round", self.manager.group)
+        if finite or not injected:  # a planned NaN says nothing about whether training diverged
+            self.diverged_updates = 0 if finite else self.diverged_updates + 1
+        return finite
+
+    def _heal_and_serve(self, round_: Round, step: int, round_step: int) -> tuple[bool, Position | None]:
+        """Serve groups healing from us; receive a peer's state if we are behind.
+
+        ``step`` is our inner step now, ``round_step`` the one the round was launched at.
+        Returns (ok, where the sender stood if we healed: jump to its inner step). The
+        received state is staged and applied only if every rank of the group got its part,
+        so a failed transfer leaves the live state untouched; the group heals again next
+        quorum. A failed transfer may leave messages queued on the lane, so the lane is
+        dropped and this round is given up (the next quorum gets a new id and fresh lanes).
+        """
+        position = Position(committed=self.manager.committed, inner_step=step, round_step=round_step)
+        sent = all(
+            self.heal_state.send(round_.lane, t, position, self.collective_timeout_s) for t in round_.heal_targets
+        )
+        source = round_.heal_source
+        staged = None
+        if source is not None:
+            staged = self.heal_state.receive(round_.lane, source, self.collective_timeout_s)
+        transfers_ok = self.manager.all_ranks(sent and (source is None or staged is not None))
+        if not transfers_ok:
+            self.manager.abandon_round()
+            return False, None
+        if staged is None:
+            return True, None
+        healed = self.heal_state.apply(staged)
+        self._state_changed()
+        self.manager.adopt(healed.committed)
+        self._after_heal()
+        self.recoveries += 1
+        log.info("group %s healed: round %d, inner step %d", self.manager.group, healed.committed, healed.inner_step)
+        return True, healed
+
+    def _record(
+        self, round_: Round, committed: bool, step: int, sync_ms: float, tokens: float = 0.0, join: bool = False
+    ) -> dict[str, float]:
+        """Log the round (with the group's digest when committed or healed) and return its metrics.
+
+        ``tokens``: the inner-step tokens this round brought into the global model. A closing
+        round (finished groups handing over the final state) and a group's join round
+        (``join``: it takes a peer's state or starts from the shared initial one) commit nothing.
+        """
+        self.committed_here += int(committed)
+        self.tokens_committed += tokens
+        healed = self.recoveries > self._recoveries_recorded
+        self._recoveries_recorded = self.recoveries
+        digest = self.group_digest() if committed or healed else None
+        if digest is not None:
+            self.manager.note_progress(digest=digest)
+        self.commit_log(
+            {
+                "round": self.manager.committed,
+                "committed": committed,
+                "healed": healed,
+                "closing": round_.quorum.closing,
+                "join": join,
+                "quorum_id": round_.quorum.quorum_id,
+                "round_floor": round_.quorum.round_floor,  # > 0: the job's newest state was lost before this quorum
+                "participants": list(round_.quorum.participants),
+                "inner_step": step,
+                "time": time.time(),
+                "asked_at": self.round_asked_at,
+                "sync_ms": sync_ms,
+                "tokens": tokens,
+                "recoveries": self.recoveries,
+                "pid": os.getpid(),
+                "digest": digest,
+            }
+            | self._record_fields()
+        )
+        return {
+            "outer/committed": float(committed),
+            "outer/sync_ms": sync_ms,
+            "outer/participants": float(round_.size),
+            "outer/round": float(self.manager.committed),
+            "outer/syncs_committed": float(self.committed_here),
+            "outer/syncs_attempted": float(self.attempted),
+            "outer/bytes": float(self.bytes_sent),
+            "outer/bytes_per_token": self.bytes_sent / self.tokens if self.tokens else 0.0,
+            "outer/recoveries": float(self.recoveries),
+            "outer/no_quorum_s": 0.0,
+        }
+
+    def _record_fields(self) -> dict[str, Any]:
+        """What a synchronizer adds to each commit record."""
+        return {}
+
+    def _no_quorum_metrics(self) -> dict[str, float]:
+        """Said in the metrics (and so on the console), not only in the log."""
+        return {"outer/no_quorum_s": self.manager.seconds_without_quorum()}
+
+    def report(self) -> dict[str, Any]:
+        """The group's outer counters and final digest for summary.json (a collective)."""
+        return {
+            "rounds": self.manager.committed,
+            "syncs_committed": self.committed_here,
+            "syncs_attempted": self.attempted,
+            "bytes_sent": self.bytes_sent,
+            "tokens_committed": self.tokens_committed,
+            "recoveries": self.recoveries,
+            "nonfinite_updates": self.nonfinite_updates,
+            "diverged_updates": self.diverged_updates,
+            "digest": self.group_digest(),
+            "end": None if self.end is None else self.end.to_json(),
+        }
+
+    def group_digest(self) -> str:
+        """sha256 over every rank's θ_g and outer-optimizer state (a collective over the group).
+
+        Each fragment's own digest is kept until its state changes (its outer step, a heal),
+        so a commit hashes the fragment it changed rather than the whole model.
+        """
+        own = hashlib.sha256()
+        for p in range(len(self.heal_state.global_params)):
+            if p not in self._fragment_digests:
+                self._fragment_digests[p] = _sha256(self.heal_state.fragment_tensors(p))
+            own.update(self._fragment_digests[p])
+        if self.heal_state.extra:  # the rest of the job's state (algo.auto's plan): groups agree on it too
+            own.update(_sha256(self.heal_state.extra))
+        return self.manager.combine_digests(own.digest())
+
+    def _state_changed(self, fragment: int | None = None) -> None:
+        """Forget the digest of ``fragment`` (of every fragment if None): its θ_g or outer state changed."""
+        if fragment is None:
+            self._fragment_digests.clear()
+        else:
+            self._fragment_digests.pop(fragment, None)
+
+
+def _sha256(named: dict[str, torch.Tensor]) -> bytes:
+    digest = hashlib.sha256()
+    for name, tensor in named.items():
+        digest.update(name.encode())
+        digest.update(byte_view(as_bytes_tensor(tensor)))
+    return digest.digest()

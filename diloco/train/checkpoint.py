@@ -1,0 +1,245 @@
+"""Planned stops and whole-job restarts: every worker's shard of its group's state, on disk.
+
+Healing stays live from peers (DESIGN); a checkpoint is for a stop the user asked for
+(Ctrl-C, SIGTERM from a scheduler) or for restarting a whole job. Each worker saves only
+its own shard with ``torch.distributed.checkpoint`` (``no_dist``: no gather to one rank and
+no pickled collective between ranks): θ_l, the inner optimizer's state, θ_g and the outer
+optimizers' state, plus its position as JSON. Layout in the run directory::
+
+    checkpoints/step-000500/group-0/rank-0/   one worker's DCP files and manifest.json
+    checkpoints/step-000500/group-0/complete.json   written last, by the group's leader
+
+A rank's folder is written under a temporary name and renamed whole; ``manifest.json``
+holds every file's size and sha256, so a truncated or altered file is refused by name;
+``complete.json`` appears only once every rank of the group has its folder in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco.config.base import ConfigError
+from diloco.files import file_sha256, write_json_atomically
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+COMPLETE = "complete.json"
+LATEST = "latest"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed from: missing, partial, corrupt, or of another job."""
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS / f"step-{step:06d}"
+
+
+def group_dir(checkpoint: Path, group: int) -> Path:
+    return checkpoint / f"group-{group}"
+
+
+def rank_dir(group_folder: Path, rank: int) -> Path:
+    return group_folder / f"rank-{rank}"
+
+
+def save_rank(folder: Path, tensors: dict[str, torch.Tensor], progress: dict[str, Any]) -> None:
+    """Write one worker's shard to ``folder`` (a ``rank_dir``), atomically: whole or not at all."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    snapshot = {name: t.detach().cpu() for name, t in tensors.items()}
+    dcp = _dcp()
+    with _single_process():
+        dcp.save(snapshot, checkpoint_id=str(partial), no_dist=True)
+    files = {p.name: _file_record(p) for p in sorted(partial.iterdir()) if p.is_file()}
+    layout = {
+        name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in snapshot.items()
+    }
+    manifest = {"tensors": sorted(snapshot), "layout": layout, "files": files, "progress": progress}
+    write_json_atomically(partial / MANIFEST, manifest)
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt at the same step
+    os.replace(partial, folder)
+
+
+def mark_complete(group_folder: Path, info: dict[str, Any]) -> None:
+    """The group's leader, once every rank's ``save_rank`` returned: the group's checkpoint is whole."""
+    write_json_atomically(group_folder / COMPLETE, info | {"time": time.time()})
+
+
+def load_rank(folder: Path, template: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One worker's shard and its progress, after checking every file against the manifest.
+
+    ``template`` names the tensors this worker holds now (their shapes and dtypes); the
+    checkpoint must hold exactly those. Returns new CPU tensors: nothing live is touched
+    here, so a refused checkpoint leaves the worker as it was.
+    """
+    return _load_verified(folder, template, verify_rank(folder))
+
+
+def _load_verified(
+    folder: Path, template: dict[str, torch.Tensor], manifest: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    expected, found = sorted(template), manifest["tensors"]
+    if expected != found:
+        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        raise CheckpointError(
+            f"{folder}: holds other state than this job's workers (missing {missing[:3]}, unexpected {extra[:3]}); "
+            "resume with the model, algo and outer_opt settings the checkpoint was written with"
+        )
+    loaded = {name: torch.empty_like(t.detach(), device="cpu") for name, t in template.items()}
+    dcp = _dcp()
+    try:
+        with _single_process():
+            dcp.load(loaded, checkpoint_id=str(folder), no_dist=True)
+    except Exception as error:  # DCP reports shape or storage problems in several types
+        raise CheckpointError(f"{folder}: cannot be loaded: {str(error).splitlines()[0]}") from error
+    return loaded, manifest["progress"]
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported on first use: it pulls in DTensor (0.6 s), which
+    the launcher, the lighthouse and ``role=summary`` never need, and every ``python run.py`` pays."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """``no_dist`` is meant: each worker writes its own shard (DCP warns when torch.distributed is not set up)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def read_rank(folder: Path) -> dict[str, torch.Tensor]:
+    """One worker's shard as it was saved (names, shapes and dtypes from its manifest), checked."""
+    manifest = verify_rank(folder)
+    template = {}
+    for name, saved in manifest.get("layout", {}).items():
+        dtype = getattr(torch, str(saved.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"{folder / MANIFEST}: tensor {name} has no known dtype ({saved.get('dtype')!r})")
+        template[name] = torch.empty(saved["shape"], dtype=dtype)
+    return _load_verified(folder, template, manifest)[0]
+
+
+def verify_rank(folder: Path) -> dict[str, Any]:
+    """The rank's manifest, once every file it names is present with its recorded size and sha256."""
+    manifest_path = folder / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{manifest_path}: missing; the checkpoint is partial (interrupted while saving)"
+        ) from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{manifest_path}: corrupt ({error})") from None
+    for name, record in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing from the checkpoint")
+        if _file_record(path) != record:
+            raise CheckpointError(f"{path}: corrupt (its size or sha256 differs from {manifest_path})")
+    return manifest
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def complete_info(group_folder: Path) -> dict[str, Any] | None:
+    """The group's ``complete.json``, or None while the group's checkpoint is partial."""
+    try:
+        return json.loads((group_folder / COMPLETE).read_text())
+    except (OSError, ValueError):  # missing, or group_folder is no folder at all
+        return None
+
+
+def resolve_resume(spec: str, run_dir: Path, search_dir: Path, groups: int) -> dict[int, Path]:
+    """Each group's checkpoint folder for ``trainer.resume=spec``.
+
+    ``spec`` is a checkpoint (``…/checkpoints/step-N``), a run directory (each group's newest
+    whole checkpoint in it), or ``latest`` (the run under ``search_dir`` whose newest whole
+    checkpoint is the newest of all, this run excluded). Every group needs one: a job resumes
+    with the state of each of its groups, or not at all.
+    """
+    if spec == LATEST:
+        source = _newest_run(search_dir, exclude=run_dir)
+        if source is None:
+            raise CheckpointError(
+                f"trainer.resume=latest: no run under {search_dir} (trainer.checkpoint.search_dir) has a whole "
+                "checkpoint; name a run directory or a checkpoint instead"
+            )
+    else:
+        source = Path(spec)
+        if not source.is_dir():
+            raise CheckpointError(f"trainer.resume={spec}: no such directory")
+    if (source / CHECKPOINTS).is_dir():
+        return {g: _newest_of_group(source / CHECKPOINTS, g) for g in range(groups)}
+    found = {}
+    for g in range(groups):
+        folder = group_dir(source, g)
+        if complete_info(folder) is None:
+            raise CheckpointError(
+                f"trainer.resume={spec}: {folder / COMPLETE} is missing: group {g}'s checkpoint is partial "
+                "or absent (a checkpoint is a run's checkpoints/step-N folder)"
+            )
+        found[g] = folder
+    return found
+
+
+def _newest_of_group(checkpoints: Path, group: int) -> Path:
+    whole = [f for f in sorted(checkpoints.glob(f"step-*/group-{group}")) if complete_info(f) is not None]
+    if not whole:
+        raise CheckpointError(f"{checkpoints}: no whole checkpoint of group {group}")
+    return whole[-1]
+
+
+def whole_group_checkpoints(root: Path) -> list[Path]:
+    """The ``complete.json`` of every whole group checkpoint under ``root`` (a run dir, or a tree of them)."""
+    return sorted(root.glob(f"**/{CHECKPOINTS}/step-*/group-*/{COMPLETE}"))
+
+
+def _newest_run(search_dir: Path, exclude: Path) -> Path | None:
+    newest: tuple[float, Path] | None = None
+    for marker in whole_group_checkpoints(search_dir):
+        run = marker.parents[3]
+        if run.resolve() == exclude.resolve():
+            continue
+        written = marker.stat().st_mtime
+        if newest is None or written > newest[0]:
+            newest = (written, run)
+    return None if newest is None else newest[1]
+
+
+def describe_checkpoints(folders: dict[int, Path]) -> str:
+    """One line: where each group resumes from (its folder, inner step and committed round)."""
+    parts = []
+    for group, folder in sorted(folders.items()):
+        info = complete_info(folder) or {}
+        parts.append(f"group {group} from {folder} (step {info.get('step')}, round {info.get('committed')})")
+    return "; ".join(parts)
+
+
+def check_compatible(group_folder: Path, expected: dict[str, Any]) -> None:
+    """Refuse a checkpoint written by a job of another shape (model, groups, workers, algorithm)."""
+    info = complete_info(group_folder) or {}
+    for key, value in expected.items():
+        if info.get(key) != value:
+            raise CheckpointError(
+                f"{group_folder / COMPLETE}: written with {key}={info.get(key)!r}, this job has {value!r}; "
+                "resume with the configuration the checkpoint was written with"
+            )

@@ -1,0 +1,290 @@
+"""One replica group's inner loop: the same code for one worker or N FSDP2-sharded workers."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from diloco.config.trainer import TrainerConfig
+from diloco.ft.state import is_dtensor
+from diloco.train.data import ShardedBatches
+from diloco.train.logger import perplexity
+from diloco.train.sync_hooks import OuterOutcome, SyncHooks
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a group reports when its inner loop ends (goes into summary.json)."""
+
+    steps: int
+    tokens_seen: int
+    final_train_loss: float
+    final_eval_loss: float
+    train_seconds: float
+    interrupted: bool = False  # a planned stop (SIGTERM, Ctrl-C) ended it before max_steps
+    resumed_tokens: int = 0  # of tokens_seen, those trained before the checkpoint it resumed from
+
+    @property
+    def tokens_per_s(self) -> float:
+        trained_here = self.tokens_seen - self.resumed_tokens
+        return trained_here / self.train_seconds if self.train_seconds > 0 else 0.0
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+MetricsCallback = Callable[[dict[str, float], int], None]
+CheckpointCallback = Callable[["Trainer"], None]
+
+
+class Trainer:
+    """AdamW inner steps with grad accumulation, clipping, bf16 autocast on CUDA, periodic eval."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        batches: ShardedBatches,
+        eval_set: list[Batch],
+        cfg: TrainerConfig,
+        grad_clip: float,
+        device: torch.device,
+        sharded: bool,
+        on_metrics: MetricsCallback | None = None,
+        outer: SyncHooks | None = None,
+        on_checkpoint: CheckpointCallback | None = None,
+        stop_requested: Callable[[], bool] | None = None,
+        pace: Callable[[float], None] | None = None,
+    ) -> None:
+        """``on_checkpoint(trainer)`` saves the worker's state (every ``cfg.checkpoint.every`` steps,
+        at a planned stop and at the end); ``stop_requested`` says a planned stop was asked for
+        (a signal): training then stops after the next round, with every group at that round.
+        ``pace(seconds)`` runs after each inner step (an injected straggler's delay)."""
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.batches = batches
+        self.eval_set = eval_set
+        self.cfg = cfg
+        self.grad_clip = grad_clip
+        self.device = device
+        self.sharded = sharded
+        self.on_metrics = on_metrics
+        self.outer = outer
+        self.on_checkpoint = on_checkpoint
+        self.stop_requested = stop_requested
+        self.pace = pace
+        self.step = 0
+        self.resumed_tokens = 0  # tokens this group trained before the checkpoint it resumed from
+        self.trained_steps = 0
+        self._saved_at: int | None = None  # the step of this process's last checkpoint
+        self.sync_metrics: dict[str, float] = {}
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over this worker's micro-batches; returns (mean loss, grad norm)."""
+        micro_batches = self.batches.next_step()
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            if self.sharded:
+                # Reduce-scatter gradients once per step, not once per micro-batch.
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            loss = self._loss(batch)
+            (loss / len(micro_batches)).backward()
+            total += loss.detach()
+        skip = False
+        if self.outer is not None:
+            outcome = self.outer.before_optimizer_step(self.step + 1)
+            self.sync_metrics.update(self._follow(outcome))
+            skip = outcome.skip_step
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if is_dtensor(grad_norm):
+            grad_norm = grad_norm.full_tensor()
+        if not skip:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return total / len(micro_batches), grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss (nats per token) over the whole group's evaluation windows."""
+        self.model.eval()
+        sums = torch.zeros(2, dtype=torch.float64)
+        for batch in self.eval_set:
+            sums[0] += self._loss(batch).item() * batch[1].numel()
+            sums[1] += batch[1].numel()
+        self.model.train()
+        return _group_mean(sums)
+
+    def fit(self) -> TrainResult:
+        """Run inner steps until ``max_steps``, logging and evaluating on the way."""
+        cfg = self.cfg
+        tokens_per_step = self.batches.tokens_per_step
+        start = window_start = time.perf_counter()
+        window_loss = torch.zeros(2, dtype=torch.float64)
+        train_loss = eval_loss = math.nan
+        self.trained_steps = 0  # steps this process took itself (a group that heals jumps over others)
+        if self.outer is not None:
+            self._follow(self.outer.join())
+        while self.step < cfg.max_steps:
+            step_started = time.perf_counter()
+            loss, grad_norm = self.train_step()
+            if self.pace is not None:
+                self.pace(time.perf_counter() - step_started)
+            self.trained_steps += 1
+            window_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+            metrics, self.sync_metrics = self.sync_metrics, {}
+            if self.outer is not None:
+                metrics.update(self._follow(self.outer.after_inner_step(self.step, tokens_per_step)))
+            last = self.step >= cfg.max_steps
+            if self.step % cfg.log_every == 0 or last:
+                elapsed = time.perf_counter() - window_start
+                steps = int(window_loss[1].item())
+                train_loss = _group_mean(window_loss)
+                metrics.update(
+                    {
+                        "train/loss": train_loss,
+                        "train/lr": self.scheduler.get_last_lr()[0],
+                        "train/grad_norm": grad_norm.item(),
+                        "train/step_ms": 1000.0 * elapsed / steps,
+                        "train/tokens_per_s": tokens_per_step * steps / elapsed,
+                        "train/tokens": float(tokens_per_step * self.step),
+                    }
+                )
+                window_loss.zero_()
+                window_start = time.perf_counter()
+                if self.outer is not None:
+                    self.outer.observe(self.step, metrics)
+            if (cfg.eval_every and self.step % cfg.eval_every == 0) and not last:
+                eval_loss = self.evaluate()
+                metrics.update({"eval/loss": eval_loss, "eval/ppl": perplexity(eval_loss)})
+                window_start = time.perf_counter()  # evaluation time is not training throughput
+            if metrics and self.on_metrics is not None:
+                self.on_metrics(metrics, self.step)
+            if not last and self._checkpoint_due():
+                self._save_checkpoint()
+            if not last and self._stop_agreed():
+                return self._stopped(tokens_per_step * self.trained_steps, time.perf_counter() - start, train_loss)
+        train_seconds = time.perf_counter() - start
+        # The final evaluation, also for a group that healed straight to the last step.
+        if self.outer is not None:
+            self.outer.finish(self.step)  # until every group has finished: the state may still change
+        self._save_checkpoint()
+        if self.outer is not None:
+            self.outer.load_global_into_local()  # the result of DiLoCo is θ_g
+        eval_loss = self.evaluate()
+        if self.on_metrics is not None:
+            self.on_metrics({"eval/loss": eval_loss, "eval/ppl": perplexity(eval_loss)}, self.step)
+        return TrainResult(
+            steps=self.step,
+            tokens_seen=self.resumed_tokens + tokens_per_step * self.trained_steps,
+            final_train_loss=train_loss,
+            final_eval_loss=eval_loss,
+            train_seconds=train_seconds,
+            resumed_tokens=self.resumed_tokens,
+        )
+
+    def _save_checkpoint(self) -> None:
+        """Save once per step (a planned stop right after a periodic checkpoint writes nothing new)."""
+        if self.on_checkpoint is not None and self._saved_at != self.step:
+            self.on_checkpoint(self)
+            self._saved_at = self.step
+
+    def _checkpoint_due(self) -> bool:
+        every = self.cfg.checkpoint.every
+        if self.on_checkpoint is None or not every or self.step % every:
+            return False
+        return self.outer is None or self.outer.between_rounds(self.step)
+
+    def _stop_agreed(self) -> bool:
+        """A planned stop, once a round has ended (every ``log_every`` steps without rounds); every
+        rank of the group decides the same, so all of them stop at this step."""
+        if self.stop_requested is None:
+            return False
+        at_boundary = (
+            self.outer.between_rounds(self.step) if self.outer is not None else self.step % self.cfg.log_every == 0
+        )
+        if not at_boundary:
+            return False
+        asked = torch.tensor([float(self.stop_requested())], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+        return bool(asked.item())
+
+    def _stopped(self, tokens: int, train_seconds: float, train_loss: float) -> TrainResult:
+        """A planned stop: save the state if checkpoints are on; the model is evaluated no more."""
+        self._save_checkpoint()
+        return TrainResult(
+            steps=self.step,
+            tokens_seen=self.resumed_tokens + tokens,
+            final_train_loss=train_loss,
+            final_eval_loss=math.nan,
+            train_seconds=train_seconds,
+            interrupted=True,
+            resumed_tokens=self.resumed_tokens,
+        )
+
+    def progress_state(self) -> dict[str, Any]:
+        """The group's position (step, data read position, tokens trained), JSON-friendly, so a
+        restart does not replay data."""
+        return {
+            "step": self.step,
+            "data": self.batches.state_dict(),
+            "tokens_seen": self.resumed_tokens + self.batches.tokens_per_step * self.trained_steps,
+        }
+
+    def load_progress_state(self, state: dict[str, Any]) -> None:
+        self.batches.load_state_dict(state["data"])
+        self.set_step(int(state["step"]))
+        self.resumed_tokens = int(state.get("tokens_seen", 0))
+
+    def set_step(self, step: int) -> None:
+        """Move to inner step ``step``: lr schedule and data read position follow it.
+
+        A group that healed from a peer jumps to the peer's step; its data position is
+        where it would be had it never stopped (its own shard, step × windows per step),
+        so it neither replays nor shares windows.
+        """
+        self.step = step
+        self.batches.consumed = step * self.batches.tokens_per_step // self.batches.seq_len
+        # LambdaLR sets the lr of step k when stepped to last_epoch=k.
+        self.scheduler.last_epoch = self.step - 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
+
+    def _follow(self, outcome: OuterOutcome) -> dict[str, float]:
+        if outcome.jump_to_step is not None:
+            self.set_step(outcome.jump_to_step)
+        return outcome.metrics
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        return next_token_loss(self.model, batch, self.device)
+
+
+def next_token_loss(model: nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+    """Mean cross-entropy (nats per token) of ``model``'s next-token predictions; bf16 autocast on CUDA."""
+    inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    with autocast:
+        logits = model(inputs)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _group_mean(sums: torch.Tensor) -> float:
+    """All-reduce ``[sum, count]`` over the group (when there is one) and divide."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item()

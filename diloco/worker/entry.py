@@ -1,0 +1,440 @@
+"""One worker process of a replica group: wires model, data, optimizer and trainer, then trains.
+
+Run by the embedded launcher as ``python -m diloco.worker --run-dir DIR --group G`` with
+torchrun's variables in the environment (``cluster.spawn=exec``), forked from a warm
+``diloco.launch.forkserver`` (``cluster.spawn=fork``), or through ``run.py role=group`` under torchrun;
+as part of a warm spare (``--spare K``), it builds first and learns its group later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from diloco import lifeline
+from diloco.config.base import ConfigError, to_dict
+from diloco.config.faults import FaultsConfig
+from diloco.config.job import GroupConfig, JobConfig, job_config_from_dict
+from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
+from diloco.files import write_atomically, write_json_atomically
+from diloco.ft.fault_requests import FaultHook
+from diloco.ft.manager import JobEndedError
+from diloco.outer.synchronizer import Synchronizer
+from diloco.process_logging import output_to, setup_process_logging
+from diloco.run_paths import RunPaths
+from diloco.train.checkpoint import check_compatible, rank_dir, resolve_resume, verify_rank
+from diloco.train.data import ShardedBatches, eval_batches, load_corpus, shard_windows
+from diloco.train.device import check_device, select_device
+from diloco.train.inner_opt import build_inner_optimizer
+from diloco.train.logger import MetricsLogger, rename_wandb_run, start_wandb
+from diloco.train.model import Transformer, count_parameters, meta_model, param_signature
+from diloco.train.trainer import CheckpointCallback, MetricsCallback, Trainer, TrainResult
+from diloco.worker.env import WorkerEnv
+from diloco.worker.outer_builder import build_outer_sync, group_name
+from diloco.worker.spares import SpareAssignmentError, wait_for_assignment
+from diloco.worker.state import WorkerState
+
+
+def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tuple[ShardedBatches, list]:
+    """This worker's training batches and evaluation batches; fails fast on bad data."""
+    splits = load_corpus(job.data)
+    t = job.trainer
+    batches = ShardedBatches(
+        splits.train,
+        seq_len=t.seq_len,
+        micro_batch_size=t.batch_size,
+        grad_accum=t.grad_accum,
+        group=group,
+        num_groups=job.cluster.groups,
+        worker=worker,
+        num_workers=num_workers,
+        seed=t.seed,
+    )
+    evals = eval_batches(
+        splits.val,
+        seq_len=t.seq_len,
+        batch_size=t.batch_size,
+        max_batches=t.eval_batches,
+        worker=worker,
+        num_workers=num_workers,
+    )
+    return batches, evals
+
+
+InnerOptimizer = tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
+
+
+def build_inner(job: JobConfig, model: torch.nn.Module) -> InnerOptimizer:
+    """The inner optimizer and its lr schedule; built before the outer synchronizer, which heals its state."""
+    return build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
+
+
+def build_trainer(
+    job: JobConfig,
+    model: torch.nn.Module,
+    *,
+    group: int,
+    worker: int,
+    num_workers: int,
+    device: torch.device,
+    inner: InnerOptimizer | None = None,
+    sharded: bool = False,
+    outer: Synchronizer | None = None,
+    on_metrics: MetricsCallback | None = None,
+    on_checkpoint: CheckpointCallback | None = None,
+    stop_requested: Callable[[], bool] | None = None,
+) -> Trainer:
+    """The inner loop of one worker, complete: optimizer, schedule and data for its place in the job.
+
+    ``inner`` is the optimizer ``outer`` was built with (``build_inner``); a new one otherwise.
+    ``outer`` is not started here: its owner starts and closes it around ``fit``.
+    """
+    optimizer, scheduler = inner if inner is not None else build_inner(job, model)
+    batches, evals = build_data(job, group, worker, num_workers)
+    return Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        batches=batches,
+        eval_set=evals,
+        cfg=job.trainer,
+        grad_clip=job.inner_opt.grad_clip,
+        device=device,
+        sharded=sharded,
+        on_metrics=on_metrics,
+        outer=outer,
+        on_checkpoint=on_checkpoint,
+        stop_requested=stop_requested,
+        pace=straggler_pace(job.faults, group),
+    )
+
+
+def refuse_finished_group(paths: RunPaths, group: int) -> None:
+    """A group that already finished in this run directory must not run again on top of its result.
+
+    (A group restarted mid-job by its orchestrator has no result yet, and goes on.)
+    """
+    if paths.result(group).exists():
+        raise ConfigError(
+            f"hydra.run.dir={paths.root}: group {group} already finished a run here ({paths.result(group)}); "
+            "pick a new hydra.run.dir for a new job"
+        )
+
+
+def preflight(job: JobConfig, paths: RunPaths) -> tuple[int, str]:
+    """Check, in the launching process, what would otherwise fail inside every worker.
+
+    Loads the data for every group (a missing or corrupt path, or a shard too small, is
+    reported before any process starts), checks the device exists and that every group has
+    a checkpoint of this job's shape to resume from; returns the model's parameter count and
+    signature.
+    """
+    check_device(job.cluster.device)
+    for group in range(job.cluster.groups):
+        build_data(job, group, 0, job.cluster.workers_per_group)
+    model = meta_model(job.model)
+    signature = param_signature(job.model, model)
+    if job.trainer.resume:
+        identity = checkpoint_identity(job, signature, job.cluster.workers_per_group)
+        for folder in resume_folders(job, paths).values():
+            check_compatible(folder, identity)
+            for rank in range(job.cluster.workers_per_group):
+                verify_rank(rank_dir(folder, rank))
+    return count_parameters(model), signature
+
+
+@dataclass
+class Replica:
+    """What every worker builds alike, whichever group it is in: a warm spare builds it before it knows its group."""
+
+    device: torch.device
+    model: torch.nn.Module
+    sharded: bool
+    inner: InnerOptimizer
+    n_params: int
+    signature: str
+
+
+def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device) -> Replica:
+    from diloco.worker.sharding import shard_model  # see run_worker
+
+    torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
+    model = Transformer(job.model).to(device)
+    n_params, signature = count_parameters(model), param_signature(job.model, model)
+    sharded = shard_model(model, model.layers, mesh, device)
+    return Replica(device, model, sharded, build_inner(job, model), n_params, signature)
+
+
+def run_worker(
+    job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: float = 0.0, spare: int | None = None
+) -> dict[str, Any]:
+    """Train this worker's part of replica group ``job.group.id``; returns the group's result record.
+
+    The leader logs, writes the result and, if the lighthouse named this group at the job's
+    end, saves the final model. ``started_at`` is when the launcher started this process
+    (fault requests before it were meant for an earlier process of the group). A worker of
+    warm spare ``spare`` (diloco.worker.spares) builds its replica (its leader starts its wandb run
+    too, the slowest part of a start once torch is imported), then waits for the group it
+    replaces, and from then on is that group's worker.
+    """
+    # Imported here, not above: the launcher imports this module for ``preflight`` and would pay
+    # FSDP's imports (1 s) for nothing; a worker forked from the fork server finds them loaded.
+    from diloco.worker.sharding import init_group
+
+    setup_process_logging()
+    stop = _stop_on_signals() if spare is None else None  # a waiting spare just dies when told to
+    device = select_device(job.cluster.device, env.local_rank)
+    mesh = init_group(
+        env,
+        device,
+        connect_timeout_s=job.cluster.timeouts.connect,
+        collective_timeout_s=job.cluster.timeouts.collective,
+    )
+    try:
+        replica = build_replica(job, mesh, device)
+        wandb_run = None
+        if spare is not None:
+            if env.rank == 0:
+                wandb_run = start_wandb(
+                    job.logger, run_dir=paths.root, member=f"spare{spare}", job_name=job.name, config=to_dict(job)
+                )
+            job, started_at = _take_assignment(job, env, paths, paths.spare_pipe(spare, env.rank))
+            stop = _stop_on_signals()
+        return _train_group(job, env, paths, replica, stop, started_at, wandb_run)
+    finally:
+        dist.destroy_process_group()
+
+
+def _take_assignment(job: JobConfig, env: WorkerEnv, paths: RunPaths, pipe: Path) -> tuple[JobConfig, float]:
+    """Wait for the group this spare replaces; from then on log where that group's worker logs."""
+    assignment = wait_for_assignment(pipe)
+    if assignment.group >= job.cluster.groups:
+        raise SpareAssignmentError(f"{pipe}: group {assignment.group} is not in this job of {job.cluster.groups}")
+    output_to(paths.worker_log(assignment.group, env.rank))
+    print(f"warm spare {pipe.name} takes over group {assignment.group}", flush=True)
+    return dataclasses.replace(job, group=GroupConfig(id=assignment.group)), assignment.started_at
+
+
+def _train_group(
+    job: JobConfig,
+    env: WorkerEnv,
+    paths: RunPaths,
+    replica: Replica,
+    stop: threading.Event,
+    started_at: float,
+    wandb_run: Any | None,
+) -> dict[str, Any]:
+    """Join the job as a worker of ``job.group.id`` with a built replica (and the leader's wandb
+    run, if a spare started it), train, report."""
+    group = job.group.id
+    leader = env.rank == 0
+    model, sharded, inner, signature = replica.model, replica.sharded, replica.inner, replica.signature
+    outer = None
+    if job.algo.name != "local":
+        outer = build_outer_sync(
+            job,
+            env,
+            model=model,
+            inner_optimizer=inner[0],
+            signature=signature,
+            device=replica.device,
+            commits_path=paths.commits(group),
+            faults=_fault_hook(job, paths, started_at),
+        )
+    logger = None
+    if leader:
+        print(f"group {group}: model has {replica.n_params:,} parameters", flush=True)
+        logger = _metrics_logger(job, paths, wandb_run)
+    state = WorkerState(
+        model=model,
+        inner_optimizer=inner[0],
+        outer=outer,
+        rank=env.rank,
+        identity=checkpoint_identity(job, signature, env.world_size),
+    )
+    trainer = build_trainer(
+        job,
+        model,
+        group=group,
+        worker=env.rank,
+        num_workers=env.world_size,
+        device=replica.device,
+        inner=inner,
+        sharded=sharded,
+        outer=outer,
+        on_metrics=None if logger is None else logger.log,
+        on_checkpoint=(lambda t: state.save(t, paths.root, group)) if job.trainer.checkpoint.enabled else None,
+        stop_requested=stop.is_set,
+    )
+    if job.trainer.resume:
+        folder = resume_folders(job, paths)[group]
+        check_compatible(folder, state.identity)
+        state.restore(trainer, folder)
+    try:
+        if outer is not None:
+            outer.start()
+        result = trainer.fit()
+    finally:
+        if outer is not None:
+            outer.close()
+    if result.interrupted and outer is not None:
+        outer.load_global_into_local()  # what a planned stop keeps is the last committed global model
+    weights = _full_state_dict(model, sharded)
+    report = _result_record(group, result, replica.n_params, job.model.vocab_size)
+    if outer is not None:
+        report |= outer.report()
+    if leader:
+        report["saved_model"] = not result.interrupted and saves_final_model(job, report)
+        if report["saved_model"] or result.interrupted:
+            target = paths.interrupted_weights(group) if result.interrupted else paths.weights
+            write_atomically(target, lambda fh: torch.save(weights, fh))
+        write_json_atomically(paths.result(group), report)
+        logger.close(report)
+    return report
+
+
+def resume_folders(job: JobConfig, paths: RunPaths) -> dict[int, Path]:
+    """Each group's checkpoint folder for ``trainer.resume`` (see ``checkpoint.resolve_resume``)."""
+    search_dir = Path(job.trainer.checkpoint.search_dir)
+    return resolve_resume(job.trainer.resume, paths.root, search_dir, job.cluster.groups)
+
+
+def checkpoint_identity(job: JobConfig, signature: str, workers: int) -> dict[str, object]:
+    """What a checkpoint must share with the job resuming from it: each worker restores its own
+    shard, and each group reads on in the same stream of windows (other data would make the
+    saved read position mean other windows: the worker would refuse it, after the launcher started it)."""
+    train_tokens = load_corpus(job.data).train.numel()
+    return {
+        "signature": signature,
+        "groups": job.cluster.groups,
+        "workers": workers,
+        "algo": job.algo.name,
+        "fragments": job.algo.fragments,
+        "windows_per_group": shard_windows(train_tokens, job.cluster.groups, job.trainer.seq_len),
+        "data_seed": job.trainer.seed,
+    }
+
+
+def _stop_on_signals() -> threading.Event:
+    """SIGTERM or SIGINT asks for a planned stop (after the current round, state saved); a second one stops at once."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        return stop  # signal handlers belong to the main thread (a test driving a worker from a thread)
+
+    def ask(signum: int, frame: object) -> None:
+        if stop.is_set():
+            os._exit(128 + signum)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, ask)
+    return stop
+
+
+def _fault_hook(job: JobConfig, paths: RunPaths, started_at: float) -> FaultHook | None:
+    """Only a job that injects faults into workers has them read fault requests (none otherwise)."""
+    if not job.faults.in_workers:
+        return None
+    group = job.group.id
+    return FaultHook(paths.fault_requests(group), since=started_at, group=group_name(group))
+
+
+def _metrics_logger(job: JobConfig, paths: RunPaths, started: Any | None = None) -> MetricsLogger:
+    """The leader's metrics sink: the group's metrics file, and wandb when the logger config asks
+    for it (``started``: the run a warm spare started before it knew its group)."""
+    group = job.group.id
+    names = dict(member=f"group{group}", job_name=job.name, config=to_dict(job))
+    if started is not None:
+        rename_wandb_run(started, job.logger, **names)
+        return MetricsLogger(paths.metrics(group), started)
+    return MetricsLogger(paths.metrics(group), start_wandb(job.logger, run_dir=paths.root, **names))
+
+
+def saves_final_model(job: JobConfig, report: dict[str, Any]) -> bool:
+    """Every group the lighthouse named a holder of the final state at the job's end saves model.pt
+    (the same weights, each file renamed into place whole); group 0 when groups never sync."""
+    if job.algo.name == "local":
+        return job.group.id == 0
+    end = report.get("end")
+    return end is not None and group_name(job.group.id) in end["holders"]
+
+
+def _full_state_dict(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
+    """Unsharded CPU weights on rank 0 (a collective: every worker must call it)."""
+    if not sharded:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _result_record(group: int, result: TrainResult, n_params: int, vocab_size: int) -> dict[str, Any]:
+    return {
+        "group": group,
+        "steps": result.steps,
+        "final_train_loss": result.final_train_loss,
+        "final_eval_loss": result.final_eval_loss,
+        "tokens_seen": result.tokens_seen,
+        "train_seconds": result.train_seconds,
+        "tokens_per_s": result.tokens_per_s,
+        "parameters": n_params,
+        "interrupted": result.interrupted,
+        "uniform_loss": math.log(vocab_size),  # guessing every token equally likely: what learning must beat
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    place = parser.add_mutually_exclusive_group(required=True)
+    place.add_argument("--group", type=int, help="the replica group this worker belongs to")
+    place.add_argument("--spare", type=int, help="the warm spare this worker belongs to (diloco.worker.spares)")
+    parser.add_argument("--started-at", type=float, default=0.0, help="when the launcher spawned this process")
+    lifeline.add_argument(parser)
+    args = parser.parse_args(argv)
+    if args.lifeline_fd is not None:
+        lifeline.watch(args.lifeline_fd)
+    env = WorkerEnv.from_environ(os.environ)
+    run_launched_worker(RunPaths(args.run_dir), args.group, env, args.started_at, spare=args.spare)
+
+
+def run_launched_worker(
+    paths: RunPaths, group: int | None, env: WorkerEnv, started_at: float, spare: int | None = None
+) -> NoReturn:
+    """What a worker the local launcher started does, exec'd or forked: train ``group``'s part, then
+    leave; a worker of warm spare ``spare`` (``group`` None) first waits for the group it replaces."""
+    try:
+        report = run_worker(load_job(paths, 0 if group is None else group), env, paths, started_at, spare)
+    except JobEndedError as error:
+        exit_without_teardown(JOB_ENDED_EXIT_CODE, f"error: {error}")
+    exit_without_teardown(INTERRUPTED_EXIT_CODE if report.get("interrupted") else 0)
+
+
+def load_job(paths: RunPaths, group: int) -> JobConfig:
+    """The job the launcher wrote to the run directory, as seen by a worker of ``group``."""
+    raw = json.loads(paths.job.read_text())
+    raw["group"] = {"id": group}
+    return job_config_from_dict(raw)
+
+
+def straggler_pace(cfg: FaultsConfig, group: int) -> Callable[[float], None] | None:
+    """What the slow group does after each inner step of ``seconds``: sleep (slowdown − 1) times
+    as long, so it computes at its own pace and lends the machine to nobody (None elsewhere)."""
+    if group != cfg.slow_group or cfg.slowdown == 1:
+        return None
+    extra = cfg.slowdown - 1
+    return lambda seconds: time.sleep(extra * seconds)

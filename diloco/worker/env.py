@@ -1,0 +1,48 @@
+"""Where a worker runs: its place in the group (torchrun's environment) and its device.
+
+The launcher imports this too, so FSDP, whose imports take a second, lives in diloco.worker.sharding."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """Where one worker sits in its replica group: torchrun's variables, read once at an entry point."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    agent_hosts_store: bool = False  # torchrun's agent already serves the store at MASTER_PORT
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> WorkerEnv:
+        missing = [k for k in TORCHRUN_KEYS if k not in environ]
+        if missing:
+            raise RuntimeError(
+                f"missing {', '.join(missing)} in the environment: role=group runs one worker of a "
+                "replica group and expects torchrun's variables (torchrun --nproc-per-node N run.py role=group ...)"
+            )
+        return cls(
+            rank=int(environ["RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            local_rank=int(environ["LOCAL_RANK"]),
+            master_addr=environ["MASTER_ADDR"],
+            master_port=int(environ["MASTER_PORT"]),
+            agent_hosts_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }

@@ -1,0 +1,153 @@
+"""Builds one worker's outer layer: fragments of its shard, θ_g copies, outer optimizers, manager."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from diloco.config.job import JobConfig, training_config
+from diloco.ft.client import LighthouseClient
+from diloco.ft.fault_requests import FaultHook
+from diloco.ft.lanes import Lanes
+from diloco.ft.manager import Manager
+from diloco.ft.state import HealState, local_tensor
+from diloco.outer.auto_overlap import AutoOverlap
+from diloco.outer.bandwidth import bucket_for
+from diloco.outer.ddp_sync import GradientSync
+from diloco.outer.diloco_sync import Fragment, OuterSync
+from diloco.outer.fragments import fragment_parameter_names
+from diloco.outer.synchronizer import Synchronizer
+from diloco.worker.env import WorkerEnv
+from outer_opt import MomentumWarmup, build_outer_optimizer
+
+HEARTBEATS_PER_TIMEOUT = 4
+
+
+def group_name(group: int) -> str:
+    """The replica group's id as the lighthouse sees it."""
+    return f"group{group}"
+
+
+def lighthouse_url(job: JobConfig) -> str:
+    return f"http://{job.cluster.lighthouse.host}:{job.cluster.lighthouse.port}"
+
+
+def build_fragments(job: JobConfig, model: nn.Module, device: torch.device) -> list[Fragment]:
+    """Split this worker's shard of θ_l into P fragments, each with an fp32 CPU θ_g and an outer optimizer."""
+    params = dict(model.named_parameters())
+    names = fragment_parameter_names(list(params), job.model.n_layers, job.algo.fragments, job.algo.pattern)
+    fragments = []
+    for index, fragment_names in enumerate(names):
+        local = [local_tensor(params[n]).detach() for n in fragment_names]
+        global_ = []
+        for tensor in local:
+            copy = tensor.float().cpu().clone()
+            global_.append(nn.Parameter(copy.pin_memory() if device.type == "cuda" else copy))
+        optimizer = build_outer_optimizer(global_, job.outer_opt)
+        warmup_steps = job.outer_opt.momentum_warmup_steps
+        warmup = MomentumWarmup(optimizer, warmup_steps) if warmup_steps else None
+        fragments.append(
+            Fragment(index=index, local=local, global_=global_, optimizer=optimizer, momentum_warmup=warmup)
+        )
+    return fragments
+
+
+def build_outer_sync(
+    job: JobConfig,
+    env: WorkerEnv,
+    *,
+    model: nn.Module,
+    inner_optimizer: torch.optim.Optimizer,
+    signature: str,
+    device: torch.device,
+    commits_path: Path,
+    faults: FaultHook | None = None,
+) -> Synchronizer:
+    """Everything the trainer needs to take part in outer rounds; the leader also talks to the lighthouse.
+
+    Not started: ``start()`` it before the first round and ``close()`` it at the end.
+    """
+    group = group_name(job.group.id)
+    timeouts = job.cluster.timeouts
+    client = None
+    if env.rank == 0:
+        client = LighthouseClient(
+            lighthouse_url(job),
+            token=job.cluster.lighthouse.token,
+            job_id=job.name,
+            signature=signature,
+            group=group,
+            connect_timeout_s=timeouts.connect,
+            config=training_config(job),
+        )
+    manager = Manager(
+        group=group,
+        inner_pg=control_group(env, timeouts.control),
+        client=client,
+        lanes=Lanes(local_rank=env.rank, connect_timeout_s=timeouts.connect, collective_timeout_s=timeouts.collective),
+        quorum_timeout_s=timeouts.quorum,
+        heartbeat_interval_s=timeouts.heartbeat / HEARTBEATS_PER_TIMEOUT,
+        watch_rounds=job.algo.window == "time",
+    )
+    common = dict(
+        manager=manager,
+        collective_timeout_s=timeouts.collective,
+        end_wait_s=timeouts.end + timeouts.quorum,
+        commit_log=_commit_logger(commits_path) if env.rank == 0 else _ignore,
+        faults=faults,
+        bucket=bucket_for(job.cluster.lane_bandwidth_mbps),
+    )
+    if job.algo.name == "ddp":
+        params = list(model.parameters())
+        # θ is the live model itself: a healing group receives it directly, with no outer optimizer.
+        heal_state = HealState(
+            global_params=[[local_tensor(p).detach() for p in params]],
+            outer_optimizers=[],
+            inner_optimizer=inner_optimizer,
+        )
+        t = job.trainer
+        tokens_per_step = t.batch_size * env.world_size * t.grad_accum * t.seq_len
+        return GradientSync(params=params, tokens_per_step=tokens_per_step, heal_state=heal_state, **common)
+    fragments = build_fragments(job, model, device)
+    auto = None
+    if job.algo.auto:
+        auto = AutoOverlap(job.algo, max(sum(g.numel() for g in f.global_) for f in fragments))
+    heal_state = HealState(
+        global_params=[f.global_ for f in fragments],
+        outer_optimizers=[f.optimizer for f in fragments],
+        inner_optimizer=inner_optimizer,
+        extra={} if auto is None else {"auto.plan": auto.plan},
+    )
+    return OuterSync(algo=job.algo, fragments=fragments, auto=auto, heal_state=heal_state, **common)
+
+
+def control_group(env: WorkerEnv, timeout_s: float) -> dist.ProcessGroup | None:
+    """The group's own Gloo group for the manager's small messages (quorum, commit votes).
+
+    Separate from FSDP's group because an outer round runs on a background thread while
+    the training thread's FSDP collectives go on: two threads must never share one group.
+    Every rank creates it at the same point (here), as ``new_group`` requires.
+    """
+    if env.world_size == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _commit_logger(path: Path) -> Callable[[dict], None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(record: dict) -> None:
+        with path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    return write
+
+
+def _ignore(record: dict) -> None:
+    return None
