@@ -31,11 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from diloco.run_paths import RunPaths  # noqa: E402
-from diloco.train.logger import read_jsonl  # noqa: E402
-from experiments.common import (  # noqa: E402
+from common import (
     add_output_arguments,
     compose_job,
     markdown_table,
@@ -44,7 +40,10 @@ from experiments.common import (  # noqa: E402
     stop_on_sigterm,
     write_result,
 )
-from experiments.fault_tolerance import digests_equal  # noqa: E402
+from fault_tolerance import digests_equal
+
+from diloco.run_paths import RunPaths
+from diloco.train.logger import read_jsonl
 
 EXPERIMENT = "auto_tune"
 LINKS_MBPS = (1.0, 0.0)  # a slow link, and an unlimited one (0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -18,13 +17,11 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from diloco.config.base import from_dict
+from diloco.config.model import ModelConfig
+from diloco.train.model import Transformer, count_parameters, meta_model
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
-
-from diloco.config.base import from_dict  # noqa: E402
-from diloco.config.model import ModelConfig  # noqa: E402
-from diloco.train.model import Transformer, count_parameters, meta_model  # noqa: E402
-
 CPU_PRESETS = ("tiny", "small")
 
 

@@ -33,11 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from diloco.run_paths import RunPaths  # noqa: E402
-from diloco.train.logger import read_jsonl  # noqa: E402
-from experiments.common import (  # noqa: E402
+from common import (
     add_output_arguments,
     compose_job,
     markdown_table,
@@ -47,6 +43,9 @@ from experiments.common import (  # noqa: E402
     verdict,
     write_result,
 )
+
+from diloco.run_paths import RunPaths
+from diloco.train.logger import read_jsonl
 
 LOCAL = "local (no sync)"
 DILOCO = "diloco H=50"

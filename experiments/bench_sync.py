@@ -30,9 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import (  # noqa: E402
+from common import (
     ClusterRun,
     add_output_arguments,
     compose_job,

@@ -23,19 +23,15 @@ from typing import Any
 
 import yaml
 
+from diloco.config.job import JobConfig, job_config_from_dict
+from diloco.launch.compose import CONF_DIR, compose_raw
+from diloco.launch.launcher import launch
+from diloco.launch.local_cluster import JobFailed, LocalCluster, logs_tail
+from diloco.run_paths import RunPaths
+from diloco.train.logger import read_jsonl
+from diloco.worker.builders import preflight
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # python experiments/<script>.py from a checkout, installed or not
-
-from diloco.config.job import JobConfig, job_config_from_dict  # noqa: E402
-from diloco.launch.launcher import launch  # noqa: E402
-from diloco.launch.local_cluster import JobFailed, LocalCluster, logs_tail  # noqa: E402
-from diloco.run_paths import RunPaths  # noqa: E402
-from diloco.train.logger import read_jsonl  # noqa: E402
-from diloco.worker.entry import preflight  # noqa: E402
-from run import compose_raw  # noqa: E402
-
-CONF_DIR = REPO / "conf"
 RESULTS = REPO / "experiments" / "results"
 
 # Every benchmark: CPU, one process per group, no wandb, no evaluation on the way.

@@ -32,11 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from diloco.run_paths import RunPaths  # noqa: E402
-from diloco.train.logger import read_jsonl  # noqa: E402
-from experiments.common import (  # noqa: E402
+from common import (
     NO_MATPLOTLIB,
     RESULTS,
     add_output_arguments,
@@ -49,6 +45,9 @@ from experiments.common import (  # noqa: E402
     stop_on_sigterm,
     write_result,
 )
+
+from diloco.run_paths import RunPaths
+from diloco.train.logger import read_jsonl
 
 EXPERIMENT = "compare_ddp"
 CONFIG_FILE = "compare_ddp.json"  # in each run directory: which row of the table it is

@@ -42,13 +42,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from diloco.launch.summary import FAILURES  # noqa: E402
-from diloco.outer.perf_model import death_to_commit_seconds  # noqa: E402
-from diloco.run_paths import RunPaths  # noqa: E402
-from diloco.train.logger import read_jsonl  # noqa: E402
-from experiments.common import (  # noqa: E402
+from common import (
     NO_MATPLOTLIB,
     RESULTS,
     ClusterRun,
@@ -63,6 +57,11 @@ from experiments.common import (  # noqa: E402
     verdict,
     write_result,
 )
+
+from diloco.launch.summary import FAILURES
+from diloco.outer.perf_model import death_to_commit_seconds
+from diloco.run_paths import RunPaths
+from diloco.train.logger import read_jsonl
 
 EXPERIMENT = "fault_tolerance"
 FAULT_FREE = "fault-free"

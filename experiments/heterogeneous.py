@@ -36,12 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from diloco.outer.perf_model import time_window_speedup  # noqa: E402
-from diloco.run_paths import RunPaths  # noqa: E402
-from diloco.train.logger import read_jsonl  # noqa: E402
-from experiments.common import (  # noqa: E402
+from common import (
     NO_MATPLOTLIB,
     RESULTS,
     add_output_arguments,
@@ -55,7 +50,11 @@ from experiments.common import (  # noqa: E402
     verdict,
     write_result,
 )
-from experiments.fault_tolerance import digests_equal  # noqa: E402
+from fault_tolerance import digests_equal
+
+from diloco.outer.perf_model import time_window_speedup
+from diloco.run_paths import RunPaths
+from diloco.train.logger import read_jsonl
 
 EXPERIMENT = "heterogeneous"
 STEPS, TIME = "fixed H (algo.window=steps)", "time-bounded (algo.window=time)"

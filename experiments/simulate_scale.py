@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import add_output_arguments, markdown_table, write_result
 
-from diloco.outer.perf_model import SyncPlan, bandwidth_for  # noqa: E402
-from experiments.common import add_output_arguments, markdown_table, write_result  # noqa: E402
+from diloco.outer.perf_model import SyncPlan, bandwidth_for
 
 BACKWARD = 0.5  # share of a step an all-reduce hides behind
 METHODS = {

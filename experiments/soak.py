@@ -39,11 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from diloco.run_paths import RunPaths  # noqa: E402
-from diloco.train.logger import read_jsonl  # noqa: E402
-from experiments.common import (
+from common import (
     NO_MATPLOTLIB,
     RESULTS,
     add_output_arguments,
@@ -56,7 +52,10 @@ from experiments.common import (
     verdict,
     write_result,
 )
-from experiments.fault_tolerance import LOSS_TOLERANCE, Run, calibrate, curves, mean_curve, run_one
+from fault_tolerance import LOSS_TOLERANCE, Run, calibrate, curves, mean_curve, run_one
+
+from diloco.run_paths import RunPaths
+from diloco.train.logger import read_jsonl
 
 EXPERIMENT = "soak"
 FAULTY = "faulty"

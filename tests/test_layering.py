@@ -276,7 +276,7 @@ def test_the_launcher_leaves_fsdp_dtensor_and_dynamo_to_the_workers(tmp_path):
     heavy = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch._dynamo")
     probe = (
         "import sys; from diloco.launch.compose import compose_job; from diloco.run_paths import RunPaths; "
-        "from diloco.worker.entry import preflight; "
+        "from diloco.worker.builders import preflight; "
         f"preflight(compose_job([]), RunPaths({str(tmp_path)!r})); "
         f"print([m for m in {heavy!r} if m in sys.modules])"
     )

@@ -29,10 +29,10 @@ class AlgoConfig:
     # After each outer step a group keeps α of its own weights (0: DiLoCo's reset to θ_g). α
     # ramps linearly from 0 over the job's first ``alpha_warmup_steps`` inner steps (0: α from
     # the first round): early windows, whose pseudo-gradients are the largest, reset to the
-    # global model; later ones keep half their own, which the 5,000-step runs need (README).
+    # global model; later ones keep half their own, which the 5,000-step runs need (docs/results.md).
     # α is tuned for rounds of ``alpha_reference_groups`` groups (N); a round of M > N groups
     # averages a less noisy pseudo-gradient and keeps less of its own: α·(N/M)², which reaches
-    # DiLoCo's reset, tuned with eight workers, as M grows (README; 0: α whatever M).
+    # DiLoCo's reset, tuned with eight workers, as M grows (docs/results.md; 0: α whatever M).
     alpha: float = 0.5
     alpha_warmup_steps: int = 1000
     alpha_reference_groups: int = 2

@@ -286,6 +286,12 @@ class Lighthouse:
         with self._cond:
             return self._book.ended
 
+    def awaits_replacement(self, group: str) -> bool:
+        """Whether rounds wait for ``group``'s replacement: a recovery notice said so, and its wait has not run out."""
+        with self._cond:
+            held = self._book.awaited.get(group)
+            return held is not None and self._clock() < held[1]
+
     def served_end(self) -> bool:
         """The job ended and every group that had finished by then has been told."""
         with self._cond:

@@ -23,7 +23,7 @@ from diloco.launch.summary import build_summary, interrupted_summary
 from diloco.launch.supervisor import EventLog, Supervisor
 from diloco.run_paths import RunPaths
 from diloco.train.checkpoint import describe_checkpoints
-from diloco.worker.entry import preflight, resume_folders
+from diloco.worker.builders import preflight, resume_folders
 
 FAULT_HORIZON_S = 7 * 24 * 3600.0  # the plan outlasts any local run; firing stops when the job ends
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from diloco.launch.local_cluster import serving_pid
 
@@ -20,11 +21,13 @@ ASK_EVERY_S = 0.5
 class LighthouseWatch:
     """Asks ``url`` for /status every ``ASK_EVERY_S`` in a daemon thread. Silence is counted from
     the first question left unanswered, not from the last answer: a launcher that was itself
-    stopped for a while (SIGSTOP, a suspended laptop) asked nothing meanwhile and blames no one."""
+    stopped for a while (SIGSTOP, a suspended laptop) asked nothing meanwhile and blames no one.
+    ``clock`` (seconds) times the silence; a test moves its own by hand."""
 
-    def __init__(self, url: str, limit_s: float) -> None:
+    def __init__(self, url: str, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.url = url
         self.limit_s = limit_s
+        self._clock = clock
         self._answered_by: int | None = None  # the pid that answered the last question answered
         self._unanswered_since: float | None = None  # the first question unanswered since then
         self._watched_since: dict[int, float] = {}  # pid -> when the supervisor first asked about it
@@ -43,7 +46,7 @@ class LighthouseWatch:
     def hung_for(self, pid: int) -> float | None:
         """How long the lighthouse ``pid`` has left questions unanswered, once that is more than
         the limit (a ``pid`` that never answered: counted from the first question about it); else None."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             since = self._watched_since.setdefault(pid, now)
             if self._unanswered_since is None and self._answered_by == pid:
@@ -61,7 +64,7 @@ class LighthouseWatch:
         """A question went unanswered (refused, reset, or no answer within a second)."""
         with self._lock:
             if self._unanswered_since is None:
-                self._unanswered_since = time.monotonic()
+                self._unanswered_since = self._clock()
 
     def _ask_forever(self) -> None:
         while not self._stop.is_set():

@@ -6,6 +6,7 @@ pseudo-gradient Δ_p = θ_g,p − θ_l,p is all-reduced over the lane (launch); 
 average over contributing groups is the outer gradient, the group commits only if every
 rank succeeded, and θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p (apply). A failed round resets
 θ_l,p ← θ_g,p and leaves θ_g and the committed count as they were (DESIGN invariant 2).
+The arithmetic of each step is ``update``'s; this module decides when and with whom.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from diloco.outer.auto_overlap import N_MEASUREMENTS, AutoOverlap
 from diloco.outer.fragments import fragments_to_apply, fragments_to_launch, skip_target
 from diloco.outer.reduce import launch_reduce
 from diloco.outer.synchronizer import Synchronizer
+from diloco.outer.update import contribution_weight, outer_update, pseudo_gradient, reset_local
 from diloco.train.sync_hooks import OuterOutcome
 from outer_opt import MomentumWarmup
 
@@ -150,7 +152,7 @@ class OuterSync(Synchronizer):
     def load_global_into_local(self) -> None:
         """θ_l ← θ_g everywhere: the model to evaluate and save at the end is the global one."""
         for f in self.fragments:
-            self._reset_local(f)
+            reset_local(f.global_, f.local)
 
     def _after_heal(self) -> None:
         self.load_global_into_local()
@@ -197,12 +199,8 @@ class OuterSync(Synchronizer):
         started = time.perf_counter()
         self._round_starts()
         fragments = [self.fragments[p] for p in due]
-        with torch.no_grad():
-            deltas = [
-                torch.cat([(g - local.float().cpu()).flatten() for g, local in zip(f.global_, f.local)])
-                for f in fragments
-            ]
-        weights = [float(f.tokens_since_sync) if self.algo.weighting == "tokens" else 1.0 for f in fragments]
+        deltas = [pseudo_gradient(f.global_, f.local) for f in fragments]
+        weights = [contribution_weight(self.algo.weighting, f.tokens_since_sync) for f in fragments]
         flight = Flight(launch_step=step, fragments=fragments, deltas=deltas, weights=weights)
         if self.auto is not None:
             flight.measured = self.auto.measurements()
@@ -316,7 +314,7 @@ class OuterSync(Synchronizer):
             step = outcome.jump_to_step = healed.inner_step
         else:
             for fragment in flight.fragments:
-                self._reset_local(fragment)
+                reset_local(fragment.global_, fragment.local)
         sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
         outcome.metrics.update(self._record(flight.round, False, step, sync_ms))
 
@@ -354,32 +352,22 @@ class OuterSync(Synchronizer):
             if flight.weights[i] > 0:  # each fragment carries 1/P of the window's inner work
                 tokens = fragment.tokens_since_sync / self.algo.fragments
         else:
-            self._reset_local(fragment)
+            reset_local(fragment.global_, fragment.local)
         fragment.tokens_since_sync = 0
         sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
         return self._record(flight.round, committed, step, sync_ms, tokens)
 
-    @torch.no_grad()
     def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int, groups: int) -> None:
-        """θ_g,p ← OuterOpt(θ_g,p, Δ̄_p); then θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p, α = ``algo.mixing_alpha``."""
+        """``outer_update`` with this round's schedules: μ warmed up to the launch step, α(s, M).
+
+        Both read only the round's launch step and group count, which every group of the
+        round shares (a healing group joins its peers' round), so all groups step alike.
+        """
         if fragment.momentum_warmup is not None:
             fragment.momentum_warmup.apply(launch_step)
-        offset = 0
-        for g in fragment.global_:
-            g.grad = average[offset : offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
-        fragment.optimizer.step()
-        fragment.optimizer.zero_grad(set_to_none=True)
-        self._state_changed(fragment.index)
         alpha = self.algo.mixing_alpha(launch_step, groups)
-        for g, local in zip(fragment.global_, fragment.local):
-            new_global = g.to(local.device, non_blocking=True).to(local.dtype)
-            local.copy_(alpha * local + (1 - alpha) * new_global if alpha > 0 else new_global)
-
-    @torch.no_grad()
-    def _reset_local(self, fragment: Fragment) -> None:
-        for g, local in zip(fragment.global_, fragment.local):
-            local.copy_(g.to(local.device).to(local.dtype))
+        outer_update(fragment.global_, fragment.local, average, fragment.optimizer, alpha)
+        self._state_changed(fragment.index)
 
 
 def run_in_background(work: Callable[[], None], name: str) -> Future:

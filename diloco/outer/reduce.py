@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from diloco.outer.bandwidth import TokenBucket
 from diloco.outer.quantize import packed_nbytes, quantize, reduce_quantized
+from diloco.outer.update import weighted_mean
 
 
 @dataclass
@@ -77,7 +78,7 @@ def launch_reduce(
         work = lane.allreduce([buffer])
         pending = PendingReduce(
             work,
-            lambda: (_mean(buffer[:n], float(buffer[n])), buffer[n + 1 :]),
+            lambda: (weighted_mean(buffer[:n], float(buffer[n])), buffer[n + 1 :]),
             ring_allreduce_bytes(buffer.nbytes, size),
         )
     else:
@@ -92,15 +93,9 @@ def launch_reduce(
             tails = [g[cut:].view(torch.float32) for g in gathered]  # in rank order: the same sums everywhere
             total = sum(float(t[0]) for t in tails)
             summed = reduce_quantized([g[:cut] for g in gathered], fmt, delta.numel())
-            return _mean(summed, total), sum((t[1:] for t in tails), torch.zeros_like(extras))
+            return weighted_mean(summed, total), sum((t[1:] for t in tails), torch.zeros_like(extras))
 
         pending = PendingReduce(work, finish, (size - 1) * packed.nbytes)
     if bucket is not None:
         pending.bucket, pending.ready_at = bucket, bucket.reserve(pending.bytes_sent)
     return pending
-
-
-def _mean(summed: torch.Tensor, total_weight: float) -> torch.Tensor | None:
-    if total_weight <= 0:
-        return None
-    return summed / total_weight

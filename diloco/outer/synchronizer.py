@@ -299,6 +299,12 @@ class Synchronizer:
             own.update(_sha256(self.heal_state.extra))
         return self.manager.combine_digests(own.digest())
 
+    def fresh_digest(self) -> str:
+        """``group_digest`` hashed from scratch, no fragment's digest taken from the cache (which it
+        must always equal; a collective over the group too)."""
+        self._state_changed()
+        return self.group_digest()
+
     def _state_changed(self, fragment: int | None = None) -> None:
         """Forget the digest of ``fragment`` (of every fragment if None): its θ_g or outer state changed."""
         if fragment is None:

@@ -75,16 +75,17 @@ def load_corpus(cfg: DataConfig) -> TokenSplits:
     try:
         stat = os.stat(str(cfg.path))
     except OSError:
-        return _load_corpus(cfg)  # raises the DataError that names the path and the fix
+        return read_corpus(cfg)  # raises the DataError that names the path and the fix
     return _load_corpus_cached(cfg, (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns))
 
 
 @functools.lru_cache(maxsize=4)  # a job reads one corpus; a few entries bound what a long test session keeps
 def _load_corpus_cached(cfg: DataConfig, identity: tuple[int, ...] | None) -> TokenSplits:
-    return _load_corpus(cfg)
+    return read_corpus(cfg)
 
 
-def _load_corpus(cfg: DataConfig) -> TokenSplits:
+def read_corpus(cfg: DataConfig) -> TokenSplits:
+    """The configured corpus read from disk and split, every call anew (``load_corpus`` memoizes it)."""
     if cfg.corpus == "stdlib":
         stream = _join(_read(p) for p in stdlib_files())
     elif cfg.corpus == "text":

@@ -15,112 +15,37 @@ import math
 import os
 import signal
 import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from diloco import lifeline
 from diloco.config.base import ConfigError, to_dict
-from diloco.config.faults import FaultsConfig
 from diloco.config.job import GroupConfig, JobConfig, job_config_from_dict
 from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
 from diloco.files import write_atomically, write_json_atomically
-from diloco.ft.fault_requests import FaultHook
 from diloco.ft.manager import JobEndedError
-from diloco.outer.synchronizer import Synchronizer
 from diloco.process_logging import output_to, setup_process_logging
 from diloco.run_paths import RunPaths
-from diloco.train.checkpoint import check_compatible, rank_dir, resolve_resume, verify_rank
-from diloco.train.data import ShardedBatches, eval_batches, load_corpus, shard_windows
-from diloco.train.device import check_device, select_device
-from diloco.train.inner_opt import build_inner_optimizer
-from diloco.train.logger import MetricsLogger, rename_wandb_run, start_wandb
-from diloco.train.model import Transformer, count_parameters, meta_model, param_signature
-from diloco.train.trainer import CheckpointCallback, MetricsCallback, Trainer, TrainResult
+from diloco.train.checkpoint import check_compatible
+from diloco.train.device import select_device
+from diloco.train.logger import start_wandb
+from diloco.train.trainer import TrainResult
+from diloco.worker.builders import (
+    Replica,
+    build_replica,
+    build_trainer,
+    checkpoint_identity,
+    fault_hook,
+    metrics_logger,
+    resume_folders,
+)
 from diloco.worker.env import WorkerEnv
 from diloco.worker.outer_builder import build_outer_sync, group_name
 from diloco.worker.spares import SpareAssignmentError, wait_for_assignment
 from diloco.worker.state import WorkerState
-
-
-def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tuple[ShardedBatches, list]:
-    """This worker's training batches and evaluation batches; fails fast on bad data."""
-    splits = load_corpus(job.data)
-    t = job.trainer
-    batches = ShardedBatches(
-        splits.train,
-        seq_len=t.seq_len,
-        micro_batch_size=t.batch_size,
-        grad_accum=t.grad_accum,
-        group=group,
-        num_groups=job.cluster.groups,
-        worker=worker,
-        num_workers=num_workers,
-        seed=t.seed,
-    )
-    evals = eval_batches(
-        splits.val,
-        seq_len=t.seq_len,
-        batch_size=t.batch_size,
-        max_batches=t.eval_batches,
-        worker=worker,
-        num_workers=num_workers,
-    )
-    return batches, evals
-
-
-InnerOptimizer = tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
-
-
-def build_inner(job: JobConfig, model: torch.nn.Module) -> InnerOptimizer:
-    """The inner optimizer and its lr schedule; built before the outer synchronizer, which heals its state."""
-    return build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
-
-
-def build_trainer(
-    job: JobConfig,
-    model: torch.nn.Module,
-    *,
-    group: int,
-    worker: int,
-    num_workers: int,
-    device: torch.device,
-    inner: InnerOptimizer | None = None,
-    sharded: bool = False,
-    outer: Synchronizer | None = None,
-    on_metrics: MetricsCallback | None = None,
-    on_checkpoint: CheckpointCallback | None = None,
-    stop_requested: Callable[[], bool] | None = None,
-) -> Trainer:
-    """The inner loop of one worker, complete: optimizer, schedule and data for its place in the job.
-
-    ``inner`` is the optimizer ``outer`` was built with (``build_inner``); a new one otherwise.
-    ``outer`` is not started here: its owner starts and closes it around ``fit``.
-    """
-    optimizer, scheduler = inner if inner is not None else build_inner(job, model)
-    batches, evals = build_data(job, group, worker, num_workers)
-    return Trainer(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        batches=batches,
-        eval_set=evals,
-        cfg=job.trainer,
-        grad_clip=job.inner_opt.grad_clip,
-        device=device,
-        sharded=sharded,
-        on_metrics=on_metrics,
-        outer=outer,
-        on_checkpoint=on_checkpoint,
-        stop_requested=stop_requested,
-        pace=straggler_pace(job.faults, group),
-    )
 
 
 def refuse_finished_group(paths: RunPaths, group: int) -> None:
@@ -135,50 +60,6 @@ def refuse_finished_group(paths: RunPaths, group: int) -> None:
         )
 
 
-def preflight(job: JobConfig, paths: RunPaths) -> tuple[int, str]:
-    """Check, in the launching process, what would otherwise fail inside every worker.
-
-    Loads the data for every group (a missing or corrupt path, or a shard too small, is
-    reported before any process starts), checks the device exists and that every group has
-    a checkpoint of this job's shape to resume from; returns the model's parameter count and
-    signature.
-    """
-    check_device(job.cluster.device)
-    for group in range(job.cluster.groups):
-        build_data(job, group, 0, job.cluster.workers_per_group)
-    model = meta_model(job.model)
-    signature = param_signature(job.model, model)
-    if job.trainer.resume:
-        identity = checkpoint_identity(job, signature, job.cluster.workers_per_group)
-        for folder in resume_folders(job, paths).values():
-            check_compatible(folder, identity)
-            for rank in range(job.cluster.workers_per_group):
-                verify_rank(rank_dir(folder, rank))
-    return count_parameters(model), signature
-
-
-@dataclass
-class Replica:
-    """What every worker builds alike, whichever group it is in: a warm spare builds it before it knows its group."""
-
-    device: torch.device
-    model: torch.nn.Module
-    sharded: bool
-    inner: InnerOptimizer
-    n_params: int
-    signature: str
-
-
-def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device) -> Replica:
-    from diloco.worker.sharding import shard_model  # see run_worker
-
-    torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
-    model = Transformer(job.model).to(device)
-    n_params, signature = count_parameters(model), param_signature(job.model, model)
-    sharded = shard_model(model, model.layers, mesh, device)
-    return Replica(device, model, sharded, build_inner(job, model), n_params, signature)
-
-
 def run_worker(
     job: JobConfig, env: WorkerEnv, paths: RunPaths, started_at: float = 0.0, spare: int | None = None
 ) -> dict[str, Any]:
@@ -191,8 +72,8 @@ def run_worker(
     too, the slowest part of a start once torch is imported), then waits for the group it
     replaces, and from then on is that group's worker.
     """
-    # Imported here, not above: the launcher imports this module for ``preflight`` and would pay
-    # FSDP's imports (1 s) for nothing; a worker forked from the fork server finds them loaded.
+    # Imported here, not above: run.py imports this module for every role and would pay FSDP's
+    # imports (1 s) for nothing; a worker forked from the fork server finds them loaded.
     from diloco.worker.sharding import init_group
 
     setup_process_logging()
@@ -253,12 +134,12 @@ def _train_group(
             signature=signature,
             device=replica.device,
             commits_path=paths.commits(group),
-            faults=_fault_hook(job, paths, started_at),
+            faults=fault_hook(job, paths, started_at),
         )
     logger = None
     if leader:
         print(f"group {group}: model has {replica.n_params:,} parameters", flush=True)
-        logger = _metrics_logger(job, paths, wandb_run)
+        logger = metrics_logger(job, paths, wandb_run)
     state = WorkerState(
         model=model,
         inner_optimizer=inner[0],
@@ -307,28 +188,6 @@ def _train_group(
     return report
 
 
-def resume_folders(job: JobConfig, paths: RunPaths) -> dict[int, Path]:
-    """Each group's checkpoint folder for ``trainer.resume`` (see ``checkpoint.resolve_resume``)."""
-    search_dir = Path(job.trainer.checkpoint.search_dir)
-    return resolve_resume(job.trainer.resume, paths.root, search_dir, job.cluster.groups)
-
-
-def checkpoint_identity(job: JobConfig, signature: str, workers: int) -> dict[str, object]:
-    """What a checkpoint must share with the job resuming from it: each worker restores its own
-    shard, and each group reads on in the same stream of windows (other data would make the
-    saved read position mean other windows: the worker would refuse it, after the launcher started it)."""
-    train_tokens = load_corpus(job.data).train.numel()
-    return {
-        "signature": signature,
-        "groups": job.cluster.groups,
-        "workers": workers,
-        "algo": job.algo.name,
-        "fragments": job.algo.fragments,
-        "windows_per_group": shard_windows(train_tokens, job.cluster.groups, job.trainer.seq_len),
-        "data_seed": job.trainer.seed,
-    }
-
-
 def _stop_on_signals() -> threading.Event:
     """SIGTERM or SIGINT asks for a planned stop (after the current round, state saved); a second one stops at once."""
     stop = threading.Event()
@@ -343,25 +202,6 @@ def _stop_on_signals() -> threading.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, ask)
     return stop
-
-
-def _fault_hook(job: JobConfig, paths: RunPaths, started_at: float) -> FaultHook | None:
-    """Only a job that injects faults into workers has them read fault requests (none otherwise)."""
-    if not job.faults.in_workers:
-        return None
-    group = job.group.id
-    return FaultHook(paths.fault_requests(group), since=started_at, group=group_name(group))
-
-
-def _metrics_logger(job: JobConfig, paths: RunPaths, started: Any | None = None) -> MetricsLogger:
-    """The leader's metrics sink: the group's metrics file, and wandb when the logger config asks
-    for it (``started``: the run a warm spare started before it knew its group)."""
-    group = job.group.id
-    names = dict(member=f"group{group}", job_name=job.name, config=to_dict(job))
-    if started is not None:
-        rename_wandb_run(started, job.logger, **names)
-        return MetricsLogger(paths.metrics(group), started)
-    return MetricsLogger(paths.metrics(group), start_wandb(job.logger, run_dir=paths.root, **names))
 
 
 def saves_final_model(job: JobConfig, report: dict[str, Any]) -> bool:
@@ -429,12 +269,3 @@ def load_job(paths: RunPaths, group: int) -> JobConfig:
     raw = json.loads(paths.job.read_text())
     raw["group"] = {"id": group}
     return job_config_from_dict(raw)
-
-
-def straggler_pace(cfg: FaultsConfig, group: int) -> Callable[[float], None] | None:
-    """What the slow group does after each inner step of ``seconds``: sleep (slowdown − 1) times
-    as long, so it computes at its own pace and lends the machine to nobody (None elsewhere)."""
-    if group != cfg.slow_group or cfg.slowdown == 1:
-        return None
-    extra = cfg.slowdown - 1
-    return lambda seconds: time.sleep(extra * seconds)

@@ -23,6 +23,7 @@ from diloco.outer.ddp_sync import GradientSync
 from diloco.outer.diloco_sync import Fragment, OuterSync
 from diloco.outer.fragments import fragment_parameter_names
 from diloco.outer.synchronizer import Synchronizer
+from diloco.outer.update import global_copy
 from diloco.worker.env import WorkerEnv
 from outer_opt import MomentumWarmup, build_outer_optimizer
 
@@ -45,10 +46,7 @@ def build_fragments(job: JobConfig, model: nn.Module, device: torch.device) -> l
     fragments = []
     for index, fragment_names in enumerate(names):
         local = [local_tensor(params[n]).detach() for n in fragment_names]
-        global_ = []
-        for tensor in local:
-            copy = tensor.float().cpu().clone()
-            global_.append(nn.Parameter(copy.pin_memory() if device.type == "cuda" else copy))
+        global_ = global_copy(local, pin_memory=device.type == "cuda")
         optimizer = build_outer_optimizer(global_, job.outer_opt)
         warmup_steps = job.outer_opt.momentum_warmup_steps
         warmup = MomentumWarmup(optimizer, warmup_steps) if warmup_steps else None

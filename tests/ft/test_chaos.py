@@ -22,7 +22,7 @@ from diloco.launch.launcher import launch
 from diloco.launch.local_cluster import JobFailed, serving_pid, wait_until
 from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
-from diloco.worker.entry import preflight
+from diloco.worker.builders import preflight
 from tests.conftest import REPO, compose_job, process_exited
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from diloco.launch.local_cluster import LocalCluster, log_tail
 from diloco.launch.summary import state_losses
 from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
-from diloco.worker.entry import preflight
+from diloco.worker.builders import preflight
 from tests.conftest import NO_PROXY, compose_job
 
 pytestmark = pytest.mark.slow

@@ -182,7 +182,8 @@ def test_inconsistent_header_fields_are_refused(edit, match: str) -> None:
 # the transport's own raw tensors.
 
 TIMEOUT_S = 20.0
-DEAD_PEER_TIMEOUT_S = 5.0
+DEAD_PEER_TIMEOUT_S = 600.0  # far past run_pair's hang guard: a receiver that waited for it fails the test
+SILENCE_S = 3.0  # how long the silent sender stays silent, well past the receiver's 0.5 s
 
 
 def _roundtrip(rank: int, pg) -> str:
@@ -215,10 +216,9 @@ def _corrupt(rank: int, pg) -> str:
 def _refused_then_ok(rank: int, pg) -> str:
     tensors = mixed_tensors(scale=40)
     if rank == 0:
-        start = time.monotonic()
+        # The refusal itself, not "header verdict: timed out": the sender heard the verdict, not its deadline.
         with pytest.raises(TransferError, match="receiver refused the header"):
             send_state(pg, 1, StateBundle(tensors, {}), TIMEOUT_S)
-        assert time.monotonic() - start < TIMEOUT_S / 4, "the sender waited for its timeout"
         send_state(pg, 1, StateBundle(tensors, {"committed": 8}), TIMEOUT_S)
         with pytest.raises(TransferError, match="header: (timed out after 1 s|peer gone)"):  # never taken
             send_state(pg, 1, StateBundle(tensors, {}), 1.0)
@@ -234,12 +234,11 @@ def _refused_then_ok(rank: int, pg) -> str:
     return f"refused, then {got.meta}"
 
 
-def _timed_failure(src_pg, template: dict[str, torch.Tensor], timeout_s: float) -> str:
-    """Receive what must fail; report how long it took and why."""
-    start = time.monotonic()
+def _failure(src_pg, template: dict[str, torch.Tensor], timeout_s: float) -> str:
+    """Receive what must fail; report why."""
     with pytest.raises(TransferError) as caught:
         recv_state(src_pg, 0, template, timeout_s)
-    return f"{time.monotonic() - start:.3f} {caught.value}"
+    return str(caught.value)
 
 
 def _sender_dies(rank: int, pg) -> str:
@@ -252,14 +251,14 @@ def _sender_dies(rank: int, pg) -> str:
         transport._stream = die
         send_state(pg, 1, StateBundle(tensors, {}), TIMEOUT_S)
         raise AssertionError("unreachable")
-    return _timed_failure(pg, zeros_like(tensors), DEAD_PEER_TIMEOUT_S)
+    return _failure(pg, zeros_like(tensors), DEAD_PEER_TIMEOUT_S)
 
 
 def _sender_silent(rank: int, pg) -> str:
     if rank == 0:
-        time.sleep(1.0)  # alive but never sends: only the receiver's deadline ends this
+        time.sleep(SILENCE_S)  # alive but never sends: only the receiver's deadline ends this
         return "silent"
-    return _timed_failure(pg, {"a": torch.zeros(3)}, 0.5)
+    return _failure(pg, {"a": torch.zeros(3)}, 0.5)
 
 
 SCENARIOS = {
@@ -286,7 +285,9 @@ def _child(rank: int, port: int, scenario: str, results) -> None:
 
 
 def run_pair(scenario: str, expect: tuple[int, ...] = (0, 1), limit_s: float = 60.0) -> dict[int, str]:
-    """Spawn rank 0 (sender) and rank 1 (receiver); the store lives here, so either may die."""
+    """Spawn rank 0 (sender) and rank 1 (receiver); the store lives here, so either may die.
+
+    Each rank's result, in the order they arrived; ``limit_s`` is a hang guard, not a measurement."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -331,14 +332,16 @@ def test_refused_header_tells_the_sender_at_once_and_leaves_the_lane_usable() ->
 
 
 @pytest.mark.slow
-def test_sender_dying_after_header_fails_the_receiver_within_its_timeout() -> None:
-    elapsed, message = run_pair("dies", expect=(1,))[1].split(" ", 1)
-    assert float(elapsed) < DEAD_PEER_TIMEOUT_S + 1.0, message
-    assert "payload chunk 1/" in message, message
+def test_sender_dying_after_header_fails_the_receiver_long_before_its_timeout() -> None:
+    """The lost peer itself ends the wait: the receiver's 600 s timeout would outlast run_pair's hang guard."""
+    message = run_pair("dies", expect=(1,))[1]
+    assert "payload chunk 1/" in message and "peer gone" in message, message
 
 
 @pytest.mark.slow
 def test_silent_sender_times_out_the_receiver() -> None:
-    elapsed, message = run_pair("silent")[1].split(" ", 1)
-    assert 0.4 < float(elapsed) < 2.0, message
-    assert "size prefix: timed out after 0.5 s" in message, message
+    """The receiver gives up on its own deadline ("timed out" is said only once it passed) while the
+    sender is still silent: its result arrives first."""
+    got = run_pair("silent")
+    assert list(got) == [1, 0], got
+    assert "size prefix: timed out after 0.5 s" in got[1], got[1]

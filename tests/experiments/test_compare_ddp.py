@@ -10,11 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
-
-from diloco.run_paths import RunPaths
-from diloco.train.model import count_parameters, meta_model
-from experiments.common import NO_MATPLOTLIB, compose_job
-from experiments.compare_ddp import (
+from common import NO_MATPLOTLIB, compose_job
+from compare_ddp import (
     CONFIG_FILE,
     CONFIGS,
     EXPERIMENT,
@@ -26,6 +23,9 @@ from experiments.compare_ddp import (
     table,
     targets,
 )
+
+from diloco.run_paths import RunPaths
+from diloco.train.model import count_parameters, meta_model
 from tests.conftest import compose_job as compose_like_run_py
 from tests.conftest import run_experiment
 

@@ -1,4 +1,4 @@
-"""A multi-host job on loopback, run as its README section says: a lighthouse and each group
+"""A multi-host job on loopback, run as docs/fault-tolerance.md ("Many hosts") says: a lighthouse and each group
 under torchrun as separate commands sharing one run directory; the lighthouse writes the job's
 summary.json once it ends (``role=summary`` writes the same from the directory afterwards)."""
 

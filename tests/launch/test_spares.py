@@ -3,6 +3,7 @@ rules for taking a spare and refilling the pool (a real LocalCluster with stand-
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -132,10 +133,10 @@ def supervise_spares(tmp_path: Path, spares: int, backoff_s: float = 60.0, max_r
         tmp_path, {0: running(), 2: running()}, max_restarts=max_restarts, backoff_s=backoff_s, spares=spares
     )
     cluster = supervisor.cluster
+    indexes = itertools.count()  # numbered in start order and never reused, as LocalCluster numbers its own
 
     def start_spare() -> Spare:
-        cluster.spares.append(stand_in_spare(cluster, cluster._spares_started))
-        cluster._spares_started += 1
+        cluster.spares.append(stand_in_spare(cluster, next(indexes)))
         return cluster.spares[-1]
 
     cluster.start_spare = start_spare

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from heterogeneous import STEPS, TIME, Run, load_run, numbers, table, targets, time_bounded_steps
 
-from experiments.heterogeneous import STEPS, TIME, Run, load_run, numbers, table, targets, time_bounded_steps
 from tests.conftest import run_experiment
 
 TOKENS_PER_STEP = 1024

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from fault_tolerance import load_run
 
-from experiments.fault_tolerance import load_run
 from tests.canned_runs import canned_run, commit_record, write_jsonl
 from tests.conftest import run_experiment
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import bench_overhead
+import bench_restart
+import bench_sync
 import pytest
+from common import compose_job
 
-from experiments import bench_overhead, bench_restart, bench_sync
-from experiments.common import compose_job
 from tests.conftest import run_experiment
 
 TIMEOUT_S = 240

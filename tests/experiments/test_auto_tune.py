@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from auto_tune import link_name, numbers, table, verdict_line
 
-from experiments.auto_tune import link_name, numbers, table, verdict_line
 from tests.conftest import run_experiment
 
 

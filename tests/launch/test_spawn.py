@@ -20,7 +20,7 @@ from diloco.launch.spawn import ForkedProcess, ForkServer, WorkerSpec, become_su
 from diloco.lifeline import Lifeline
 from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
-from diloco.worker.entry import preflight
+from diloco.worker.builders import preflight
 from diloco.worker.env import WorkerEnv
 from tests.conftest import FAST, REPO, compose_job, process_exited
 

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import signal
-import time
 
 from diloco.exits import JOB_ENDED_EXIT_CODE
 from diloco.launch.lighthouse_watch import LighthouseWatch
 from diloco.launch.local_cluster import crash_report, last_exception
 from diloco.train.logger import read_jsonl
 from tests.stand_ins import exited, running, supervise
+
+
+class FakeClock:
+    """A clock that stands still until the test sets ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def test_a_group_refused_because_the_job_ended_is_left_behind_and_nothing_restarts(tmp_path):
@@ -53,24 +62,29 @@ def test_a_lighthouse_that_exited_0_ended_the_job_and_a_group_killed_then_is_not
 
 def test_a_lighthouse_silent_past_its_limit_is_killed_and_restarted_and_one_that_answers_is_not(tmp_path):
     """A hung lighthouse is alive to poll(): only its silence on /status tells (here the test says
-    what the watch heard; its own thread asks a real lighthouse in test_chaos)."""
+    what the watch heard, and moves the watch's clock; its own thread asks a real lighthouse in test_chaos)."""
     answering, hung = running(), running()
-    watch = LighthouseWatch("http://127.0.0.1:9", limit_s=0.5)  # never started
+    clock = FakeClock()
+    watch = LighthouseWatch("http://127.0.0.1:9", limit_s=0.5, clock=clock)  # never started
     supervisor = supervise(tmp_path, {g: running() for g in range(3)}, lighthouse=answering, lighthouse_watch=watch)
     try:
         watch.heard_from(answering.pid)
-        time.sleep(0.6)  # no question asked meanwhile (the launcher itself was stopped): no silence
-        supervisor.check(now=1.0)
+        for now in (1.0, 2.0):  # no question asked meanwhile (the launcher itself was stopped): no silence
+            clock.now = now
+            supervisor.check(now=now)
         assert supervisor.cluster.lighthouse is answering and answering.poll() is None
         supervisor.cluster.lighthouse = hung  # never answers
         watch.unanswered()
-        supervisor.check(now=1.5)  # silent, but not for long
-        time.sleep(0.6)
-        supervisor.check(now=2.0)
+        supervisor.check(now=2.0)  # silent since now
+        clock.now = 2.5
+        supervisor.check(now=2.5)  # silent for the limit, not past it
+        assert hung.poll() is None and not supervisor.cluster.started
+        clock.now = 3.0
+        supervisor.check(now=3.0)
         assert hung.poll() == -signal.SIGKILL and supervisor.cluster.started == ["lighthouse"]
         events = read_jsonl(supervisor.cluster.paths.events)
         assert [e["kind"] for e in events] == ["lighthouse_hung", "lighthouse_crash", "lighthouse_restart"], events
-        assert events[0]["silent_s"] >= 0.5
+        assert events[0]["silent_s"] == 1.0, "silent from the first question unanswered"
     finally:
         answering.kill()
         supervisor.cluster.stop()

@@ -15,8 +15,8 @@ from hydra.errors import ConfigCompositionException
 
 from diloco.config.base import ConfigError, to_dict
 from diloco.config.job import JobConfig, job_config_from_dict
+from diloco.launch.compose import compose_raw, output_folder_problem
 from diloco.launch.local_cluster import free_port
-from run import compose_raw, output_folder_problem
 from tests.conftest import CONF_DIR, FAST, REPO, compose_job
 
 
@@ -135,6 +135,7 @@ def test_every_key_is_overridable_without_a_plus():
         ["cluster.groups=4", "+experiment=compare_ddp"],  # a value before a selection; an interpolation follows it
         ["model=mini", "algo=streaming", "algo.fragments=2", "inner_opt.betas=[0.8,0.9]", "data.path=null"],
         ["faults=soak", "cluster.groups=3", "faults.kill_every=2.5", "logger=none", "trainer.resume=''"],
+        ["++trainer.seed=3", "++model.vocab_size=256", "~trainer.resume", "+algo={sync_every:10}"],
     ],
 )
 def test_the_shortcut_composes_as_hydra_does(overrides):

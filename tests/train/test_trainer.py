@@ -6,7 +6,7 @@ import torch
 
 from diloco.train.model import Transformer
 from diloco.train.trainer import Trainer
-from diloco.worker.entry import build_trainer
+from diloco.worker.builders import build_trainer
 from tests.conftest import compose_job
 
 

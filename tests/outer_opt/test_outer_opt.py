@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import yaml
@@ -21,8 +19,9 @@ from outer_opt import (
     register,
 )
 from outer_opt import registry as registry_module
+from tests.conftest import CONF_DIR
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "outer_opt"
+CONF = CONF_DIR / "outer_opt"
 SHAPES = [(4, 3), (5,), (2, 2, 2)]
 
 

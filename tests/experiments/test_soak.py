@@ -11,10 +11,10 @@ import json
 import re
 
 import pytest
+from common import compose_job
+from fault_tolerance import load_run
+from soak import EXPERIMENT, digest_mismatches, numbers, table, targets
 
-from experiments.common import compose_job
-from experiments.fault_tolerance import load_run
-from experiments.soak import EXPERIMENT, digest_mismatches, numbers, table, targets
 from tests.canned_runs import canned_run, commit_record, write_jsonl
 from tests.conftest import compose_job as compose_like_run_py
 from tests.conftest import run_experiment

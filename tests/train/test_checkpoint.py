@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from diloco.launch.launcher import launch
 from diloco.launch.local_cluster import wait_until
 from diloco.run_paths import RunPaths
 from diloco.train.checkpoint import (
+    COMPLETE,
     CheckpointError,
     check_compatible,
     group_dir,
@@ -33,7 +33,7 @@ from diloco.train.checkpoint import (
     step_dir,
 )
 from diloco.train.model import meta_model, param_signature
-from diloco.worker.entry import checkpoint_identity, preflight
+from diloco.worker.builders import checkpoint_identity, preflight
 from tests.conftest import REPO, compose_job
 
 TENSORS = {"model.w": torch.arange(6.0).view(2, 3), "inner.0.step": torch.tensor(7.0)}
@@ -122,11 +122,9 @@ def test_resume_takes_each_groups_newest_whole_checkpoint_of_a_run(tmp_path):
 def test_resume_latest_is_the_run_with_the_newest_whole_checkpoint_but_this_one(tmp_path):
     outputs = tmp_path / "outputs"
     older, newer, this = outputs / "a" / "r1", outputs / "b" / "r2", outputs / "b" / "r3"
-    _save_group(older, 0, 90)
-    time.sleep(0.05)
-    _save_group(newer, 0, 10)
-    time.sleep(0.05)
-    _save_group(this, 0, 50)
+    for order, (run, step) in enumerate([(older, 90), (newer, 10), (this, 50)]):
+        marker = _save_group(run, 0, step) / COMPLETE
+        os.utime(marker, (1e9 + order, 1e9 + order))  # written in this order, whatever the clock's resolution
     assert resolve_resume("latest", this, outputs, 1) == {0: group_dir(step_dir(newer, 10), 0)}
     with pytest.raises(CheckpointError, match="trainer.resume=latest: no run under"):
         resolve_resume("latest", this, tmp_path / "empty", 1)

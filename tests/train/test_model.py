@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +21,9 @@ from diloco.train.model import (
     param_signature,
     rotary_tables,
 )
+from tests.conftest import CONF_DIR
 
-PRESETS = Path(__file__).resolve().parents[1] / "conf" / "model"
+PRESETS = CONF_DIR / "model"
 TINY = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
 
 

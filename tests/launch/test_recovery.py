@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import pytest
 
@@ -110,6 +109,11 @@ def test_a_replacement_alive_but_late_at_the_bound_is_left_to_the_join_rule():
 
 
 # -- the planner ---------------------------------------------------------------------------------
+def healthy(lighthouse: Lighthouse) -> set[str]:
+    """The groups the lighthouse counts as alive, as its /status shows them."""
+    return {g["id"] for g in lighthouse.status()["groups"] if g["healthy"]}
+
+
 def test_the_planner_measures_the_window_learns_start_times_and_tells_the_lighthouse(tmp_path):
     job = compose_job(["logger=none", "cluster.groups=3"])
     paths = RunPaths(tmp_path)
@@ -123,18 +127,18 @@ def test_the_planner_measures_the_window_learns_start_times_and_tells_the_lighth
             lighthouse.url, token="", job_id=job.name, signature="sig", group="group1", connect_timeout_s=5
         )
         client.heartbeat(0, 0)
-        assert "group1" in lighthouse._book.healthy(time.monotonic())
+        assert "group1" in healthy(lighthouse)
         planner = RecoveryPlanner(job, paths, "sig")
         fresh = planner.plan(1, 20.0, spare=False, delay_s=1.0, alive=[0, 1, 2])
         assert fresh["window_s"] == 2.0 and fresh["survivors"] == 2 and fresh["replacement"] == "fork"
         assert fresh["ready_s"] == 1.0 + FIRST_GUESS_READY_S["fork"] and fresh["lighthouse_told"]
         assert fresh["choice"] == "go_on" and fresh["wait_s"] == 0.0  # 1.5 s > 2 / √2
-        assert "group1" not in lighthouse._book.healthy(time.monotonic()), "gone: rounds stop waiting for it"
+        assert "group1" not in healthy(lighthouse), "gone: rounds stop waiting for it"
         write_jsonl(paths.commits(1), [{"time": 21.5, "asked_at": 21.3, "committed": False}])
         spare = planner.plan(1, 30.0, spare=True, delay_s=0.0, alive=[0, 2])
         assert planner.measured["fork"] == [pytest.approx(0.3)], "asked 1.3 s after the death, 1 s of it backoff"
         assert spare["choice"] == "wait" and spare["wait_s"] == pytest.approx(0.1 + job.cluster.timeouts.recovery)
-        assert "group1" in lighthouse._book.awaited
+        assert lighthouse.awaits_replacement("group1")
     forced = RecoveryPlanner(compose_job(["logger=none", "cluster.recovery=wait"]), paths, "sig")
     told = forced.plan(1, 40.0, spare=False, delay_s=1.0, alive=[0, 2])
     assert told["choice"] == "wait" and not told["lighthouse_told"], "no lighthouse there: told nothing"

@@ -19,7 +19,7 @@ from diloco.train.inner_opt import build_inner_optimizer
 from diloco.train.logger import read_jsonl
 from diloco.train.model import Transformer
 from tests.conftest import compose_job
-from tests.test_outer import BASE, lighthouse_for, mock_inner_step, outer_for, run_threads
+from tests.outer.test_outer import BASE, lighthouse_for, mock_inner_step, outer_for, run_threads
 
 
 # -- the token bucket ---------------------------------------------------------------------------

@@ -10,10 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import diloco.train.data as data_module
 from diloco.config.base import ConfigError
 from diloco.config.data import DataConfig
-from diloco.train.data import ByteTokenizer, DataError, ShardedBatches, eval_batches, load_corpus, stdlib_files
+from diloco.train import data as data_module
+from diloco.train.data import (
+    ByteTokenizer,
+    DataError,
+    ShardedBatches,
+    eval_batches,
+    load_corpus,
+    read_corpus,
+    stdlib_files,
+)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +98,7 @@ def test_stdlib_corpus_loads_deterministically(stdlib_splits):
     assert s.train.dtype == torch.uint8 and s.train.dim() == 1
     assert s.train.numel() > 1_000_000
     assert 0 < s.val.numel() < s.train.numel()
-    again = data_module._load_corpus(DataConfig())  # a second read from disk, not the memoized splits
+    again = read_corpus(DataConfig())  # a second read from disk, not the memoized splits
     assert again is not s and torch.equal(s.train, again.train) and torch.equal(s.val, again.val)
     assert load_corpus(DataConfig()) is load_corpus(DataConfig())  # memoized for forked workers
 

@@ -1,0 +1,169 @@
+"""What ``python run.py`` does with a composed job, per ``role``: launch it here (``local``), serve
+its lighthouse, be one worker of a group, summarize a multi-host run, or use a trained model.
+
+``run.py`` hands over plain values only (the composed dict, hydra's output folder, in a ``-m``
+sweep which job this is, and the environment a group's worker reads torchrun's ranks from), so
+this module needs no hydra and reads no hidden input; the files kept in hydra's formats are
+``compose``'s.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from diloco.config.base import ConfigError
+from diloco.config.job import JobConfig, job_config_from_dict
+from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
+from diloco.files import OutputError, write_json_atomically
+from diloco.ft.lighthouse import serve_forever
+from diloco.ft.manager import JobEndedError, MembershipError
+from diloco.launch.compose import SweepJobFailed, load_saved_config, to_yaml, write_sweep_table
+from diloco.launch.inference import evaluate_checkpoint, locate_weights, sample_text
+from diloco.launch.launcher import JobInterrupted, launch, run_dir_claimed
+from diloco.launch.local_cluster import JobFailed
+from diloco.launch.outcome import group_outcome
+from diloco.launch.progress import say
+from diloco.launch.summary import summarize_after_the_end, summarize_finished_run
+from diloco.run_paths import RunPaths
+from diloco.train.data import DataError
+from diloco.worker.entry import refuse_finished_group, run_worker
+from diloco.worker.env import WorkerEnv
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    """One job of a ``-m`` sweep, as hydra names it: the sweep's folder (as given), the job's
+    number and its overrides joined into a folder-like name."""
+
+    dir: str
+    num: int
+    override_dirname: str
+
+
+def run_role(raw: dict[str, Any], output_dir: Path, sweep: SweepJob | None, environ: Mapping[str, str]) -> float | None:
+    """Run the job ``raw`` composes in hydra's ``output_dir``; the objective a sweeper minimises
+    (the final eval loss) or None. A failure exits 1 with its reason, or in a sweep raises
+    ``SweepJobFailed`` so hydra runs the other jobs."""
+    paths = RunPaths(output_dir)
+    if sweep:
+        name_sweep_job(raw, sweep)
+    try:
+        job = job_config_from_dict(raw)
+        if job.role == "group":
+            refuse_finished_group(paths, job.group.id)
+        if job.role not in ("summary", "local"):  # the summary reads a run; the launcher claims its directory first
+            (paths.root / "config.yaml").write_text(to_yaml(raw))
+        if job.role == "group":
+            run_group(job, paths, WorkerEnv.from_environ(environ))
+        if job.role in ("eval", "sample"):
+            return use_trained_model(job, paths)
+        if job.role == "lighthouse":
+            serve_forever(job.cluster.lighthouse, job.cluster.quorum_rules(), job.name)
+            if not paths.all_commits():  # its own run directory, not the one the groups share
+                return None
+            summary = summarize_after_the_end(job, paths, wait_s=job.cluster.timeouts.end)
+        elif job.role == "summary":
+            summary = summarize_finished_run(job, paths)
+        else:
+            with run_dir_claimed(paths):
+                (paths.root / "config.yaml").write_text(to_yaml(raw))
+                summary = launch(job, paths.root)
+    except (ConfigError, DataError, OutputError) as error:
+        fail(f"error: {error}", sweep)
+    except JobFailed as error:
+        fail(f"job failed: {error}", sweep)
+    except JobInterrupted as stopped:
+        sys.exit(str(stopped))
+    except KeyboardInterrupt:
+        sys.exit("interrupted: all workers stopped")
+    finally:
+        if sweep:
+            write_sweep_table(Path(sweep.dir))
+    for loss in summary.get("state_lost", []):  # the model is still the job's, but steps were trained twice
+        say(
+            f"warning: every group holding round {loss['lost_round']} (inner step {loss['lost_step']}) died "
+            f"before another took its state; the job went on from inner step {loss['went_on_from_step']}, "
+            "the best state that survived",
+            sys.stdout,
+        )
+    say(
+        f"{'done' if summary['ok'] else 'failed'}: eval loss {summary['final_eval_loss']:.4f} "
+        f"(ppl {summary['final_eval_ppl']:.2f}), {summary['tokens_seen']:,} tokens in {summary['wall_seconds']:.0f}s; "
+        f"summary in {paths.summary}",
+        sys.stdout,
+    )
+    if not summary["ok"] and job.role != "lighthouse":  # a lighthouse's exit 0 says only that the job ended
+        fail(f"job failed: {summary['failure']}", sweep)
+    return summary["final_eval_loss"]
+
+
+def fail(message: str, sweep: SweepJob | None) -> NoReturn:
+    """End a failed job: exit 1 with ``message``; in a sweep, say it now and let the sweep go on."""
+    if not sweep:
+        sys.exit(message)
+    say(f"sweep job {sweep.num}: {message}", sys.stderr)
+    raise SweepJobFailed(message.splitlines()[0])
+
+
+def name_sweep_job(raw: dict[str, Any], sweep: SweepJob) -> None:
+    """In a ``-m`` sweep, group every job's wandb runs by the sweep and name them by the job's
+    overrides (unless ``logger.group`` / ``logger.name`` say otherwise)."""
+    logger = raw.setdefault("logger", {})
+    logger["group"] = logger.get("group") or f"{raw.get('name', 'diloco')} sweep {sweep.dir}"
+    logger["name"] = logger.get("name") or sweep.override_dirname or f"job{sweep.num}"
+
+
+def use_trained_model(job: JobConfig, paths: RunPaths) -> float | None:
+    """``role=eval``: the loss of ``checkpoint``'s model on the data options' held-out windows
+    (also in eval.json); ``role=sample``: text continuing ``sample.prompt``."""
+    weights, run_dir = locate_weights(job.checkpoint)
+    trained = trained_job_config(run_dir, job)
+    if job.role == "sample":
+        print(sample_text(job, weights, trained))
+        return None
+    record = evaluate_checkpoint(job, weights, trained)
+    write_json_atomically(paths.root / "eval.json", record)
+    say(
+        f"eval loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.2f}) on {record['tokens']:,} held-out "
+        f"tokens of {job.data.corpus}; {weights}",
+        sys.stdout,
+    )
+    return record["eval_loss"]
+
+
+def trained_job_config(run_dir: Path, job: JobConfig) -> JobConfig:
+    """The job that trained a model (its shape, its algorithm): from the config.yaml its run
+    wrote, else the command line's."""
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return job
+    return job_config_from_dict(load_saved_config(saved))
+
+
+def run_group(job: JobConfig, paths: RunPaths, env: WorkerEnv) -> NoReturn:
+    """One worker of a multi-host job's group: exits 0 only if the group ends holding the job's final model."""
+    try:
+        report = run_worker(job, env, paths)
+    except (MembershipError, OutputError) as error:
+        too_late = isinstance(error, JobEndedError)  # an orchestrator need not restart it
+        exit_without_teardown(JOB_ENDED_EXIT_CODE if too_late else 1, f"error: {error}")
+    if report.get("interrupted"):
+        where = paths.interrupted_weights(job.group.id)
+        exit_without_teardown(
+            INTERRUPTED_EXIT_CODE, f"interrupted (planned stop): round {report.get('rounds')}'s global model in {where}"
+        )
+    problem = group_outcome(report, job.algo.name)
+    exit_without_teardown(1 if problem else 0, problem and f"job failed: {problem}")
+
+
+def exit_like(stop: SystemExit | None) -> NoReturn:
+    """Exit as ``stop`` says (None: 0; a message: printed, 1), skipping the half second torch's
+    interpreter teardown takes once everything is written."""
+    code = None if stop is None else stop.code
+    if code is None or isinstance(code, int):
+        exit_without_teardown(code or 0)
+    exit_without_teardown(1, str(code))

@@ -1,0 +1,198 @@
+"""The builders that wire one worker's parts: data, inner optimizer, replica, trainer, fault hook and
+metrics sink, each from the job config and the worker's place in its group; and the launcher's
+preflight, which builds what every worker would before any process starts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from diloco.config.base import to_dict
+from diloco.config.faults import FaultsConfig
+from diloco.config.job import JobConfig
+from diloco.ft.fault_requests import FaultHook
+from diloco.outer.synchronizer import Synchronizer
+from diloco.run_paths import RunPaths
+from diloco.train.checkpoint import check_compatible, rank_dir, resolve_resume, verify_rank
+from diloco.train.data import ShardedBatches, eval_batches, load_corpus, shard_windows
+from diloco.train.device import check_device
+from diloco.train.inner_opt import build_inner_optimizer
+from diloco.train.logger import MetricsLogger, rename_wandb_run, start_wandb
+from diloco.train.model import Transformer, count_parameters, meta_model, param_signature
+from diloco.train.trainer import CheckpointCallback, MetricsCallback, Trainer
+from diloco.worker.outer_builder import group_name
+
+
+def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tuple[ShardedBatches, list]:
+    """This worker's training batches and evaluation batches; fails fast on bad data."""
+    splits = load_corpus(job.data)
+    t = job.trainer
+    batches = ShardedBatches(
+        splits.train,
+        seq_len=t.seq_len,
+        micro_batch_size=t.batch_size,
+        grad_accum=t.grad_accum,
+        group=group,
+        num_groups=job.cluster.groups,
+        worker=worker,
+        num_workers=num_workers,
+        seed=t.seed,
+    )
+    evals = eval_batches(
+        splits.val,
+        seq_len=t.seq_len,
+        batch_size=t.batch_size,
+        max_batches=t.eval_batches,
+        worker=worker,
+        num_workers=num_workers,
+    )
+    return batches, evals
+
+
+InnerOptimizer = tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
+
+
+def build_inner(job: JobConfig, model: torch.nn.Module) -> InnerOptimizer:
+    """The inner optimizer and its lr schedule; built before the outer synchronizer, which heals its state."""
+    return build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
+
+
+def build_trainer(
+    job: JobConfig,
+    model: torch.nn.Module,
+    *,
+    group: int,
+    worker: int,
+    num_workers: int,
+    device: torch.device,
+    inner: InnerOptimizer | None = None,
+    sharded: bool = False,
+    outer: Synchronizer | None = None,
+    on_metrics: MetricsCallback | None = None,
+    on_checkpoint: CheckpointCallback | None = None,
+    stop_requested: Callable[[], bool] | None = None,
+) -> Trainer:
+    """The inner loop of one worker, complete: optimizer, schedule and data for its place in the job.
+
+    ``inner`` is the optimizer ``outer`` was built with (``build_inner``); a new one otherwise.
+    ``outer`` is not started here: its owner starts and closes it around ``fit``.
+    """
+    optimizer, scheduler = inner if inner is not None else build_inner(job, model)
+    batches, evals = build_data(job, group, worker, num_workers)
+    return Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        batches=batches,
+        eval_set=evals,
+        cfg=job.trainer,
+        grad_clip=job.inner_opt.grad_clip,
+        device=device,
+        sharded=sharded,
+        on_metrics=on_metrics,
+        outer=outer,
+        on_checkpoint=on_checkpoint,
+        stop_requested=stop_requested,
+        pace=straggler_pace(job.faults, group),
+    )
+
+
+def preflight(job: JobConfig, paths: RunPaths) -> tuple[int, str]:
+    """Check, in the launching process, what would otherwise fail inside every worker.
+
+    Loads the data for every group (a missing or corrupt path, or a shard too small, is
+    reported before any process starts), checks the device exists and that every group has
+    a checkpoint of this job's shape to resume from; returns the model's parameter count and
+    signature.
+    """
+    check_device(job.cluster.device)
+    for group in range(job.cluster.groups):
+        build_data(job, group, 0, job.cluster.workers_per_group)
+    model = meta_model(job.model)
+    signature = param_signature(job.model, model)
+    if job.trainer.resume:
+        identity = checkpoint_identity(job, signature, job.cluster.workers_per_group)
+        for folder in resume_folders(job, paths).values():
+            check_compatible(folder, identity)
+            for rank in range(job.cluster.workers_per_group):
+                verify_rank(rank_dir(folder, rank))
+    return count_parameters(model), signature
+
+
+@dataclass
+class Replica:
+    """What every worker builds alike, whichever group it is in: a warm spare builds it before it knows its group."""
+
+    device: torch.device
+    model: torch.nn.Module
+    sharded: bool
+    inner: InnerOptimizer
+    n_params: int
+    signature: str
+
+
+def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device) -> Replica:
+    from diloco.worker.sharding import shard_model  # lazily: the launcher imports this module for preflight
+
+    torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
+    model = Transformer(job.model).to(device)
+    n_params, signature = count_parameters(model), param_signature(job.model, model)
+    sharded = shard_model(model, model.layers, mesh, device)
+    return Replica(device, model, sharded, build_inner(job, model), n_params, signature)
+
+
+def resume_folders(job: JobConfig, paths: RunPaths) -> dict[int, Path]:
+    """Each group's checkpoint folder for ``trainer.resume`` (see ``checkpoint.resolve_resume``)."""
+    search_dir = Path(job.trainer.checkpoint.search_dir)
+    return resolve_resume(job.trainer.resume, paths.root, search_dir, job.cluster.groups)
+
+
+def checkpoint_identity(job: JobConfig, signature: str, workers: int) -> dict[str, object]:
+    """What a checkpoint must share with the job resuming from it: each worker restores its own
+    shard, and each group reads on in the same stream of windows (other data would make the
+    saved read position mean other windows: the worker would refuse it, after the launcher started it)."""
+    train_tokens = load_corpus(job.data).train.numel()
+    return {
+        "signature": signature,
+        "groups": job.cluster.groups,
+        "workers": workers,
+        "algo": job.algo.name,
+        "fragments": job.algo.fragments,
+        "windows_per_group": shard_windows(train_tokens, job.cluster.groups, job.trainer.seq_len),
+        "data_seed": job.trainer.seed,
+    }
+
+
+def fault_hook(job: JobConfig, paths: RunPaths, started_at: float) -> FaultHook | None:
+    """Only a job that injects faults into workers has them read fault requests (none otherwise)."""
+    if not job.faults.in_workers:
+        return None
+    group = job.group.id
+    return FaultHook(paths.fault_requests(group), since=started_at, group=group_name(group))
+
+
+def metrics_logger(job: JobConfig, paths: RunPaths, started: Any | None = None) -> MetricsLogger:
+    """The leader's metrics sink: the group's metrics file, and wandb when the logger config asks
+    for it (``started``: the run a warm spare started before it knew its group)."""
+    group = job.group.id
+    names = dict(member=f"group{group}", job_name=job.name, config=to_dict(job))
+    if started is not None:
+        rename_wandb_run(started, job.logger, **names)
+        return MetricsLogger(paths.metrics(group), started)
+    return MetricsLogger(paths.metrics(group), start_wandb(job.logger, run_dir=paths.root, **names))
+
+
+def straggler_pace(cfg: FaultsConfig, group: int) -> Callable[[float], None] | None:
+    """What the slow group does after each inner step of ``seconds``: sleep (slowdown − 1) times
+    as long, so it computes at its own pace and lends the machine to nobody (None elsewhere)."""
+    if group != cfg.slow_group or cfg.slowdown == 1:
+        return None
+    extra = cfg.slowdown - 1
+    return lambda seconds: time.sleep(extra * seconds)
