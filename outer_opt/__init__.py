@@ -6,8 +6,9 @@ their gradient. ``import outer_opt`` registers the built-ins (``available()`` li
 """
 
 from outer_opt import optimizers as _builtins  # noqa: F401  (registers the built-in optimizers)
+from outer_opt.build import build_outer_optimizer
 from outer_opt.config import OuterOptConfig
-from outer_opt.registry import available, build_outer_optimizer, initialize_state, register
+from outer_opt.registry import available, initialize_state, register
 from outer_opt.state import load_optimizer_state_tensors, optimizer_state_tensors
 from outer_opt.warmup import MomentumWarmup
 

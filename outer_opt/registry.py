@@ -11,15 +11,14 @@ healing group receive the state as raw tensors and check it by digest (``outer_o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from outer_opt.config import OuterOptConfig
-
 Params = list[torch.Tensor]
-Builder = Callable[[Params, "OuterOptConfig"], torch.optim.Optimizer]
+# builder(params, cfg: OuterOptConfig): the config is not named here, so that outer_opt.config,
+# which checks outer_opt.name against ``available()``, and this module import each other in no circle.
+Builder = Callable[[Params, Any], torch.optim.Optimizer]
 
 _REGISTRY: dict[str, Builder] = {}
 
@@ -47,41 +46,9 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_outer_optimizer(
-    params: list[torch.Tensor | torch.nn.Parameter], cfg: OuterOptConfig
-) -> torch.optim.Optimizer:
-    """The outer optimizer ``cfg.name`` over θ_g, with its state already initialised.
-
-    ``params`` are the global parameters θ_g: leaf fp32 tensors, plain or ``nn.Parameter``
-    (``requires_grad`` is not needed), that the optimizer updates in place. Before each
-    ``step()`` the caller sets every ``p.grad`` to Δ̄ for that parameter. Their order fixes
-    the state names ``p{index}.…`` (see ``optimizer_state_tensors``), so every group must pass
-    the same parameters in the same order.
-    """
-    cfg.validate()
-    params = list(params)
-    if not params:
-        raise ValueError("the outer optimizer needs at least one parameter")
-    for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"outer optimizer param {i} is a {type(p).__name__}, expected a tensor")
-        if p.dtype != torch.float32:
-            raise ValueError(
-                f"outer optimizer param {i} has dtype {p.dtype}; θ_g must be fp32 so that small outer "
-                "updates are not lost to rounding"
-            )
-        if not p.is_leaf:
-            raise ValueError(f"outer optimizer param {i} is not a leaf tensor; pass a detached copy of θ_g")
-    if len({id(p) for p in params}) != len(params):
-        raise ValueError("outer optimizer params contain the same tensor twice")
-    opt = _REGISTRY[cfg.name](params, cfg)
-    built = [p for group in opt.param_groups for p in group["params"]]
-    if len(built) != len(params) or any(a is not b for a, b in zip(built, params)):
-        raise ValueError(
-            f"outer optimizer builder {cfg.name!r} must optimize exactly the given {len(params)} params, "
-            f"in order (it holds {len(built)})"
-        )
-    return opt
+def registered(name: str) -> Builder:
+    """The builder registered as ``name`` (``OuterOptConfig.validate`` has checked it exists)."""
+    return _REGISTRY[name]
 
 
 def initialize_state(

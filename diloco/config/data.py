@@ -7,7 +7,7 @@ from typing import Literal
 
 from diloco.config.base import check
 
-TOKEN_DTYPES = ("uint16", "uint32")  # numpy-free names of the token file's integer widths
+TOKEN_DTYPES = ("uint16", "uint32")  # the token file's integer widths by name (diloco/train/data.py maps them to torch)
 BYTE_VOCAB_SIZE = 256  # the byte tokenizer's vocabulary: UTF-8 bytes as ids
 
 
