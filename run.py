@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from diloco.exits import exit_without_teardown
 from diloco.launch.compose import output_folder_problem, plain_config, store_base_config
+from diloco.launch.job_token import token_problem_on_command_line
 from diloco.launch.roles import SweepJob, exit_like, run_role
 
 
@@ -31,7 +32,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    if problem := output_folder_problem(sys.argv[1:]):
+    if problem := token_problem_on_command_line(sys.argv[1:]) or output_folder_problem(sys.argv[1:]):
         exit_without_teardown(1, problem)
     store_base_config()
     try:

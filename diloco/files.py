@@ -8,10 +8,11 @@ whole and raises an error that says which file could not be written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,6 +40,28 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 def write_json_atomically(path: Path, data: Any) -> None:
     text = json.dumps(data, indent=2).encode()
     write_atomically(path, lambda fh: fh.write(text))
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    write_atomically(path, lambda fh: fh.write(text.encode()))
+
+
+@contextlib.contextmanager
+def writing(path: Path, kept: str = "") -> Iterator[None]:
+    """Turn an ``OSError`` raised while writing ``path`` in place (an append, a lock file's pid)
+    into an ``OutputError`` that names the file (and ``kept``: what of it survives)."""
+    try:
+        yield
+    except OSError as error:
+        if isinstance(error, OutputError):
+            raise
+        raise OutputError(f"could not write {path}: {error.strerror or error}{kept and '; ' + kept}") from error
+
+
+def append_text(path: Path, text: str) -> None:
+    """Append ``text`` (whole lines) to the records in ``path``; a full disk raises ``OutputError`` naming the file."""
+    with writing(path, "the records before are kept"), path.open("a") as fh:
+        fh.write(text)
 
 
 def file_sha256(path: Path) -> str:

@@ -6,10 +6,39 @@ against the model's blocks and the trainer's steps, each error naming the key to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
-from diloco.config.base import ConfigError, check
+from diloco.config.base import ConfigError, check, from_dict
+
+# Which algo.* keys each algorithm reads (x); a key it does not read does nothing there:
+#
+#   key                      ddp  local  diloco  streaming
+#   sync_every (H)            .     .      x        x       ddp runs with 1 (a gradient all-reduce every step)
+#   alpha, alpha_warmup_steps,
+#   alpha_reference_groups    .     .      x        x
+#   quantize                  .     .      x        x
+#   weighting, window         .     .      x        x
+#   fragments (P), pattern    .     .      .        x       diloco runs with 1 fragment
+#   delay (τ), auto           .     .      .        x       diloco runs with no overlap
+#
+# A key an algorithm does not read, set to another value than the one it runs with (RUNS_WITH, else the
+# default below; so a conf/algo preset's own values pass), is refused in a single run, and in a -m sweep
+# (``algo=ddp,diloco algo.alpha=0.3``) said at start and reset (ignore_unread_keys, diloco/launch/roles.py).
+_OUTER_KEYS = ("sync_every", "alpha", "alpha_warmup_steps", "alpha_reference_groups", "quantize", "weighting", "window")
+READS: dict[str, tuple[str, ...]] = {
+    "ddp": (),
+    "local": (),
+    "diloco": _OUTER_KEYS,
+    "streaming": (*_OUTER_KEYS, "fragments", "pattern", "delay", "auto"),
+}
+RUNS_WITH: dict[str, dict[str, object]] = {"ddp": {"sync_every": 1}}
+_DOES = {
+    "ddp": "all-reduces gradients every inner step and reads no other algo.* key",
+    "local": "trains every group alone with no outer sync and reads no other algo.* key",
+    "diloco": "syncs the whole model as one fragment with no overlap (algo.fragments=1, algo.delay=0)",
+    "streaming": "reads every algo.* key",
+}
 
 
 @dataclass(frozen=True)
@@ -48,26 +77,15 @@ class AlgoConfig:
     auto: bool = False
 
     def validate(self) -> None:
+        if problem := self.unread_problem():
+            raise ConfigError(f"{problem}; {_remove_or_switch(self.unread())}")
         if self.window == "time":
-            check(
-                self.name in ("diloco", "streaming"),
-                "algo.window",
-                self.window,
-                f"time-bounded windows need outer rounds; algo={self.name} has none, so use algo.window=steps",
-            )
             check(
                 self.weighting == "tokens",
                 "algo.weighting",
                 self.weighting,
                 "must be tokens with algo.window=time: a group that ran fewer inner steps must count for less",
             )
-        check(
-            not self.auto or self.name == "streaming",
-            "algo.auto",
-            self.auto,
-            f"picks Streaming DiLoCo's overlap (algo.delay) and payload format; algo={self.name} has no overlap, "
-            "so use algo=streaming or algo.auto=false",
-        )
         check(
             _is_int(self.alpha_warmup_steps) and self.alpha_warmup_steps >= 0,
             "algo.alpha_warmup_steps",
@@ -80,11 +98,26 @@ class AlgoConfig:
             self.alpha_reference_groups,
             "must be an integer >= 0 (0: α is algo.alpha whatever the number of groups in a round)",
         )
-        if self.name == "diloco":
-            check(
-                self.fragments == 1, "algo.fragments", self.fragments, "must be 1 for algo=diloco; use algo=streaming"
-            )
-            check(self.delay == 0, "algo.delay", self.delay, "must be 0 for algo=diloco; use algo=streaming")
+
+    def unread(self) -> dict[str, tuple[object, object]]:
+        """The ``algo.*`` keys ``algo=name`` does not read (``READS``) whose value differs from the one it
+        runs with: key -> (value, the value it runs with)."""
+        defaults = {**{f.name: f.default for f in fields(self)}, **RUNS_WITH.get(self.name, {})}
+        return {
+            key: (getattr(self, key), defaults[key])
+            for key in defaults
+            if key != "name" and key not in READS[self.name] and getattr(self, key) != defaults[key]
+        }
+
+    def unread_problem(self) -> str | None:
+        """One line naming the keys ``unread`` found and what ``algo=name`` does instead, or None."""
+        unread = self.unread()
+        if not unread:
+            return None
+        settings = ", ".join(f"algo.{key}={value!r}" for key, (value, _) in unread.items())
+        return (
+            f"{settings} {'does' if len(unread) == 1 else 'do'} nothing with algo={self.name}, which {_DOES[self.name]}"
+        )
 
     def mixing_alpha(self, launch_step: int, groups: int) -> float:
         """α for the round of ``groups`` groups launched after inner step ``launch_step``.
@@ -110,6 +143,24 @@ class AlgoConfig:
             f"is not a multiple of algo.sync_every={self.sync_every}; the inner steps after the last "
             "sync would never reach the global model, so round max_steps to a multiple of sync_every",
         )
+
+
+def _remove_or_switch(unread: dict[str, tuple[object, object]]) -> str:
+    """The fix for ``AlgoConfig.unread``: drop the keys, or the algorithms that read them all."""
+    readers = [name for name, keys in READS.items() if all(key in keys for key in unread)]
+    it = "it" if len(unread) == 1 else "them"
+    reads = "reads" if len(readers) == 1 else "read"
+    return f"remove {it}, or use {' or '.join(f'algo={name}' for name in readers)}, which {reads} {it}"
+
+
+def ignore_unread_keys(raw: dict[str, Any]) -> str | None:
+    """In a ``-m`` sweep: set the ``algo.*`` keys of the plain config ``raw`` that its algorithm does not
+    read (``AlgoConfig.unread``) to the values it runs with, and say so in one line (None: nothing to reset)."""
+    algo = from_dict(AlgoConfig, raw.get("algo"), "algo")
+    if not (problem := algo.unread_problem()):
+        return None
+    raw["algo"] = {**raw["algo"], **{key: used for key, (_, used) in algo.unread().items()}}
+    return f"{problem}; ignored in this job"
 
 
 def _divisors(n: int) -> list[int]:

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from diloco.config.base import check
+from diloco.config.redaction import TOKEN_ENV
 
 
 @dataclass(frozen=True)
 class LighthouseConfig:
     """Where the lighthouse listens; ``token`` is the job's secret (empty: none required).
 
-    Here with the rest of ``cluster.*`` rather than in the server module, so a group's
-    processes, which read this config, never import the lighthouse server.
+    The token is never given as a value (it would land in hydra's files): ``token_file`` names
+    a file holding it, or the environment's ``DILOCO_LIGHTHOUSE_TOKEN`` carries it; ``run.py``
+    reads it into ``token`` (``diloco.launch.job_token``). Here with the rest of ``cluster.*``
+    rather than in the server module, so a group's processes, which read this config, never
+    import the lighthouse server.
     """
 
     host: str = "127.0.0.1"
     port: int = 0  # 0 picks a free port; a multi-host job sets a fixed one
     token: str = ""
+    token_file: str = ""  # a file whose content is the token (multi-host roles; a local job makes one)
     store_port: int = 0  # the TCPStore it hosts; 0 picks a free port
     history: int = 50  # quorums kept for /status
 
@@ -36,6 +42,26 @@ class LighthouseConfig:
             f"must differ from cluster.lighthouse.port={self.port} (or be 0 to pick a free port)",
         )
         check(self.history >= 1, "cluster.lighthouse.history", self.history, "must be >= 1 (quorums kept for /status)")
+
+    def check_bind(self) -> None:
+        """A lighthouse listening beyond loopback requires a token (DESIGN.md invariant 8)."""
+        check(
+            bool(self.token) or is_loopback(self.host),
+            "cluster.lighthouse.host",
+            self.host,
+            "listens beyond loopback, which needs the job's token: put it in a file and pass "
+            f"cluster.lighthouse.token_file=PATH (or set {TOKEN_ENV}), or listen on 127.0.0.1",
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback (a name other than localhost may resolve beyond it)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import logging
 import time
 from pathlib import Path
 
+from diloco.files import append_text
+
 log = logging.getLogger(__name__)
 
 INJECTABLE_FAULTS = ("fail_round", "break_lane", "nan")  # what a request may ask of a worker
@@ -19,8 +21,7 @@ INJECTABLE_FAULTS = ("fail_round", "break_lane", "nan")  # what a request may as
 def request_fault(path: Path, fault: str) -> None:
     """Queue a fault for a group: one line, one write; its workers pick it up at their next round."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fh.write(f"{fault} {time.time()}\n")
+    append_text(path, f"{fault} {time.time()}\n")
 
 
 class FaultHook:

@@ -81,6 +81,7 @@ class Lighthouse:
         job_config: dict[str, Any] | None = None,
     ) -> None:
         cfg.validate()
+        cfg.check_bind()
         rules.validate()
         self.cfg = cfg
         self.rules = rules
@@ -105,7 +106,7 @@ class Lighthouse:
         if self._server is not None:
             raise RuntimeError(f"lighthouse already serving at {self.url}")
         self._stopping.clear()
-        self._store = dist.TCPStore(self.cfg.host, self.cfg.store_port, is_master=True, wait_for_workers=False)
+        self._store = _host_store(self.cfg.host, self.cfg.store_port)
         try:
             self._server = LighthouseHTTPServer((self.cfg.host, self.cfg.port), LighthouseRequestHandler)
         except OSError as e:
@@ -357,6 +358,19 @@ class Lighthouse:
                 self._clock(),
                 self._board,
             )
+
+
+def _host_store(host: str, port: int) -> dist.TCPStore:
+    """The TCPStore the outer lanes rendezvous on; a port it cannot take is ``OSError`` naming the key and the fix."""
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+    except RuntimeError as error:  # torch's DistNetworkError: several lines ending in "message: ..."
+        text = str(error)
+        reason = "address already in use" if "EADDRINUSE" in text else text.strip().splitlines()[-1]
+        raise OSError(
+            f"lighthouse cannot host its store on cluster.lighthouse.store_port={port} ({reason}); stop what "
+            "listens there or pick another cluster.lighthouse.store_port (0 picks a free one)"
+        ) from None
 
 
 def serve_forever(

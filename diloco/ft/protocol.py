@@ -12,17 +12,23 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hmac
+import itertools
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, get_origin, get_type_hints
 
+from diloco.config.redaction import TOKEN_ENV
 from diloco.ft.quorum import JobEnd, Quorum
 
 MAX_BODY_BYTES = 64 * 1024
 MAX_GROUP_ID_CHARS = 200
 MAX_CONFIG_KEYS = 1000
+# A request nests 3 deep (a config value that is a list); json.loads recurses once per level and
+# raised RecursionError on 30,000 brackets, well under MAX_BODY_BYTES.
+MAX_JSON_DEPTH = 32
 HEARTBEAT_ACK = {"ok": True}  # the answer to a heartbeat; it carries nothing else
 
 
@@ -297,10 +303,29 @@ def unreadable_post(path: str, content_length: str) -> ErrorAnswer | None:
 def parse_request(path: str, body: bytes) -> GroupMessage:
     """The request to POST ``path`` (one of ``ENDPOINTS``); any problem is a 400 naming the field."""
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as e:
+        text = body.decode("utf-8")  # RFC 8259; and so no quote or bracket hides inside a multi-byte character
+        if (depth := json_depth(body)) > MAX_JSON_DEPTH:
+            raise ValueError(f"nested {depth} levels deep, over the limit of {MAX_JSON_DEPTH}")
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise _bad_request(f"malformed JSON body: {e}") from None
     return ENDPOINTS[path].from_json(data)
+
+
+# A string runs to its closing quote, or to the end as the parser reads an unclosed one: every match
+# succeeds where it starts, so the scan never backtracks (a pattern requiring the closing quote took
+# 10 s on 60 kB of unclosed strings).
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)
+_NOT_A_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_NESTING = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 and -1 as signed bytes
+
+
+def json_depth(body: bytes) -> int:
+    """How deep the arrays and objects of the UTF-8 JSON ``body`` nest, counted without parsing it
+    (brackets inside strings do not count), so a body the parser would recurse too deep on is
+    refused first; linear in the body, in C."""
+    steps = _JSON_STRING.sub(b"", body).translate(_NESTING, delete=_NOT_A_BRACKET)
+    return max(itertools.accumulate(memoryview(steps).cast("b")), default=0)
 
 
 def _required(f: dataclasses.Field) -> bool:
@@ -316,6 +341,9 @@ def authorization_header(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+_GIVE = f"give every part of the job the same cluster.lighthouse.token_file (or {TOKEN_ENV})"
+
+
 def check_token(authorization: str | None, token: str) -> None:
     """Refuse (``BAD_TOKEN``) unless the Authorization header carries ``token``; an empty ``token`` requires none."""
     if not token:
@@ -323,12 +351,13 @@ def check_token(authorization: str | None, token: str) -> None:
     given = authorization[len("Bearer ") :] if authorization and authorization.startswith("Bearer ") else ""
     if not given:
         raise LighthouseRefused(
-            ErrorCode.BAD_TOKEN, "missing token: send 'Authorization: Bearer <cluster.lighthouse.token>'"
+            ErrorCode.BAD_TOKEN,
+            f"missing token: this lighthouse requires the job's token ('Authorization: Bearer <token>'); {_GIVE}",
         )
     if not hmac.compare_digest(given.encode(), token.encode()):
         raise LighthouseRefused(
             ErrorCode.BAD_TOKEN,
-            "wrong token: the request's token does not match the lighthouse's cluster.lighthouse.token",
+            f"wrong token: the request's token does not match the lighthouse's; {_GIVE}",
         )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +117,9 @@ def write_sweep_table(sweep_dir: Path) -> None:
 
 
 def output_folder_problem(argv: list[str]) -> str | None:
-    """Why hydra could not make the job's output folder, if a file stands in its path: hydra makes
-    it before ``main`` runs and would stop with its own traceback."""
+    """Why hydra could not make the job's output folder, or the job could not write in it (a file
+    in its path, a read-only file system, no permission): hydra makes it before ``main`` runs and
+    would stop with its own traceback."""
     mode = "sweep" if {"-m", "--multirun"} & set(argv) else "run"
     key = f"hydra.{mode}.dir"
     given = [arg.split("=", 1)[1] for arg in argv if arg.lstrip("+").startswith(f"{key}=")]
@@ -125,7 +128,36 @@ def output_folder_problem(argv: list[str]) -> str | None:
     known = folder.split("${", 1)[0]  # what is fixed before hydra resolves the rest
     if "${" in folder:
         known = known.rsplit("/", 1)[0] if "/" in known else ""
-    existing = next(part for part in (Path(known), *Path(known).parents) if part.exists())
-    if existing.is_dir():
-        return None
-    return f"error: {key}={folder}: {existing} is a file, not a folder; pick another {key}"
+    if not folder.strip():  # hydra would write the run into the current directory
+        return f"error: {key}='': names no folder; pick one for the run's outputs, e.g. {key}=outputs/run1"
+    try:
+        existing = next(part for part in (Path(known), *Path(known).parents) if part.exists())
+        if not existing.is_dir():
+            return f"error: {key}={folder}: {existing} is a file, not a folder; pick another {key}"
+        reason = unwritable_folder(Path(known))
+    except OSError as error:  # a name too long, say
+        reason = error.strerror or str(error)
+    if reason:
+        return f"error: {key}={folder}: cannot create or write {Path(known)} ({reason}); pick another {key}"
+    return None
+
+
+def unwritable_folder(folder: Path) -> str | None:
+    """Why ``folder`` cannot be made or written in (the OS's reason), else None. Tried for real, as
+    root too (whom permission bits do not stop, a read-only mount does): the missing folders are
+    made and a file written, then both removed again, so hydra makes the folder as before."""
+    made: list[Path] = []
+    try:
+        for part in reversed((folder, *folder.parents)):
+            if not part.exists():
+                part.mkdir()
+                made.append(part)
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-check-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        return error.strerror or str(error)
+    finally:
+        for part in reversed(made):
+            part.rmdir()
+    return None

@@ -21,7 +21,7 @@ from diloco.config.model import ModelConfig
 from diloco.config.sample import SampleConfig
 from diloco.files import file_sha256
 from diloco.outer.fragments import fragment_parameter_names
-from diloco.train.checkpoint import complete_info, group_dir, rank_dir, read_rank
+from diloco.train.checkpoint import complete_info, enclosing_checkpoint, group_dir, rank_dir, read_rank
 from diloco.train.data import ByteTokenizer, eval_batches, load_corpus
 from diloco.train.device import select_device
 from diloco.train.logger import perplexity
@@ -43,13 +43,48 @@ def locate_weights(checkpoint: str | None) -> tuple[Path, Path]:
     if complete_info(path) is not None:
         return path, path.parents[2]
     weights = path / "model.pt" if path.is_dir() else path
+    where = None
+    if path.exists() and enclosing_checkpoint(path) not in (None, path):  # a worker's .distcp, its folder
+        what = "a folder inside" if path.is_dir() else "a file of"
+        raise ConfigError(
+            f"checkpoint={checkpoint}: {what} the checkpoint {enclosing_checkpoint(path)}; a checkpoint is a "
+            f"folder, so pass checkpoint={enclosing_checkpoint(path)}"
+        )
     if not weights.is_file():
         where = f"{path} holds no model.pt" if path.is_dir() else f"{path} does not exist"
+    elif problem := _not_a_model_file(weights):
+        check_unaltered(weights)  # a run's model.pt changed since: its summary.json says so more exactly
+        if weights.name == "model.pt":  # the right file, damaged
+            raise ConfigError(
+                f"checkpoint={checkpoint}: {weights} is not a loadable model file ({problem}); "
+                "use an intact copy of the run's model.pt"
+            )
+        where = f"{weights} is not a model file ({problem})"
+    if where:
         raise ConfigError(
             f"checkpoint={checkpoint}: {where}; point it at a finished run's directory, its model.pt, "
             "or a checkpoint (RUN/checkpoints/step-N)"
         )
     return weights, weights.parent
+
+
+_ZIP_MAGIC = b"PK\x03\x04"  # a zip archive's first local file header: how torch.load tells its format
+
+
+def _not_a_model_file(weights: Path) -> str | None:
+    """Why ``weights`` cannot be a model.pt, which ``torch.save`` writes as a zip archive, or None.
+
+    Checked before ``torch.load``, whose refusal of anything else is pages of advice to unpickle it."""
+    try:
+        with open(weights, "rb") as f:
+            head = f.read(len(_ZIP_MAGIC))
+    except OSError as error:
+        return f"cannot read it: {error.strerror or error}"
+    if not head:
+        return "it is empty"
+    if head != _ZIP_MAGIC:
+        return "torch.save writes a zip archive, and this file does not start like one"
+    return None
 
 
 def read_weights(weights: Path, trained: JobConfig) -> dict[str, torch.Tensor]:
@@ -62,13 +97,23 @@ def read_weights(weights: Path, trained: JobConfig) -> dict[str, torch.Tensor]:
     try:
         return torch.load(weights, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
-        raise ConfigError(f"checkpoint={weights}: not a readable model file ({error})") from None
+        # torch's weights_only refusal is pages that end in advice to unpickle the file: never pass that on
+        reason = "damaged, or holds more than tensors" if isinstance(error, pickle.UnpicklingError) else error
+        first = str(reason).strip().splitlines()[0] if str(reason).strip() else type(error).__name__
+        first = first.split(". ")[0].rstrip(".")  # torch's own first sentence, without its advice
+        if "weights_only" in first:
+            first = "damaged, or holds more than tensors"
+        raise ConfigError(
+            f"checkpoint={weights}: not a loadable model file ({first}); use an intact copy of the run's model.pt"
+        ) from None
 
 
 def check_unaltered(weights: Path) -> None:
     """Refuse a model.pt whose bytes differ from those its job recorded (``model_sha256`` in the
     summary.json beside it, where there is one): corrupt or altered since the job ended."""
     summary = weights.parent / "summary.json"
+    if weights.name != "model.pt":  # the summary's model_sha256 is of its run's model.pt, no other file
+        return
     try:
         recorded = json.loads(summary.read_text()).get("model_sha256")
     except (OSError, ValueError, AttributeError):  # no summary (a copied model.pt), or a summary of no use

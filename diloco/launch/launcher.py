@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 from diloco.config.base import ConfigError
 from diloco.config.job import JobConfig
-from diloco.files import write_json_atomically
+from diloco.files import write_json_atomically, writing
 from diloco.launch.faults import FaultInjector, plan_faults
 from diloco.launch.lighthouse_watch import LighthouseWatch
 from diloco.launch.local_cluster import POLL_INTERVAL_S, JobFailed, LocalCluster
@@ -148,9 +148,10 @@ def run_dir_claimed(paths: RunPaths) -> Iterator[None]:
                 f"hydra.run.dir={paths.root}: another launcher (pid {lock.read().strip() or '?'}) is running a "
                 "job there; pick a new hydra.run.dir"
             ) from None
-        lock.truncate(0)
-        lock.write(f"{os.getpid()}\n")
-        lock.flush()
+        with writing(paths.launcher_lock):  # a full disk: OutputError naming the file
+            lock.truncate(0)
+            lock.write(f"{os.getpid()}\n")
+            lock.flush()
         _CLAIMED[paths.root] = lock
         try:
             refuse_reused_run_dir(paths)

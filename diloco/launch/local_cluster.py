@@ -25,6 +25,7 @@ from pathlib import Path
 
 from diloco.config.base import to_dict
 from diloco.config.job import JobConfig
+from diloco.files import writing
 from diloco.ft.fault_requests import request_fault
 from diloco.launch.spawn import (
     ForkedProcess,
@@ -204,8 +205,9 @@ class LocalCluster:
         self.lifeline: Lifeline | None = None  # made when the first process starts, cut by stop()
         self.fork_server: ForkServer | None = None  # started by the first process started with cluster.spawn=fork
         paths.logs.mkdir(parents=True, exist_ok=True)
-        paths.job.touch(mode=0o600)  # it holds the token: only its owner may read it
-        paths.job.write_text(json.dumps(to_dict(self.job), indent=2))
+        with writing(paths.job):  # a full disk: OutputError naming job.json
+            paths.job.touch(mode=0o600)  # it holds the token: only its owner may read it
+            paths.job.write_text(json.dumps(to_dict(self.job), indent=2))
 
     @property
     def lighthouse_url(self) -> str:

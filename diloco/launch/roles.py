@@ -15,19 +15,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from diloco.config.algo import ignore_unread_keys
 from diloco.config.base import ConfigError
 from diloco.config.job import JobConfig, job_config_from_dict
+from diloco.config.redaction import redacted
 from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
-from diloco.files import OutputError, write_json_atomically
+from diloco.files import OutputError, write_json_atomically, write_text_atomically
 from diloco.ft.lighthouse import serve_forever
 from diloco.ft.manager import JobEndedError, MembershipError
+from diloco.launch.addresses import check_addresses
 from diloco.launch.compose import SweepJobFailed, load_saved_config, to_yaml, write_sweep_table
 from diloco.launch.inference import evaluate_checkpoint, locate_weights, sample_text
+from diloco.launch.job_token import with_job_token
 from diloco.launch.launcher import JobInterrupted, launch, run_dir_claimed
 from diloco.launch.local_cluster import JobFailed
 from diloco.launch.outcome import group_outcome
 from diloco.launch.progress import say
 from diloco.launch.summary import summarize_after_the_end, summarize_finished_run
+from diloco.launch.wandb_key import check_wandb_key
 from diloco.run_paths import RunPaths
 from diloco.train.data import DataError
 from diloco.worker.entry import refuse_finished_group, run_worker
@@ -52,17 +57,28 @@ def run_role(raw: dict[str, Any], output_dir: Path, sweep: SweepJob | None, envi
     if sweep:
         name_sweep_job(raw, sweep)
     try:
-        job = job_config_from_dict(raw)
+        if sweep and (ignored := ignore_unread_keys(raw)):  # algo=ddp,diloco algo.alpha=0.3: not refused in a sweep
+            say(f"sweep job {sweep.num}: warning: {ignored}", sys.stderr)
+        job = with_job_token(job_config_from_dict(raw), environ)  # from token_file or the environment
+        if job.role == "lighthouse":
+            job.cluster.lighthouse.check_bind()  # refused before anything is written
+        env = WorkerEnv.from_environ(environ) if job.role == "group" else None  # torchrun's, before any write
+        check_addresses(job)  # every address this role binds or dials, before any process starts
+        if job.role in ("local", "group"):
+            check_wandb_key(job.logger, environ)
         if job.role == "group":
             refuse_finished_group(paths, job.group.id)
         if job.role not in ("summary", "local"):  # the summary reads a run; the launcher claims its directory first
-            (paths.root / "config.yaml").write_text(to_yaml(raw))
+            write_text_atomically(paths.root / "config.yaml", to_yaml(redacted(raw)))
         if job.role == "group":
-            run_group(job, paths, WorkerEnv.from_environ(environ))
+            run_group(job, paths, env)
         if job.role in ("eval", "sample"):
             return use_trained_model(job, paths)
         if job.role == "lighthouse":
-            serve_forever(job.cluster.lighthouse, job.cluster.quorum_rules(), job.name)
+            try:
+                serve_forever(job.cluster.lighthouse, job.cluster.quorum_rules(), job.name)
+            except OSError as error:  # a port it cannot take after all: the message names the key and the fix
+                raise ConfigError(str(error)) from None
             if not paths.all_commits():  # its own run directory, not the one the groups share
                 return None
             summary = summarize_after_the_end(job, paths, wait_s=job.cluster.timeouts.end)
@@ -70,7 +86,7 @@ def run_role(raw: dict[str, Any], output_dir: Path, sweep: SweepJob | None, envi
             summary = summarize_finished_run(job, paths)
         else:
             with run_dir_claimed(paths):
-                (paths.root / "config.yaml").write_text(to_yaml(raw))
+                write_text_atomically(paths.root / "config.yaml", to_yaml(redacted(raw)))
                 summary = launch(job, paths.root)
     except (ConfigError, DataError, OutputError) as error:
         fail(f"error: {error}", sweep)
@@ -141,7 +157,9 @@ def trained_job_config(run_dir: Path, job: JobConfig) -> JobConfig:
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         return job
-    return job_config_from_dict(load_saved_config(saved))
+    raw = load_saved_config(saved)
+    ignore_unread_keys(raw)  # a run from before such algo.* keys were refused: they did nothing there
+    return job_config_from_dict(raw)
 
 
 def run_group(job: JobConfig, paths: RunPaths, env: WorkerEnv) -> NoReturn:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.exits import JOB_ENDED_EXIT_CODE
+from diloco.files import append_text
 from diloco.launch.lighthouse_watch import LighthouseWatch
 from diloco.launch.local_cluster import JobFailed, LocalCluster, crash_report
 from diloco.launch.recovery import RecoveryPlanner
@@ -38,8 +39,7 @@ class EventLog:
     def write(self, kind: str, group: int | None = None, **extra: Any) -> None:
         now = time.time()
         record = {"time": now, "elapsed": now - self.start, "kind": kind, "group": group, **extra}
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        append_text(self.path, json.dumps(record) + "\n")  # a full disk: OutputError naming events.jsonl
         log.info("%s%s at %.1fs", kind, "" if group is None else f" group {group}", record["elapsed"])
 
 

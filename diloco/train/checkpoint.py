@@ -185,8 +185,12 @@ def resolve_resume(spec: str, run_dir: Path, search_dir: Path, groups: int) -> d
             )
     else:
         source = Path(spec)
+        _refuse_part_of_a_checkpoint(spec, source)
         if not source.is_dir():
-            raise CheckpointError(f"trainer.resume={spec}: no such directory")
+            raise CheckpointError(
+                f"trainer.resume={spec}: no such directory; pass a checkpoint folder (RUN/checkpoints/step-N), "
+                "a run directory, or latest"
+            )
     if (source / CHECKPOINTS).is_dir():
         return {g: _newest_of_group(source / CHECKPOINTS, g) for g in range(groups)}
     found = {}
@@ -199,6 +203,29 @@ def resolve_resume(spec: str, run_dir: Path, search_dir: Path, groups: int) -> d
             )
         found[g] = folder
     return found
+
+
+def enclosing_checkpoint(path: Path) -> Path | None:
+    """The checkpoint folder (``RUN/checkpoints/step-N``) that is or holds ``path``, or None."""
+    return next((p for p in (path, *path.parents) if p.parent.name == CHECKPOINTS and p.name.startswith("step-")), None)
+
+
+def _refuse_part_of_a_checkpoint(spec: str, source: Path) -> None:
+    """A file (a worker's ``.distcp``, its manifest) or a group's or worker's folder is a part of a checkpoint:
+    name the checkpoint folder it belongs to, which is what ``trainer.resume`` takes."""
+    enclosing = enclosing_checkpoint(source)
+    if not source.exists() or (source.is_dir() and enclosing in (None, source)):
+        return  # nothing there, a checkpoint or another folder: resolve_resume says which
+    what = "a folder inside" if source.is_dir() else "a file of"
+    if enclosing is None:
+        raise CheckpointError(
+            f"trainer.resume={spec}: a file, not a checkpoint; a checkpoint is a folder (RUN/checkpoints/step-N): "
+            "pass one, a run directory, or latest"
+        )
+    raise CheckpointError(
+        f"trainer.resume={spec}: {what} the checkpoint {enclosing}; a checkpoint is a folder, so pass "
+        f"trainer.resume={enclosing}"
+    )
 
 
 def _newest_of_group(checkpoints: Path, group: int) -> Path:

@@ -32,6 +32,8 @@ _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 _DTYPES = {"uint16": (torch.uint16, 2), "uint32": (torch.uint32, 4)}
 _SCAN_CHUNK = 1 << 22  # token ids checked per step, bounding the int64 copy to 32 MiB
 _UTF8_CHUNK = 1 << 24  # bytes of text decoded per step when checking a corpus is UTF-8
+_WIDTH_SAMPLE = 1 << 16  # token ids checked for a uint32 file read as uint16 (every second one 0)
+_WIDTH_MIN_SAMPLE = 64  # fewer ids than this could be 0 at every second place by chance
 
 
 class DataError(ValueError):
@@ -238,9 +240,22 @@ def _load_tokens(path: Path, token_dtype: str, vocab_size: int) -> torch.Tensor:
         # Read-only is the point: the map is shared by all workers and never written.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         tokens = torch.frombuffer(mapped, dtype=dtype)
+    if token_dtype == "uint16":
+        _refuse_wider_ids(path, tokens)
     if vocab_size < 1 << (8 * width):
         _check_ids(path, tokens, vocab_size)
     return tokens
+
+
+def _refuse_wider_ids(path: Path, tokens: torch.Tensor) -> None:
+    """A uint32 file read as uint16 is its ids interleaved with their zero high halves (little-endian):
+    every second id 0 over the first ``_WIDTH_SAMPLE`` while the others are not is that, not a corpus."""
+    sample = tokens[: _WIDTH_SAMPLE - _WIDTH_SAMPLE % 2].to(torch.int64)
+    if sample.numel() >= _WIDTH_MIN_SAMPLE and not sample[1::2].any() and sample[0::2].any():
+        raise DataError(
+            f"{path}: every second token id of the first {sample.numel():,} is 0, as in a uint32 token file read "
+            "with data.token_dtype=uint16; set data.token_dtype=uint32 (the width the file was written with)"
+        )
 
 
 def _check_ids(path: Path, tokens: torch.Tensor, vocab_size: int) -> None:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from diloco.config.base import to_dict
 from diloco.config.faults import FaultsConfig
 from diloco.config.job import JobConfig
+from diloco.config.redaction import redacted
 from diloco.ft.fault_requests import FaultHook
 from diloco.outer.synchronizer import Synchronizer
 from diloco.run_paths import RunPaths
@@ -182,7 +183,7 @@ def metrics_logger(job: JobConfig, paths: RunPaths, started: Any | None = None) 
     """The leader's metrics sink: the group's metrics file, and wandb when the logger config asks
     for it (``started``: the run a warm spare started before it knew its group)."""
     group = job.group.id
-    names = dict(member=f"group{group}", job_name=job.name, config=to_dict(job))
+    names = dict(member=f"group{group}", job_name=job.name, config=redacted(to_dict(job)))
     if started is not None:
         rename_wandb_run(started, job.logger, **names)
         return MetricsLogger(paths.metrics(group), started)

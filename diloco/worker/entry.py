@@ -24,6 +24,7 @@ import torch.distributed as dist
 from diloco import lifeline
 from diloco.config.base import ConfigError, to_dict
 from diloco.config.job import GroupConfig, JobConfig, job_config_from_dict
+from diloco.config.redaction import redacted
 from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
 from diloco.files import write_atomically, write_json_atomically
 from diloco.ft.manager import JobEndedError
@@ -91,7 +92,11 @@ def run_worker(
         if spare is not None:
             if env.rank == 0:
                 wandb_run = start_wandb(
-                    job.logger, run_dir=paths.root, member=f"spare{spare}", job_name=job.name, config=to_dict(job)
+                    job.logger,
+                    run_dir=paths.root,
+                    member=f"spare{spare}",
+                    job_name=job.name,
+                    config=redacted(to_dict(job)),
                 )
             job, started_at = _take_assignment(job, env, paths, paths.spare_pipe(spare, env.rank))
             stop = _stop_on_signals()

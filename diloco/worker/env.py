@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from diloco.config.base import ConfigError
+
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -23,18 +25,26 @@ class WorkerEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> WorkerEnv:
-        missing = [k for k in TORCHRUN_KEYS if k not in environ]
+        """torchrun's variables from ``environ``; ``ConfigError`` (one line: what is missing or
+        malformed, and how to start a group) if they are not all there as torchrun sets them."""
+        missing = [k for k in TORCHRUN_KEYS if not environ.get(k)]
         if missing:
-            raise RuntimeError(
+            raise ConfigError(
                 f"missing {', '.join(missing)} in the environment: role=group runs one worker of a "
                 "replica group and expects torchrun's variables (torchrun --nproc-per-node N run.py role=group ...)"
             )
+        numbers = {key: _integer(environ, key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        if not 0 <= numbers["RANK"] < numbers["WORLD_SIZE"]:
+            raise ConfigError(
+                f"RANK={numbers['RANK']} with WORLD_SIZE={numbers['WORLD_SIZE']}: the rank must be in "
+                "[0, WORLD_SIZE); start the group with torchrun, which sets both"
+            )
         return cls(
-            rank=int(environ["RANK"]),
-            world_size=int(environ["WORLD_SIZE"]),
-            local_rank=int(environ["LOCAL_RANK"]),
+            rank=numbers["RANK"],
+            world_size=numbers["WORLD_SIZE"],
+            local_rank=numbers["LOCAL_RANK"],
             master_addr=environ["MASTER_ADDR"],
-            master_port=int(environ["MASTER_PORT"]),
+            master_port=numbers["MASTER_PORT"],
             agent_hosts_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         )
 
@@ -46,3 +56,12 @@ class WorkerEnv:
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
         }
+
+
+def _integer(environ: Mapping[str, str], key: str) -> int:
+    try:
+        return int(environ[key])
+    except ValueError:
+        raise ConfigError(
+            f"{key}={environ[key]!r} in the environment: must be an integer; start the group with torchrun, which sets it"
+        ) from None

@@ -175,7 +175,7 @@ def test_an_unknown_key_is_refused_at_composition():
             r"algo\.sync_every=30 is not divisible",
         ),
         (["algo=streaming", "algo.delay=50"], r"algo\.delay=50"),
-        (["algo.fragments=2"], r"algo\.fragments=2: must be 1 for algo=diloco"),
+        (["algo.fragments=2"], r"algo\.fragments=2 does nothing with algo=diloco.*use algo=streaming"),
         (["outer_opt.name=adagrad"], r"outer_opt\.name='adagrad': must be one of"),
         (["cluster.min_groups=3"], r"cluster\.min_groups=3"),
         (["role=boss"], r"role='boss': must be one of local, lighthouse, group"),

@@ -334,7 +334,8 @@ def test_stop_answers_open_long_polls_at_once(start):
         (
             {"token": "guess"},
             401,
-            "wrong token: the request's token does not match the lighthouse's cluster.lighthouse.token",
+            "wrong token: the request's token does not match the lighthouse's; give every part of the job the "
+            "same cluster.lighthouse.token_file (or DILOCO_LIGHTHOUSE_TOKEN)",
         ),
         ({"token": ""}, 401, "missing token"),
         ({"job_id": "other"}, 409, "job id 'other' differs from this lighthouse's job 'job-1'"),
@@ -463,6 +464,34 @@ def test_malformed_requests_get_400_and_unknown_paths_404(start):
     code, answer = get(lh, "/nope")
     assert code == 404 and json.loads(answer)["code"] == "not_found"
     assert [g["id"] for g in status(lh)["groups"]] == ["A"]
+
+
+def test_a_body_nested_too_deep_gets_400_with_one_line_and_no_traceback(start, capfd):
+    """30,000 brackets under the size limit, with the right token, raised RecursionError in the
+    parser: a traceback in the lighthouse's log and no answer (issue 32)."""
+    lh = start()
+    good = {"job": JOB, "signature": SIG, "group": "A", "step": 1, "quorum_id": 0}
+    bodies = {
+        "/heartbeat": b"[" * 30_000,
+        "/quorum": b'{"config": ' * 5_000,
+        "/round_open": b'[{"a": [' * 5_000,
+        "/recovery": b"[" * 33 + b"]" * 33,
+    }
+    for path, body in bodies.items():
+        code, answer = post(lh, path, body)
+        assert code == 400 and answer["code"] == "bad_request", (path, answer)
+        assert re.fullmatch(r"malformed JSON body: nested \d+ levels deep, over the limit of 32", answer["error"])
+    assert post(lh, "/heartbeat", json.dumps(good).encode()) == (200, {"ok": True})  # still serving
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_lighthouse_beyond_loopback_needs_a_token():
+    for host in ("0.0.0.0", "::", "192.0.2.1", "lighthouse.example"):
+        with pytest.raises(ConfigError, match=f"cluster.lighthouse.host='{re.escape(host)}': listens beyond loopback"):
+            Lighthouse(LighthouseConfig(host=host, port=0), FAST, JOB)
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        LighthouseConfig(host=host).check_bind()
+    LighthouseConfig(host="0.0.0.0", token=TOKEN).check_bind()
 
 
 # -- status --------------------------------------------------------------------------------
@@ -655,6 +684,21 @@ def test_config_errors_name_the_key():
         LighthouseConfig(port=29510, store_port=29510).validate()
     with pytest.raises(ConfigError, match="cluster.min_groups"):
         Lighthouse(LighthouseConfig(port=0), QuorumRules(min_groups=0), JOB)
+
+
+def test_a_busy_store_port_names_its_key_and_the_fix():
+    """Issue 32: torch's EADDRINUSE text named the port only."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        lighthouse = Lighthouse(LighthouseConfig(port=0, store_port=port), QuorumRules(), JOB)
+        with pytest.raises(OSError) as refused:
+            lighthouse.start()
+    assert str(refused.value) == (
+        f"lighthouse cannot host its store on cluster.lighthouse.store_port={port} (address already in use); "
+        "stop what listens there or pick another cluster.lighthouse.store_port (0 picks a free one)"
+    )
 
 
 def test_no_pickle_anywhere_in_diloco_ft():

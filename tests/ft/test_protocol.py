@@ -13,6 +13,7 @@ from diloco.ft.client import LighthouseClient
 from diloco.ft.protocol import (
     ENDPOINTS,
     MAX_BODY_BYTES,
+    MAX_JSON_DEPTH,
     ErrorAnswer,
     ErrorCode,
     GroupProgress,
@@ -27,6 +28,7 @@ from diloco.ft.protocol import (
     RoundWatch,
     authorization_header,
     check_token,
+    json_depth,
     parse_request,
     quorum_answer_from_json,
     quorum_answer_to_json,
@@ -98,6 +100,53 @@ def test_a_malformed_request_is_a_bad_request_naming_the_field(body, message):
     with pytest.raises(LighthouseRefused, match=message) as refused:
         parse_request("/quorum", body)
     assert refused.value.code is ErrorCode.BAD_REQUEST and refused.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 30_000,  # json.loads raised RecursionError on it (issue 32), under MAX_BODY_BYTES
+        b'{"a":' * 12_000,
+        b'[{"a":' * 10_000,
+        b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1),  # well-formed, one level too deep
+        b'{"job": "x", "pad": ' + b"[" * 30_000,
+    ],
+    ids=["brackets", "objects", "mixed", "one too deep", "deep after a string"],
+)
+def test_a_body_nested_too_deep_is_a_bad_request_before_it_is_parsed(body):
+    assert len(body) <= MAX_BODY_BYTES
+    with pytest.raises(
+        LighthouseRefused, match=f"nested .* levels deep, over the limit of {MAX_JSON_DEPTH}"
+    ) as refused:
+        parse_request("/heartbeat", body)
+    assert refused.value.status == 400 and "\n" not in str(refused.value)
+
+
+def test_json_depth_counts_brackets_outside_strings_only():
+    assert json_depth(b"") == json_depth(b"1") == 0
+    assert json_depth(json.dumps({**WHO, "config": {"inner_opt.betas": [0.9, 0.95]}}).encode()) == 3
+    assert json_depth(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH) == MAX_JSON_DEPTH
+    assert json_depth(json.dumps({"a": "[[[{{{" * 100}).encode()) == 1  # brackets in a string
+    assert json_depth(json.dumps({"a": '\\"[[[' + '"'}).encode()) == 1  # escaped quotes and backslashes
+    assert json_depth(b'["unclosed [[[[[[[') == 1  # the parser reads an unclosed string to the end too
+    assert json_depth('["\u00e9[", "\u2200"]'.encode()) == 1
+
+
+def test_a_body_at_the_depth_limit_is_parsed_and_one_not_utf8_is_refused():
+    """The limit refuses nothing a group sends; a non-UTF-8 body (which could hide a quote from the depth
+    count inside a multi-byte character) is malformed."""
+    nested = json.dumps({**WHO, "step": 1, "quorum_id": 0, "pad": [[[]]]}).encode()
+    with pytest.raises(LighthouseRefused, match="unknown field 'pad'"):  # parsed, refused for its field
+        parse_request("/heartbeat", nested)
+    with pytest.raises(LighthouseRefused, match="malformed JSON body: 'utf-8' codec"):
+        parse_request("/heartbeat", json.dumps(WHO).encode("utf-16"))
+
+
+def test_the_depth_count_never_backtracks():
+    """A body of unclosed strings once took the string pattern 10 s (every start scanned to the end):
+    the count is linear. Asserted on the answer, not the time: a quadratic scan would hang the suite."""
+    for body in (b'"\\' * 30_000, b'"' * 60_000, b'"' + b"\\\\" * 15_000, b'"' + b"[" * 60_000):
+        assert json_depth(body) <= 1
 
 
 def test_a_post_that_cannot_be_read_is_answered_before_its_body():

@@ -93,8 +93,61 @@ def test_a_checkpoint_that_is_missing_corrupt_or_of_another_shape_is_refused_by_
     with pytest.raises(ConfigError, match="does not fit a model of dim 64, 1 layers"):
         load_model(path, trained_with(dataclasses.replace(SMALL, dim=64)), CPU)
     path.write_bytes(path.read_bytes()[:100])  # torn
-    with pytest.raises(ConfigError, match="not a readable model file"):
+    with pytest.raises(ConfigError, match="not a loadable model file"):
         load_model(path, trained_with(SMALL), CPU)
+
+
+class _NotATensor:
+    """What a pickled model.pt may hold beside tensors, and weights_only refuses."""
+
+
+def _one_line_without_unpickling_advice(refused: pytest.ExceptionInfo) -> str:
+    message = str(refused.value)
+    assert "\n" not in message and "weights_only" not in message and "unpickl" not in message.lower()
+    return message
+
+
+def test_a_file_that_is_no_model_is_refused_in_one_line_without_unpickling_advice(tmp_path):
+    """Issue 32: torch's six lines suggesting weights_only=False, and a summary.json called "corrupt"."""
+    _, path = saved_model(tmp_path)
+    run_files = {"summary.json": json.dumps({"model_sha256": model_sha256(RunPaths(tmp_path))}), "notes.txt": "hi"}
+    for name, text in run_files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    for name, why in [
+        ("summary.json", "does not start like one"),
+        ("notes.txt", "does not start like one"),
+        ("empty.pt", "it is empty"),
+    ]:
+        with pytest.raises(ConfigError) as refused:
+            locate_weights(str(tmp_path / name))
+        message = _one_line_without_unpickling_advice(refused)
+        assert message.startswith(f"checkpoint={tmp_path / name}: {tmp_path / name} is not a model file (")
+        assert why in message and "a finished run's directory, its model.pt, or a checkpoint" in message
+    # its first byte flipped: with the summary.json beside it, altered since its job wrote it; without, no model
+    flipped = bytearray(path.read_bytes())
+    flipped[0] ^= 0xFF
+    path.write_bytes(flipped)
+    with pytest.raises(ConfigError, match="corrupt or altered since its job wrote it"):
+        locate_weights(str(tmp_path))
+    (tmp_path / "summary.json").unlink()
+    with pytest.raises(ConfigError) as refused:
+        locate_weights(str(tmp_path))
+    assert _one_line_without_unpickling_advice(refused) == (
+        f"checkpoint={tmp_path}: {path} is not a loadable model file (torch.save writes a zip archive, and this "
+        "file does not start like one); use an intact copy of the run's model.pt"
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_model(path, trained_with(SMALL), CPU)  # past locate_weights: torch.load's refusal, in one line
+    assert "not a loadable model file" in _one_line_without_unpickling_advice(refused)
+    torch.save({"output.weight": _NotATensor()}, path)  # a real zip archive, holding more than tensors
+    with pytest.raises(ConfigError) as refused:
+        load_model(path, trained_with(SMALL), CPU)
+    message = _one_line_without_unpickling_advice(refused)
+    assert message == (
+        f"checkpoint={path}: not a loadable model file (damaged, or holds more than tensors); "
+        "use an intact copy of the run's model.pt"
+    )
 
 
 def test_a_model_altered_since_its_job_recorded_it_is_refused_and_an_intact_one_loads(tmp_path):

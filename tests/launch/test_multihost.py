@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 
@@ -18,9 +19,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_multi_host_job_on_loopback_ends_with_one_summary_whose_digests_agree(tmp_path):
+    token = secrets.token_hex(16)
+    (tmp_path / "run42.token").write_text(token + "\n")  # outside the run directory, as the docs say
     common = ["name=run42", "cluster.groups=2", "cluster.workers_per_group=1", "cluster.device=cpu", "logger=none"]
     common += ["trainer.max_steps=40", "algo.sync_every=10", "trainer.eval_every=0", "trainer.eval_batches=2"]
-    common += [f"cluster.lighthouse.port={free_port('127.0.0.1')}", "cluster.lighthouse.token=SECRET"]
+    common += [f"cluster.lighthouse.port={free_port('127.0.0.1')}"]
+    common += [f"cluster.lighthouse.token_file={tmp_path / 'run42.token'}"]
     run_dir = tmp_path / "run"
     lighthouse = subprocess.Popen(
         [sys.executable, "run.py", "role=lighthouse", *common, f"hydra.run.dir={run_dir}"],
@@ -72,6 +76,8 @@ def test_a_multi_host_job_on_loopback_ends_with_one_summary_whose_digests_agree(
     assert {k: v for k, v in summary.items() if k != "wall_seconds"} == {
         k: v for k, v in by_lighthouse.items() if k != "wall_seconds"
     }
+    holding = [str(p) for p in run_dir.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
+    assert not holding and token not in "".join(outputs), holding  # DESIGN.md invariant 8
 
 
 def test_role_summary_of_a_directory_without_results_says_where_to_point_it(tmp_path):

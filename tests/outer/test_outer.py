@@ -384,7 +384,11 @@ def test_ddp_groups_end_with_the_same_state_and_a_fresh_digest(tmp_path):
 
 @pytest.mark.parametrize(
     "algo",
-    [["algo=diloco"], ["algo=streaming", "algo.fragments=2", "algo.delay=1"], ["algo=ddp"]],
+    [
+        ["algo=diloco", "algo.sync_every=4"],
+        ["algo=streaming", "algo.sync_every=4", "algo.fragments=2", "algo.delay=1"],
+        ["algo=ddp"],  # every step: ddp reads no algo.sync_every
+    ],
     ids=["diloco", "streaming-overlap", "ddp"],
 )
 def test_a_bug_inside_a_round_stops_the_worker_instead_of_failing_the_round(tmp_path, monkeypatch, algo):
@@ -396,9 +400,7 @@ def test_a_bug_inside_a_round_stops_the_worker_instead_of_failing_the_round(tmp_
 
     monkeypatch.setattr("diloco.outer.diloco_sync.launch_reduce", buggy)
     monkeypatch.setattr("diloco.outer.ddp_sync.launch_reduce", buggy)
-    job = compose_job(
-        BASE + ["cluster.groups=1", "algo.sync_every=4", "trainer.max_steps=8", "trainer.seq_len=32"] + algo
-    )
+    job = compose_job(BASE + ["cluster.groups=1", "trainer.max_steps=8", "trainer.seq_len=32"] + algo)
     with lighthouse_for(job) as job:
         trainer = _sgd_trainer(job, 0, 1, tmp_path)
         with pytest.raises(RuntimeError, match="deliberate bug in a round"):

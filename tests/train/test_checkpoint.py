@@ -119,6 +119,43 @@ def test_resume_takes_each_groups_newest_whole_checkpoint_of_a_run(tmp_path):
         resolve_resume(str(tmp_path / "nowhere"), tmp_path / "new", tmp_path, 2)
 
 
+def test_resume_from_a_part_of_a_checkpoint_names_the_checkpoint_folder(tmp_path):
+    """Issue 32: a ``.distcp`` file was "no such directory"; a checkpoint is a folder, so name it."""
+    run = tmp_path / "run"
+    for group in (0, 1):
+        _save_group(run, group, 20)
+    checkpoint = step_dir(run, 20)
+    distcp = next(rank_dir(group_dir(checkpoint, 0), 0).glob("*.distcp"))
+    for part, what in [(distcp, "a file of"), (group_dir(checkpoint, 1), "a folder inside")]:
+        with pytest.raises(CheckpointError) as refused:
+            resolve_resume(str(part), tmp_path / "new", tmp_path, 2)
+        assert str(refused.value) == (
+            f"trainer.resume={part}: {what} the checkpoint {checkpoint}; a checkpoint is a folder, so pass "
+            f"trainer.resume={checkpoint}"
+        )
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"notes\.txt: a file, not a checkpoint; a checkpoint is a folder"):
+        resolve_resume(str(text), tmp_path / "new", tmp_path, 2)
+    with pytest.raises(CheckpointError, match="group 0's checkpoint is partial or absent"):
+        resolve_resume(str(tmp_path), tmp_path / "new", tmp_path, 2)  # a folder that holds no checkpoint
+
+
+def test_eval_of_a_part_of_a_checkpoint_names_the_checkpoint_folder(tmp_path):
+    """role=eval checkpoint= a worker's .distcp or its folder: the checkpoint folder is what it takes."""
+    checkpoint = step_dir(tmp_path / "run", 20)
+    folder = _save_group(tmp_path / "run", 0, 20)
+    distcp = next(rank_dir(folder, 0).glob("*.distcp"))
+    for part, what in [(distcp, "a file of"), (rank_dir(folder, 0), "a folder inside")]:
+        with pytest.raises(ConfigError) as refused:
+            locate_weights(str(part))
+        assert str(refused.value) == (
+            f"checkpoint={part}: {what} the checkpoint {checkpoint}; a checkpoint is a folder, so pass "
+            f"checkpoint={checkpoint}"
+        )
+    assert locate_weights(str(checkpoint))[0] == folder
+
+
 def test_resume_latest_is_the_run_with_the_newest_whole_checkpoint_but_this_one(tmp_path):
     outputs = tmp_path / "outputs"
     older, newer, this = outputs / "a" / "r1", outputs / "b" / "r2", outputs / "b" / "r3"

@@ -231,6 +231,32 @@ def test_tokens_id_out_of_vocab(tmp_path):
     )
 
 
+def test_a_uint32_file_read_as_uint16_is_refused_naming_the_key(tmp_path):
+    """Read as uint16, a uint32 file is its ids interleaved with zeros (issue 32): refused in one line."""
+    ids = [(i * 7919) % 50_000 + 1 for i in range(5_000)]
+    f = write_tokens(tmp_path / "t32.bin", ids, "I")
+    with pytest.raises(DataError) as info:
+        load_corpus(DataConfig(corpus="tokens", path=str(f), vocab_size=50_001))
+    message = str(info.value)
+    assert "\n" not in message and str(f) in message
+    assert "data.token_dtype=uint16" in message and "set data.token_dtype=uint32" in message
+    cfg = DataConfig(corpus="tokens", path=str(f), token_dtype="uint32", vocab_size=50_001)
+    splits = load_corpus(cfg)
+    assert torch.cat([splits.train, splits.val]).to(torch.int64).tolist() == ids
+
+
+def test_the_other_wrong_width_and_uint16_files_with_many_zeros(tmp_path):
+    # a uint16 file read as uint32 pairs its ids into ids beyond any uint16 vocabulary
+    f16 = write_tokens(tmp_path / "t16.bin", [(i * 7919) % 60000 + 1 for i in range(1_000)], "H")
+    cfg = DataConfig(corpus="tokens", path=str(f16), token_dtype="uint32", vocab_size=60001)
+    assert_data_error(cfg, f16, "is >= data.vocab_size=60001.*check data.token_dtype")
+    # zeros at most odd places, or a file too short to tell, are a corpus
+    some = write_tokens(tmp_path / "zeros.bin", [i % 7 if i % 2 == 0 or i == 999 else 0 for i in range(1_000)], "H")
+    assert load_corpus(DataConfig(corpus="tokens", path=str(some), vocab_size=7)).train.numel() > 0
+    short = write_tokens(tmp_path / "short.bin", [5, 0] * 31, "H")
+    assert load_corpus(DataConfig(corpus="tokens", path=str(short), vocab_size=7)).train.numel() > 0
+
+
 # --- sharded batches -------------------------------------------------------------------
 
 
