@@ -70,7 +70,8 @@ class TimeoutsConfig:
 
     ``connect``: peers and stores to appear; ``collective``: one all-reduce or state transfer;
     ``quorum``: a leader's wait for a quorum; ``heartbeat``: silence after which a group is
-    dropped; ``join``: how long the first asker waits for the other healthy groups;
+    dropped; ``join``: the least the first asker waits for the other healthy groups (longer,
+    up to ``heartbeat``, while they ask far apart: ``diloco.ft.quorum.join_wait``);
     ``start``: how long a job's first quorum waits for every configured group; ``end``: how
     long groups that finished wait for the others to finish before the job ends; ``stop``: how
     long a planned stop (Ctrl-C) waits for the groups to finish their round and save;
@@ -173,8 +174,10 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class QuorumRules:
-    """``min_groups`` must ask before any quorum forms; ``join_timeout_s`` is how long the
-    first asker waits for the rest; a group silent for ``heartbeat_timeout_s`` is dropped.
+    """``min_groups`` must ask before any quorum forms; ``join_timeout_s`` is the least the
+    first asker waits for the rest (``join_wait`` in ``diloco.ft.quorum`` lengthens it, up to
+    ``heartbeat_timeout_s``, while groups ask far apart); a group silent for
+    ``heartbeat_timeout_s`` is dropped.
 
     ``expected_groups`` is the job's number of groups (0: unknown, which turns off the two
     waits it allows): a job's first quorum waits up to ``start_timeout_s`` for all of them,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -19,6 +20,23 @@ log = logging.getLogger(__name__)
 
 class LighthouseHTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a long poll left open by a dead client never blocks stop()
+    # Every group asks for a round within the same second: the socketserver default of 5
+    # pending connections reset some of 30 groups' requests on a busy machine (issue 33).
+    request_queue_size = 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._posts_lock = threading.Lock()
+        self._posts = 0  # POSTs being handled or answered
+
+    def posts_in_flight(self) -> int:
+        """POSTs whose answer has not been written yet (a lighthouse leaving waits for them)."""
+        with self._posts_lock:
+            return self._posts
+
+    def count_post(self, change: int) -> None:
+        with self._posts_lock:
+            self._posts += change
 
 
 class LighthouseRequestHandler(BaseHTTPRequestHandler):
@@ -40,6 +58,13 @@ class LighthouseRequestHandler(BaseHTTPRequestHandler):
             self._reply_error(ErrorAnswer(ErrorCode.NOT_FOUND, f"unknown path {path!r}: {paths}"))
 
     def do_POST(self) -> None:
+        self.server.count_post(1)  # type: ignore[attr-defined]
+        try:
+            self._post()
+        finally:
+            self.server.count_post(-1)  # type: ignore[attr-defined]
+
+    def _post(self) -> None:
         lighthouse = self.server.lighthouse  # type: ignore[attr-defined]
         path = self.path.split("?", 1)[0]
         length = self.headers.get("Content-Length", "")

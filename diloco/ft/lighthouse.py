@@ -265,7 +265,8 @@ class Lighthouse:
         return (
             f"no quorum within {min(timeout_s, MAX_POLL_S):g} s: healthy groups {healthy}, asked {asked}; "
             f"a quorum needs cluster.min_groups={self.rules.min_groups} askers and a strict majority "
-            f"of the healthy groups, after cluster.timeouts.join={self.rules.join_timeout_s:g} s"
+            f"of the healthy groups, after a join wait of {self._book.join_wait():.2g} s "
+            f"(cluster.timeouts.join={self.rules.join_timeout_s:g} s, longer while groups ask far apart)"
         )
 
     def _answer_after_end(self, waiter: _Waiter, finished: bool) -> None:
@@ -292,6 +293,20 @@ class Lighthouse:
         with self._cond:
             held = self._book.awaited.get(group)
             return held is not None and self._clock() < held[1]
+
+    def wait_replies_sent(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until no POST's answer is still being written; True if none is.
+
+        A group is counted as told the job's end when its answer is decided, a moment before
+        the answer is on the wire: a lighthouse that left then cut off groups that finished
+        together (issue 33: 30 groups in lockstep), which then waited out their timeouts.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self._server is not None and self._server.posts_in_flight() > 0:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def served_end(self) -> bool:
         """The job ended and every group that had finished by then has been told."""
@@ -399,6 +414,7 @@ def serve_forever(
                 if ended_at is not None and (
                     lighthouse.served_end() or time.monotonic() - ended_at > rules.end_timeout_s
                 ):
+                    lighthouse.wait_replies_sent(timeout_s=5.0)
                     print(f"job {job_id!r} ended at round {lighthouse.ended.round}; lighthouse exiting", flush=True)
                     return
     finally:

@@ -6,9 +6,13 @@ drive it with plain numbers. Symbols follow DESIGN.md section 3.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from diloco.config.cluster import QuorumRules
+
+SKEW_MARGIN = 3.0  # a round waits this many times the latest recent ask (30 groups on 2 cores: spikes of 2.5x)
+SKEW_ROUNDS = 10  # how many recent rounds' ask skews the join wait remembers
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,25 @@ def healthy_groups(last_heartbeat: dict[str, float], now: float, timeout_s: floa
     return {g for g, t in last_heartbeat.items() if now - t < timeout_s}
 
 
+def join_wait(skews: Sequence[float] | None, rules: QuorumRules) -> float:
+    """How long a round waits on the join clock for healthy groups that have not asked yet.
+
+    ``skews``: for each recent round, how long after its join clock started its last
+    in-step group asked (counting a group that asked only after the round had closed
+    without it). The wait is ``SKEW_MARGIN`` times the largest, never below
+    ``join_timeout_s`` and, above that, never beyond ``heartbeat_timeout_s``: a group that
+    is truly dead stops heartbeating within that time anyway, and a hung one that still
+    heartbeats never asks, so it adds nothing to the measured skew and costs each round at
+    most this wait. ``None``: a job's first round after its start, whose skew is not known
+    yet (the start's is the groups' start-up, not their training): the wait is that bound,
+    as guessing short leaves the slower half of a busy machine out of it.
+    """
+    if skews is None:
+        return max(rules.join_timeout_s, rules.heartbeat_timeout_s)
+    measured = min(SKEW_MARGIN * max(skews, default=0.0), rules.heartbeat_timeout_s)
+    return max(rules.join_timeout_s, measured)
+
+
 def quorum_ready(
     askers: set[str],
     healthy: set[str],
@@ -109,14 +132,15 @@ def quorum_ready(
     join_clock_start: float | None,
     now: float,
     rules: QuorumRules,
+    wait_s: float | None = None,
 ) -> bool:
     """Whether the askers may form a quorum now.
 
     Never with fewer than ``min_groups``, and never without a strict majority of the
     heartbeating groups (so two halves of a partitioned job cannot both move on). Then: at
     once when the previous quorum asks again in full (the steady state costs no waiting) or
-    every healthy group has asked; otherwise once ``join_timeout`` has passed on the join
-    clock (see ``QuorumBook.join_clock_start``).
+    every healthy group has asked; otherwise once ``wait_s`` (``join_wait``; by default
+    ``join_timeout``) has passed on the join clock (see ``QuorumBook.join_clock_start``).
     """
     if len(askers) < rules.min_groups:
         return False
@@ -126,7 +150,8 @@ def quorum_ready(
         return True
     if healthy <= askers:
         return True
-    return join_clock_start is not None and now - join_clock_start >= rules.join_timeout_s
+    wait_s = rules.join_timeout_s if wait_s is None else wait_s
+    return join_clock_start is not None and now - join_clock_start >= wait_s
 
 
 def assign_healing(positions: dict[str, tuple[int, int]]) -> dict[str, str]:
@@ -198,6 +223,9 @@ class QuorumBook:
     ended: JobEnd | None = None
     turned_away: dict[str, str] = field(default_factory=dict)  # withdrawn requests -> why (answered at once)
     awaited: dict[str, tuple[float, float]] = field(default_factory=dict)  # restarting group -> (since, until)
+    # Recent rounds' ask skews, newest last; None right after a job's start (see join_wait).
+    ask_skew: list[float] | None = field(default_factory=list)
+    last_round: tuple[tuple[int, int], float] | None = None  # the last round's position and join clock start
 
     def heartbeat(
         self, group: str, now: float, quorum_id_seen: int = 0, step: int | None = None, finished: bool = False
@@ -220,6 +248,10 @@ class QuorumBook:
             self.first_finished_at = now if self.first_finished_at is None else self.first_finished_at
         self.turned_away.pop(request.group, None)
         self.awaited.pop(request.group, None)
+        if request.group not in self.pending and self.last_round is not None and self.ask_skew:
+            position, clock_start = self.last_round
+            if request.position == position:  # it asked for a round that closed without it: too late by this much
+                self.ask_skew[-1] = max(self.ask_skew[-1], now - clock_start)
         self.pending[request.group] = request
         self.asked_at.setdefault(request.group, now)
 
@@ -264,6 +296,10 @@ class QuorumBook:
         times = [t for g, t in self.asked_at.items() if g in members]
         return min(times) if times else None
 
+    def join_wait(self) -> float:
+        """How long the next round waits for healthy groups that have not asked (see ``join_wait``)."""
+        return join_wait(self.ask_skew, self.rules)
+
     def decide(self, now: float) -> Quorum | None:
         """Form a quorum from the open requests if the rules allow it, and close them.
 
@@ -281,7 +317,8 @@ class QuorumBook:
             return None
         askers = set(self.pending)
         previous = self.previous.participants if self.previous else None
-        if not quorum_ready(askers, healthy, previous, self.join_clock_start(), now, self.rules):
+        clock_start = self.join_clock_start()
+        if not quorum_ready(askers, healthy, previous, clock_start, now, self.rules, self.join_wait()):
             return None
         participants = tuple(sorted(askers))
         steps = {g: self.pending[g].step for g in participants}
@@ -292,6 +329,10 @@ class QuorumBook:
             # One above: a group may have committed one round past the last step it reported.
             round_floor = self.high_water + 1
         heal_from = assign_healing({g: self.pending[g].position for g in participants})
+        if previous is None:  # this book's first round: its skew is the start's, not a training round's
+            self.ask_skew = None if self.rules.expected_groups and not self.quorum_id_floor else []
+        elif clock_start is not None:
+            self._measure_skew(participants, clock_start)
         fresh_lanes = bool(heal_from) or round_floor > 0 or any(r.commit_failed for r in self.pending.values())
         return self._form(participants, steps, heal_from, fresh_lanes, round_floor=round_floor)
 
@@ -366,6 +407,18 @@ class QuorumBook:
         for group in participants:
             self.withdraw(group)
         return quorum
+
+    def _measure_skew(self, participants: tuple[str, ...], clock_start: float) -> None:
+        """Remember how long after the join clock started the round's in-step askers asked.
+
+        Only the groups at the round's furthest position count (those behind, healing or
+        newly joined, asked for another round); a group that asks for this round after it
+        closed raises the figure in ``ask``.
+        """
+        position = max(self.pending[g].position for g in participants)
+        skew = max(self.asked_at[g] - clock_start for g in participants if self.pending[g].position == position)
+        self.ask_skew = [*(self.ask_skew or []), max(skew, 0.0)][-SKEW_ROUNDS:]
+        self.last_round = (position, clock_start)
 
     def _awaiting(self, now: float) -> bool:
         """Whether a replacement the launcher announced may still come in time to join the next round.

@@ -12,6 +12,7 @@ from diloco.ft.quorum import (
     QuorumRequest,
     assign_healing,
     healthy_groups,
+    join_wait,
     next_quorum_id,
     quorum_ready,
 )
@@ -52,6 +53,22 @@ def test_fast_path_when_the_previous_quorum_asks_again_in_full():
     healthy = {"a", "b", "c"}  # c is new and has not asked yet
     assert quorum_ready({"a", "b"}, healthy, ("a", "b"), join_clock_start=0.0, now=0.0, rules=RULES)
     assert not quorum_ready({"a", "b"}, healthy, ("a", "b", "c"), join_clock_start=0.0, now=0.0, rules=RULES)
+
+
+def test_join_wait_scales_with_measured_ask_skew_between_join_and_heartbeat_timeouts():
+    rules = QuorumRules(min_groups=1, join_timeout_s=0.5, heartbeat_timeout_s=3.0)
+    assert join_wait([], rules) == 0.5  # nothing measured: the configured join timeout
+    assert join_wait(None, rules) == 3.0  # a job's first round after its start: up to the heartbeat timeout
+    assert join_wait([0.05, 0.1], rules) == 0.5  # never below it
+    assert join_wait([0.3, 0.7, 0.6], rules) == pytest.approx(2.1)  # SKEW_MARGIN (3) x the largest recent skew
+    assert join_wait([9.0], rules) == 3.0  # never past the heartbeat timeout
+    assert join_wait([9.0], QuorumRules(join_timeout_s=5.0, heartbeat_timeout_s=3.0)) == 5.0
+
+
+def test_ready_after_the_given_wait_instead_of_the_join_timeout():
+    args = dict(askers={"a", "b"}, healthy={"a", "b", "c"}, previous=None, join_clock_start=10.0, rules=RULES)
+    assert not quorum_ready(now=16.9, wait_s=7.0, **args)
+    assert quorum_ready(now=17.0, wait_s=7.0, **args)
 
 
 def test_healing_sources_are_up_to_date_peers_spread_evenly():
@@ -157,6 +174,72 @@ class TestBook:
         book.ask(QuorumRequest("c", step=2), now=10.2)
         q = book.decide(now=10.2)
         assert q.participants == ("a", "b", "c", "j") and q.heal_from == {"j": "a"}
+
+    @staticmethod
+    def _round(book, asks: dict[str, float], step: int, decide_at: float):
+        for g, t in sorted(asks.items(), key=lambda kv: kv[1]):
+            book.ask(QuorumRequest(g, step=step, round_step=10 * step), now=t)
+        return book.decide(now=decide_at)
+
+    def test_a_group_that_asked_after_its_round_closed_is_waited_for_in_the_next(self):
+        """Issue 33: on a busy machine groups ask up to a second apart; a fixed 0.5 s join wait
+        left the late ones out of every other round (they healed). The late ask is measured,
+        and the next rounds wait long enough for it."""
+        book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=0.5, heartbeat_timeout_s=3.0))
+        for g in "abcd":
+            book.heartbeat(g, now=0.0)
+        first = self._round(book, dict.fromkeys("abcd", 0.0), 0, 0.0)  # the job's first round (start rule)
+        assert first.participants == ("a", "b", "c", "d")
+        for g in "abcd":
+            book.heartbeat(g, now=9.0)
+        assert self._round(book, {"a": 10.0, "b": 10.1, "c": 10.2}, 1, 10.4) is None  # d is healthy: wait
+        assert book.decide(now=10.5).participants == ("a", "b", "c")  # 0.5 s passed: d left out
+        book.ask(QuorumRequest("d", step=1, round_step=10), now=10.8)  # 0.8 s after the clock started
+        assert book.join_wait() == pytest.approx(2.4)
+        for g in "abcd":
+            book.heartbeat(g, now=19.0)
+        q = self._round(book, {"a": 20.0, "b": 20.2, "c": 20.3}, 2, 20.3)  # d is behind: its old request heals
+        assert q.heal_from == {"d": "a"}
+        for g in "abcd":
+            book.heartbeat(g, now=29.0)
+        assert self._round(book, {"a": 30.0, "b": 30.1, "c": 30.2}, 3, 31.0) is None  # d is late again: waited for
+        book.ask(QuorumRequest("d", step=3, round_step=30), now=31.2)
+        q = book.decide(now=31.2)
+        assert q.participants == ("a", "b", "c", "d") and q.heal_from == {}
+
+    def test_dead_or_hung_groups_still_leave_rounds_within_the_timeouts(self):
+        """A longer join wait never holds a round past the heartbeat timeout: a dead group
+        stops heartbeating, and a hung one that heartbeats never asks, so it is left out
+        after the wait, which is at most the heartbeat timeout."""
+        rules = QuorumRules(min_groups=1, join_timeout_s=0.5, heartbeat_timeout_s=3.0)
+        book = QuorumBook(rules, ask_skew=[10.0])  # the measured skew is capped
+        assert book.join_wait() == 3.0
+        book.previous = Quorum(1, ("a", "b", "dead", "hung"), 0, {})
+        for g in ("a", "b", "dead", "hung"):
+            book.heartbeat(g, now=0.0)
+        book.ask(QuorumRequest("a", step=1), now=1.0)
+        book.ask(QuorumRequest("b", step=1), now=1.0)
+        for t in (1.5, 2.0, 3.5):
+            for g in ("a", "b", "hung"):  # hung: its heartbeat thread lives on; it never asks
+                book.heartbeat(g, now=t)
+            assert book.decide(now=t) is None
+        q = book.decide(now=4.0)  # 3 s after the first ask: the dead one is stale, the hung one waited out
+        assert q is not None and q.participants == ("a", "b")
+
+    def test_the_first_rounds_start_skew_is_not_a_round_skew(self):
+        book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=0.5, heartbeat_timeout_s=3.0, expected_groups=2))
+        book.heartbeat("a", now=0.0)
+        book.ask(QuorumRequest("a", step=0), now=0.0)
+        book.heartbeat("a", now=5.9)
+        book.ask(QuorumRequest("b", step=0), now=6.0)  # a slow start
+        assert book.decide(now=6.0).participants == ("a", "b")
+        assert book.join_wait() == 3.0  # not 2 x 6 s: the first round waits the bound, being unmeasured
+        for g in "ab":
+            book.heartbeat(g, now=9.0)
+        book.ask(QuorumRequest("a", step=0, round_step=10), now=10.0)
+        book.ask(QuorumRequest("b", step=0, round_step=10), now=10.25)
+        assert book.decide(now=10.25) is not None
+        assert book.join_wait() == pytest.approx(0.75)  # measured: 3 x 0.25 s
 
     def test_a_restarted_lighthouse_continues_above_ids_groups_have_seen(self):
         book = QuorumBook(RULES)
