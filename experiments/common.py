@@ -78,14 +78,17 @@ def _experiment_in_defaults() -> bool:
     return any(key.split()[-1].split("/")[-1].startswith("experiment") for key in keys)
 
 
-def run_job(job: JobConfig, run_dir: Path, keep_failure: bool = False) -> dict[str, Any]:
+def run_job(
+    job: JobConfig, run_dir: Path, keep_failure: bool = False, worker_prefix: dict[int, list[str]] | None = None
+) -> dict[str, Any]:
     """Run a whole job quietly (its progress view goes to a buffer); returns summary.json's dict.
+    ``worker_prefix``: per group, a command its workers run under (``netns_link``: its own network namespace).
 
     A job the supervisor gave up on raises ``JobFailed``; with ``keep_failure`` its summary
     (written before the raise: ``ok`` false, ``failure`` the reason) is returned instead.
     """
     try:
-        summary = launch(job, run_dir, out=io.StringIO())
+        summary = launch(job, run_dir, out=io.StringIO(), worker_prefix=worker_prefix)
     except JobFailed:
         if not keep_failure:
             raise
@@ -105,6 +108,19 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """``--results DIR`` and ``--keep-runs DIR``: where a script's table goes and whether its runs stay."""
     parser.add_argument("--results", metavar="DIR", help="folder of the results (default experiments/results)")
     parser.add_argument("--keep-runs", metavar="DIR", help="keep the run directories under DIR (default: a temp dir)")
+
+
+def add_steps_argument(parser: argparse.ArgumentParser) -> None:
+    """``--steps N``: the inner steps of every run, instead of the script's calibration."""
+    parser.add_argument("--steps", type=int, help="inner steps per run, a multiple of H (default: from a calibration)")
+
+
+def check_steps(steps: int | None, h: int) -> None:
+    """Exit naming the fix unless ``--steps`` is a positive multiple of H (the last round reaches θ_g)."""
+    if steps is not None and (steps < h or steps % h):
+        sys.exit(
+            f"--steps={steps}: must be a positive multiple of H=algo.sync_every={h}; e.g. {max(h, steps // h * h)}"
+        )
 
 
 def stop_on_sigterm() -> None:

@@ -47,6 +47,7 @@ from common import (
     RESULTS,
     ClusterRun,
     add_output_arguments,
+    add_steps_argument,
     compose_job,
     markdown_table,
     pyplot,
@@ -250,6 +251,24 @@ def calibrate(root: Path, window_s: float, experiment: str = EXPERIMENT, overrid
 def plan_steps(rate: float, minutes: float, h: int) -> int:
     """Steps for at least ``minutes`` at ``rate`` steps/s, a multiple of H (the last round reaches θ_g)."""
     return max(2 * h, math.ceil(rate * minutes * 60 * MARGIN / h) * h)
+
+
+def planned_steps(
+    root: Path,
+    steps: int | None,
+    minutes: float,
+    window_s: float,
+    h: int,
+    experiment: str = EXPERIMENT,
+    extra: list[str] | None = None,
+) -> tuple[int, str]:
+    """``steps`` (``--steps``) if given, else enough for ``minutes`` at a calibration's rate; and how chosen."""
+    if steps is not None:
+        return steps, "--steps"
+    rate = calibrate(root, window_s, experiment, tuple(extra or ()))
+    steps = plan_steps(rate, minutes, h)
+    print(f"calibration: {rate:.2f} steps/s per group -> trainer.max_steps={steps}", file=sys.stderr, flush=True)
+    return steps, f"calibrated at {rate:.2f} steps/s"
 
 
 def run_one(
@@ -532,7 +551,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="~60 s per run, a kill every 10 s: a smoke test")
     parser.add_argument("--minutes", type=float, help="least wall time of each run (default 5; --quick: 0.75)")
     parser.add_argument("--kill-every", type=float, help="seconds between kills (default 15; --quick: 10)")
-    parser.add_argument("--steps", type=int, help="inner steps per run, a multiple of H (default: from a calibration)")
+    add_steps_argument(parser)
     parser.add_argument(
         "--no-spares", dest="spares", action="store_false", help="leave out the faulty run with a warm spare"
     )
@@ -547,11 +566,7 @@ def main() -> None:
     began = time.monotonic()
     h = compose_job([], EXPERIMENT).algo.sync_every
     with runs_root(args.keep_runs, EXPERIMENT) as root:
-        steps, how = args.steps, "--steps"
-        if steps is None:
-            rate = calibrate(root, cfg.calibration_s)
-            steps, how = plan_steps(rate, cfg.minutes, h), f"calibrated at {rate:.1f} steps/s"
-            print(f"calibration: {rate:.1f} steps/s -> trainer.max_steps={steps}", file=sys.stderr, flush=True)
+        steps, how = planned_steps(root, args.steps, cfg.minutes, cfg.calibration_s, h)
         eval_every = max(h, round(steps / EVAL_POINTS / h) * h)
         shared = [
             f"trainer.max_steps={steps}",

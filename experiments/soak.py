@@ -43,6 +43,8 @@ from common import (
     NO_MATPLOTLIB,
     RESULTS,
     add_output_arguments,
+    add_steps_argument,
+    check_steps,
     compose_job,
     markdown_table,
     pyplot,
@@ -301,7 +303,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--kill-every", type=float, help="seconds between kills (default faults/soak.yaml's; --quick: 3)"
     )
-    parser.add_argument("--steps", type=int, help="inner steps per run, a multiple of H (default: from a calibration)")
+    add_steps_argument(parser)
     add_output_arguments(parser)
     return parser.parse_args()
 
@@ -312,11 +314,7 @@ def main() -> None:
     cfg = settings(args)
     began = time.monotonic()
     h = compose_job(cfg.extra, EXPERIMENT).algo.sync_every
-    if args.steps is not None and (args.steps < h or args.steps % h):
-        sys.exit(
-            f"--steps={args.steps}: must be a positive multiple of H=algo.sync_every={h}; "
-            f"e.g. {max(h, args.steps // h * h)}"
-        )
+    check_steps(args.steps, h)
     with runs_root(args.keep_runs, EXPERIMENT) as root:
         steps, how = args.steps, "--steps"
         if steps is None:

@@ -1,4 +1,5 @@
-"""A group leader's side of the lighthouse: heartbeats and long-poll quorum (and round) requests over HTTP/JSON.
+"""A group's side of the lighthouse over HTTP/JSON: the leader's heartbeats, long-poll quorum
+(and round) requests and commits; every worker's lane watch.
 
 It speaks only ``protocol``'s typed messages, so it needs nothing of the server module; an
 error answer becomes the exception its code names (``ErrorAnswer.exception``).
@@ -20,11 +21,14 @@ from diloco.ft.protocol import (
     GroupMessage,
     GroupProgress,
     Heartbeat,
+    LaneWatch,
     LighthouseRefused,
     LighthouseUnavailable,
     QuorumAsk,
     QuorumGrant,
     RecoveryNotice,
+    RoundCommit,
+    RoundNews,
     RoundWatch,
     authorization_header,
     quorum_answer_from_json,
@@ -34,7 +38,7 @@ from diloco.ft.quorum import JobEnd
 
 
 class LighthouseClient:
-    """A group leader's side. Thread-safe: heartbeat from one thread while another long-polls."""
+    """A group's side. Thread-safe: heartbeat from one thread while another long-polls."""
 
     def __init__(
         self,
@@ -122,6 +126,25 @@ class LighthouseClient:
         )
         try:
             return round_open_from_json(self._post(watch, timeout_s + self.connect_timeout_s))
+        except ValueError as e:
+            raise LighthouseUnavailable(f"lighthouse at {self.url}: {e}") from None
+
+    def lane_watch(self, round_id: int, timeout_s: float, gone_seen: int = 0) -> RoundNews:
+        """Block (at most timeout_s + connect_timeout_s) until more than ``gone_seen`` members left
+        round ``round_id``, or this group left it."""
+        watch = LaneWatch(
+            self.job_id, self.signature, self.group, round_id=round_id, timeout_s=timeout_s, gone_seen=gone_seen
+        )
+        try:
+            return RoundNews.from_json(self._post(watch, timeout_s + self.connect_timeout_s))
+        except ValueError as e:
+            raise LighthouseUnavailable(f"lighthouse at {self.url}: {e}") from None
+
+    def commit(self, round_id: int, step: int) -> str:
+        """Ask to commit round ``round_id`` (the group then stands at ``step``): "" if it may, else why not."""
+        commit = RoundCommit(self.job_id, self.signature, self.group, round_id=round_id, step=step)
+        try:
+            return RoundNews.from_json(self._post(commit, self.connect_timeout_s)).broken
         except ValueError as e:
             raise LighthouseUnavailable(f"lighthouse at {self.url}: {e}") from None
 

@@ -15,7 +15,7 @@ from diloco.files import append_text
 
 log = logging.getLogger(__name__)
 
-INJECTABLE_FAULTS = ("fail_round", "break_lane", "nan")  # what a request may ask of a worker
+INJECTABLE_FAULTS = ("fail_round", "break_lane", "nan", "stop_in_round")  # what a request may ask of a worker
 
 
 def request_fault(path: Path, fault: str) -> None:
@@ -30,7 +30,9 @@ class FaultHook:
     ``fail_round``: this worker's all-reduce is treated as failed after it completes (the
     peers commit, this group does not and heals next round). ``break_lane``: the lane is
     aborted while the all-reduce is in flight (nobody commits that round). ``nan``: this
-    group's update becomes non-finite (the guard leaves it out; it heals).
+    group's update becomes non-finite (the guard leaves it out; it heals). ``stop_in_round``:
+    this worker SIGSTOPs itself with its all-reduce in flight, a hung peer exactly where it
+    hurts most (whoever asked sends it SIGCONT).
 
     Composed in by the worker only when the job injects faults into workers: without a hook
     the synchronizer reads no file. Every worker of the group reads the same request file,

@@ -51,7 +51,12 @@ class JobIdentity:
                 f"model signature {signature} differs from the job's {self.signature}: "
                 "the group runs a different model config"
             )
-        if config and self.config is not None and (differences := config_differences(self.config, config)):
+        if (
+            config
+            and self.config is not None
+            and config != self.config
+            and (differences := config_differences(self.config, config))
+        ):
             shown = "; ".join(differences[:MAX_DIFFERENCES_SHOWN])
             more = len(differences) - MAX_DIFFERENCES_SHOWN
             raise NotThisJob(

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from diloco.config.cluster import LighthouseConfig, QuorumRules
 from diloco.ft import status_page
-from diloco.ft.http_front import LighthouseHTTPServer, LighthouseRequestHandler
+from diloco.ft.http_front import LighthouseHTTPServer
 from diloco.ft.identity import JobIdentity, NotThisJob
 from diloco.ft.protocol import (
     HEARTBEAT_ACK,
@@ -36,10 +36,13 @@ from diloco.ft.protocol import (
     ErrorCode,
     GroupProgress,
     Heartbeat,
+    LaneWatch,
     LighthouseRefused,
     QuorumAsk,
     QuorumGrant,
     RecoveryNotice,
+    RoundCommit,
+    RoundNews,
     RoundWatch,
     check_token,
     parse_request,
@@ -88,15 +91,28 @@ class Lighthouse:
         self.job_id = job_id
         self._identity = JobIdentity(job_id, model_signature, job_config)  # None parts: pinned by the first group
         self._clock = clock
-        self._cond = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # round watchers and stop() wait on it
+        # Open quorum requests wait on their own condition, woken only when a request is answered:
+        # woken by every ask (for the round watchers), 1,000 waiting groups cost a million wake-ups
+        # a round and answered the last ask 0.75 s late at 300 groups (experiments/lighthouse_scale.py).
+        self._answered = threading.Condition(lock)
         self._book = QuorumBook(rules, started_at=clock())
         self._told_end: set[str] = set()  # finished groups that received the job's end
         self._steps: dict[str, int] = {}
         self._waiters: dict[str, _Waiter] = {}
+        # Open lane watches by group: each wakes only when its own group's round breaks or ends,
+        # so a thousand watchers are not woken by every ask (the quorum waiters' condition is).
+        self._lane_watchers: dict[str, set[threading.Event]] = {}
         self._current: tuple[Quorum, float] | None = None  # (quorum, formed at clock time)
         self._history: deque[dict[str, Any]] = deque(maxlen=cfg.history)
         self._board = status_page.StatusBoard()  # what only the status page shows
         self._stopping = threading.Event()
+        # An ask wakes the decide loop instead of running the rules itself: each decision is a pass over
+        # every group, and 1,000 asks a round, each deciding under the lock, queued the last ask 1.5 s
+        # (experiments/lighthouse_scale.py); the loop decides once for all the asks that came meanwhile.
+        self._decide_now = threading.Event()
+        self._grant_cache: tuple[Quorum, tuple[str, int], bytes] | None = None
         self._server: LighthouseHTTPServer | None = None
         self._store: dist.TCPStore | None = None
         self._threads: list[threading.Thread] = []
@@ -108,7 +124,7 @@ class Lighthouse:
         self._stopping.clear()
         self._store = _host_store(self.cfg.host, self.cfg.store_port)
         try:
-            self._server = LighthouseHTTPServer((self.cfg.host, self.cfg.port), LighthouseRequestHandler)
+            self._server = LighthouseHTTPServer((self.cfg.host, self.cfg.port))
         except OSError as e:
             self._store = None
             raise OSError(f"lighthouse cannot listen on cluster.lighthouse.port={self.cfg.port}: {e}") from e
@@ -126,6 +142,7 @@ class Lighthouse:
         self._stopping.set()
         with self._cond:
             self._cond.notify_all()
+            self._answered.notify_all()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -159,8 +176,11 @@ class Lighthouse:
     # -- requests ------------------------------------------------------------------------
     def handle_post(
         self, path: str, authorization: str | None, body: bytes, local_host: str, peer: str = "?"
-    ) -> tuple[int, dict]:
-        """Check and serve one POST to an ``ENDPOINTS`` path; a refusal changes nothing in the lighthouse's state."""
+    ) -> tuple[int, dict | bytes]:
+        """Check and serve one POST to an ``ENDPOINTS`` path; a refusal changes nothing in the lighthouse's state.
+
+        The answer is a JSON object, or (a quorum grant) its encoded bytes.
+        """
         try:
             check_token(authorization, self.cfg.token)
             request = parse_request(path, body)
@@ -181,11 +201,26 @@ class Lighthouse:
         if isinstance(request, RecoveryNotice):
             self._recovery(request)
             return 200, HEARTBEAT_ACK
+        if isinstance(request, LaneWatch):
+            return 200, self._lane_watch(request).to_json()
+        if isinstance(request, RoundCommit):
+            return 200, self._commit(request).to_json()
         assert isinstance(request, QuorumAsk), f"no handler for {type(request).__name__} at {path}"
         answer = self._quorum(request, local_host if self.cfg.host in _WILDCARD_HOSTS else self.cfg.host)
         if isinstance(answer, ErrorAnswer):
             return answer.status, answer.to_json()
-        return 200, quorum_answer_to_json(answer)
+        if isinstance(answer, JobEnd):
+            return 200, quorum_answer_to_json(answer)
+        return 200, self._grant_bytes(answer)
+
+    def _grant_bytes(self, grant: QuorumGrant) -> bytes:
+        """A grant's JSON, encoded once per quorum: every participant gets the same bytes, and encoding
+        1,000 participants' names for each of 1,000 groups cost a second a round (issue 33)."""
+        cached = self._grant_cache
+        if cached is None or cached[0] is not grant.quorum or cached[1] != grant.store:
+            cached = (grant.quorum, grant.store, json.dumps(quorum_answer_to_json(grant)).encode())
+            self._grant_cache = cached  # one assignment: a thread that races here encodes it once more
+        return cached[2]
 
     def _heartbeat(self, beat: Heartbeat) -> None:
         with self._cond:
@@ -204,6 +239,48 @@ class Lighthouse:
                 self._book.depart(notice.group)
             self._decide_locked(now)
 
+    def _lane_watch(self, watch: LaneWatch) -> RoundNews:
+        """Wait (at most ``watch.timeout_s``, capped by ``MAX_POLL_S``) until more members leave the group's round
+        than it knows of, or the group leaves it."""
+        woken = threading.Event()
+        with self._cond:
+            deadline = self._clock() + min(watch.timeout_s, MAX_POLL_S)
+            self._lane_watchers.setdefault(watch.group, set()).add(woken)
+        try:
+            while True:
+                with self._cond:
+                    broken, still_in = self._book.round_state(watch.group, watch.round_id)
+                    remaining = deadline - self._clock()
+                news = (
+                    RoundNews(broken.reason, tuple(sorted(broken.gone)), still_in)
+                    if broken
+                    else RoundNews(open=still_in)
+                )
+                if len(news.gone) > watch.gone_seen or not news.open or remaining <= 0 or self._stopping.is_set():
+                    return news
+                woken.wait(min(remaining, 0.5))
+                woken.clear()
+        finally:
+            with self._cond:
+                watchers = self._lane_watchers.get(watch.group, set())
+                watchers.discard(woken)
+                if not watchers:
+                    self._lane_watchers.pop(watch.group, None)
+
+    def _commit(self, commit: RoundCommit) -> RoundNews:
+        with self._cond:
+            reason = self._book.commit(commit.group, commit.round_id, commit.step, self._clock())
+            if not reason:
+                self._steps[commit.group] = commit.step
+        if reason:
+            log.warning("group %s may not commit round %d: %s", commit.group, commit.round_id, reason)
+        return RoundNews(reason, open=False)  # only ``broken`` is read
+
+    def _wake_lane_watchers(self, groups: Iterable[str]) -> None:
+        for group in groups:
+            for woken in self._lane_watchers.get(group, ()):
+                woken.set()
+
     def _quorum(self, ask: QuorumAsk, store_host: str) -> QuorumGrant | JobEnd | ErrorAnswer:
         """Wait (at most ``ask.timeout_s``, capped by ``MAX_POLL_S``) for this request's fate."""
         group = ask.group
@@ -220,18 +297,20 @@ class Lighthouse:
                     earlier.error = ErrorAnswer(
                         ErrorCode.SUPERSEDED, f"superseded: group {group!r} sent a newer quorum request"
                     )
+                    self._answered.notify_all()
                 self._waiters[group] = waiter
                 self._steps[group] = ask.step
                 self._book.ask(
                     QuorumRequest(group, ask.step, ask.commit_failed, ask.finished, ask.digest, ask.round_step), now
                 )
+                self._wake_lane_watchers([group])  # it left its last round
                 self._cond.notify_all()  # round watchers: a round may have opened
-                self._decide_locked(now)
+                self._decide_now.set()
             while not waiter.answered and not self._stopping.is_set():
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     return ErrorAnswer(ErrorCode.TIMEOUT, self._give_up_locked(waiter, ask.timeout_s))
-                self._cond.wait(min(remaining, 0.5))
+                self._answered.wait(min(remaining, 0.5))
             if waiter.quorum is not None:
                 return QuorumGrant(waiter.quorum, (store_host, self.store_address[1]))
             if waiter.end is not None:
@@ -316,13 +395,19 @@ class Lighthouse:
 
     # -- decisions -----------------------------------------------------------------------
     def _decide_loop(self) -> None:
-        while not self._stopping.wait(DECIDE_EVERY_S):
+        while not self._stopping.is_set():
+            self._decide_now.wait(DECIDE_EVERY_S)
+            self._decide_now.clear()
             with self._cond:
                 self._decide_locked(self._clock())
 
     def _decide_locked(self, now: float) -> None:
         """Run the pure rules once and wake every waiter whose fate they settled."""
         woken = False
+        told = self._book.break_rounds(now)
+        for reason in sorted(set(told.values())):
+            log.warning("%s; its other members give it up", reason)
+        self._wake_lane_watchers(told)
         quorum = self._book.decide(now)
         self._board.membership(self._book.healthy(now))
         if quorum is not None:
@@ -356,7 +441,7 @@ class Lighthouse:
                 del self._waiters[group]
                 woken = True
         if woken:
-            self._cond.notify_all()
+            self._answered.notify_all()
 
     # -- status --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

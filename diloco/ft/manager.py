@@ -3,7 +3,10 @@
 The group's leader (local rank 0) talks to the lighthouse and shares each answer with its
 group over the inner process group, so every worker of a group acts on the same quorum. A
 round is committed only if every rank of the group succeeded; the committed-round counter
-is what the lighthouse compares to decide who is behind and must heal.
+is what the lighthouse compares to decide who is behind and must heal. A round the
+lighthouse saw lose a member is given up by every worker in it at once (``LaneWatcher``), and
+the lighthouse allows a group's commit only of a round it has not seen break, so a member
+that resumes after the others gave the round up does not commit it alone.
 """
 
 from __future__ import annotations
@@ -15,14 +18,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from diloco.ft.client import LighthouseClient
-from diloco.ft.lanes import LaneError, Lanes
+from diloco.ft.lane_watch import LaneWatcher
+from diloco.ft.lanes import CancelScope, LaneCancel, LaneError, Lanes
 from diloco.ft.protocol import (
     ErrorCode,
     GroupProgress,
@@ -60,6 +63,11 @@ class Round:
     group: str
     lane: dist.ProcessGroup
     lane_rank: int
+    cancel: LaneCancel  # when waits on ``lane`` must end: give each wait its ``stop_when``
+
+    def stop_when(self, peer_rank: int | None = None) -> CancelScope:
+        """When a wait on the lane ends early: for a collective (``peer_rank`` None) or a transfer with that rank."""
+        return CancelScope(self.cancel, None if peer_rank is None else self.quorum.participants[peer_rank])
 
     @property
     def heal_source(self) -> int | None:
@@ -90,9 +98,10 @@ class Manager:
         quorum_timeout_s: float,
         heartbeat_interval_s: float,
         watch_rounds: bool = False,
+        lane_watch: LaneWatcher | None = None,
     ) -> None:
         """``watch_rounds``: time-bounded windows; the leader learns the rounds its peers open
-        (``open_round_step``)."""
+        (``open_round_step``). ``lane_watch`` (every rank): rounds that lose a member are given up at once."""
         self.group = group
         self.inner_pg = inner_pg
         self.client = client  # only the leader has one
@@ -112,10 +121,11 @@ class Manager:
         self._heartbeats: threading.Thread | None = None
         self._round_step = 0  # the inner step of the last round this group asked for
         self._watcher = RoundWatcher(client, quorum_timeout_s) if watch_rounds and client is not None else None
+        self._lane_watch = lane_watch
 
     def start(self) -> None:
-        """Leader only: reach the lighthouse, then heartbeat in the background, so a long inner
-        phase is not mistaken for death.
+        """The leader reaches the lighthouse, then heartbeats in the background, so a long inner
+        phase is not mistaken for death; every rank starts its lane watch.
 
         A lighthouse that cannot be reached within the connect timeout at start is a
         configuration error (a wrong host or port), not an outage to train through: training
@@ -127,11 +137,14 @@ class Manager:
             self._heartbeats.start()
             if self._watcher is not None:
                 self._watcher.start()
+        if self._lane_watch is not None:
+            self._lane_watch.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._watcher is not None:
-            self._watcher.stop()
+        for watcher in (self._watcher, self._lane_watch):
+            if watcher is not None:
+                watcher.stop()
         if self._heartbeats is not None:
             self._heartbeats.join(timeout=self.heartbeat_interval_s + 5)
         self.lanes.drop()
@@ -246,24 +259,48 @@ class Manager:
             self.lanes.drop()
             self.last_commit_failed = True
             return None
-        return Round(quorum=quorum, group=self.group, lane=lane, lane_rank=lane_rank)
+        if self._lane_watch is not None:
+            self._lane_watch.follow(quorum.round_id, self.lanes.cancel)
+        return Round(quorum=quorum, group=self.group, lane=lane, lane_rank=lane_rank, cancel=self.lanes.cancel)
 
     def commit(self, round_: Round, local_ok: bool) -> bool:
-        """Commit the round iff every rank of this group succeeded; a failure drops the lane."""
-        ok = self.settle(local_ok)
+        """Commit the round iff every rank of this group succeeded and the lighthouse allows it
+        (it has not seen the round lose a member); a failure drops the lane."""
+        committed = max(self._committed, round_.quorum.round_floor) + 1
+        ok = self.all_ranks(local_ok) and self._allowed(round_, committed)
+        self._settled(ok)
         if ok:
-            self._committed = max(self._committed, round_.quorum.round_floor) + 1
+            self._committed = committed
             self._moved()
         return ok
+
+    def _allowed(self, round_: Round, committed: int) -> bool:
+        """The leader's commit request, its answer shared with the group (a collective).
+
+        A lighthouse that cannot be reached allows nothing: it may have told the round's other
+        members that it broke, and a group that does not commit merely heals later.
+        """
+        why = ""
+        if self.client is not None:
+            try:
+                why = self.client.commit(round_.quorum.round_id, committed)
+            except (LighthouseUnavailable, LighthouseRefused) as error:
+                why = f"the lighthouse did not confirm the commit: {error}"
+            if why:
+                log.warning("group %s: round %d not committed: %s", self.group, round_.quorum.round_id, why)
+        return self.from_leader([0 if why else 1])[0] == 1
 
     def settle(self, local_ok: bool) -> bool:
         """End a round that changes no global state (a group's join): True iff every rank of
         this group succeeded; a failure drops the lane. The committed count stays."""
         ok = self.all_ranks(local_ok)
+        self._settled(ok)
+        return ok
+
+    def _settled(self, ok: bool) -> None:
         if not ok:
             self.lanes.drop()
         self.last_commit_failed = not ok
-        return ok
 
     def all_ranks(self, ok: bool) -> bool:
         """True only if ``ok`` holds on every rank of the group (a MIN all-reduce)."""
@@ -365,11 +402,3 @@ class Manager:
                 return
             except LighthouseUnavailable as error:
                 log.debug("group %s: heartbeat failed (%s); retrying", self.group, error)
-
-
-def wait_work(work: dist.Work, timeout_s: float) -> None:
-    """Wait for a lane collective with a bound; a lost peer, broken lane or timeout becomes a ``LaneError``."""
-    try:
-        work.wait(timedelta(seconds=timeout_s))
-    except RuntimeError as error:  # how Gloo reports all three
-        raise LaneError(f"lane collective failed: {error}") from error

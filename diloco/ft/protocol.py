@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hmac
 import itertools
 import json
@@ -169,7 +170,7 @@ class GroupMessage:
         missing = [n for n, f in fields.items() if n not in data and _required(f)]
         if missing:
             raise _bad_request(f"missing field {missing[0]!r} for {cls.path}; expected {sorted(fields)}")
-        hints = get_type_hints(cls)
+        hints = _field_types(cls)
         for name in (n for n in fields if n in data):
             ok, what = _TYPES[get_origin(hints[name]) or hints[name]]
             if not ok(data[name]):
@@ -210,7 +211,9 @@ class GroupProgress:
     digest: str = ""  # of the group's global state at its last committed round (or heal)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, "")}
+        # Flat fields, read directly: asdict's deep copy was most of /status's time at 1,000 groups.
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v for k, v in values.items() if v not in (None, "")}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GroupProgress:
@@ -276,7 +279,58 @@ class RecoveryNotice(GroupMessage):
     wait_ms: int
 
 
-ENDPOINTS: dict[str, type[GroupMessage]] = {m.path: m for m in (Heartbeat, QuorumAsk, RoundWatch, RecoveryNotice)}
+@dataclass(frozen=True)
+class LaneWatch(GroupMessage):
+    """A long poll of any worker of a group while it takes part in round ``round_id``
+    (``Quorum.round_id``): answered (``RoundNews``) as soon as more than ``gone_seen`` members
+    have left the round, or the group left it, or with no news once ``timeout_s`` has passed."""
+
+    path: ClassVar[str] = "/lane_watch"
+    round_id: int
+    timeout_s: float
+    gone_seen: int = 0
+
+
+@dataclass(frozen=True)
+class RoundCommit(GroupMessage):
+    """A group leader's ask to commit round ``round_id``, after which the group stands at
+    committed ``step``: answered ``{"broken": ""}`` when it may (the step is recorded), else
+    ``{"broken": why}`` and the group does not commit."""
+
+    path: ClassVar[str] = "/commit"
+    round_id: int
+    step: int
+
+
+ENDPOINTS: dict[str, type[GroupMessage]] = {
+    m.path: m for m in (Heartbeat, QuorumAsk, RoundWatch, RecoveryNotice, LaneWatch, RoundCommit)
+}
+
+
+class RoundNews(NamedTuple):
+    """The answer to a ``LaneWatch``, and to a ``RoundCommit`` (``broken``: why it is refused)."""
+
+    broken: str = ""  # why the round broke; "" if it did not
+    gone: tuple[str, ...] = ()  # the members that left it
+    open: bool = True  # the asking group is still in the round
+
+    def to_json(self) -> dict[str, Any]:
+        return {"broken": self.broken, "gone": list(self.gone), "open": self.open}
+
+    @classmethod
+    def from_json(cls, data: Any) -> RoundNews:
+        """Raises ``ValueError`` unless ``data`` is such an answer."""
+        if not isinstance(data, dict):
+            raise ValueError(f"malformed round answer: {data!r:.200}")
+        broken, gone, open_ = data.get("broken"), data.get("gone"), data.get("open")
+        if not (
+            isinstance(broken, str)
+            and isinstance(gone, list)
+            and all(isinstance(g, str) for g in gone)
+            and isinstance(open_, bool)
+        ):
+            raise ValueError(f"malformed round answer: {data!r:.200}")
+        return cls(broken, tuple(gone), open_)
 
 
 def round_open_from_json(data: Any) -> int:
@@ -326,6 +380,13 @@ def json_depth(body: bytes) -> int:
     refused first; linear in the body, in C."""
     steps = _JSON_STRING.sub(b"", body).translate(_NESTING, delete=_NOT_A_BRACKET)
     return max(itertools.accumulate(memoryview(steps).cast("b")), default=0)
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """A message class's field types, resolved once: resolving them per request was most of a
+    heartbeat's cost at the lighthouse (issue 33, experiments/lighthouse_scale.py)."""
+    return get_type_hints(cls)
 
 
 def _required(f: dataclasses.Field) -> bool:

@@ -13,6 +13,7 @@ from diloco.config.cluster import QuorumRules
 
 SKEW_MARGIN = 3.0  # a round waits this many times the latest recent ask (30 groups on 2 cores: spikes of 2.5x)
 SKEW_ROUNDS = 10  # how many recent rounds' ask skews the join wait remembers
+BROKEN_KEPT = 1024  # broken rounds remembered, so a member that comes back late still learns its round broke
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class Quorum:
     heal_from: dict[str, str]  # group behind max_step (or new) -> the live peer it receives state from
     round_floor: int = 0  # > 0 when the job's newest rounds were lost: a commit here is round_floor + 1
     closing: bool = False  # finished groups hand their final state to those behind: nothing is reduced or committed
+    # Which formation this is: the id stays while membership holds, a round is formed anew each time.
+    round_id: int = 0
 
     def rank_of(self, group: str) -> int:
         return self.participants.index(group)
@@ -65,6 +68,7 @@ class Quorum:
             "heal_from": dict(self.heal_from),
             "round_floor": self.round_floor,
             "closing": self.closing,
+            "round_id": self.round_id,
         }
 
     @classmethod
@@ -76,6 +80,7 @@ class Quorum:
             heal_from={str(k): str(v) for k, v in data["heal_from"].items()},
             round_floor=int(data.get("round_floor", 0)),
             closing=bool(data.get("closing", False)),
+            round_id=int(data.get("round_id", 0)),
         )
 
 
@@ -99,6 +104,14 @@ class JobEnd:
     @classmethod
     def from_json(cls, data: dict) -> JobEnd:
         return cls(round=int(data["round"]), digest=str(data["digest"]), holders=tuple(map(str, data["holders"])))
+
+
+@dataclass(frozen=True)
+class RoundBreak:
+    """How a round broke: why (its first member to leave), and every member that left it."""
+
+    reason: str
+    gone: frozenset[str]
 
 
 def healthy_groups(last_heartbeat: dict[str, float], now: float, timeout_s: float) -> set[str]:
@@ -226,6 +239,11 @@ class QuorumBook:
     # Recent rounds' ask skews, newest last; None right after a job's start (see join_wait).
     ask_skew: list[float] | None = field(default_factory=list)
     last_round: tuple[tuple[int, int], float] | None = None  # the last round's position and join clock start
+    _healthy_at: tuple[float, frozenset[str]] | None = field(default=None, repr=False, compare=False)  # healthy()
+    rounds_formed: int = 0
+    # Round id -> its members that have not asked again since (see ``break_rounds``).
+    open_rounds: dict[int, set[str]] = field(default_factory=dict)
+    broken: dict[int, RoundBreak] = field(default_factory=dict)  # the rounds members left (see break_rounds)
 
     def heartbeat(
         self, group: str, now: float, quorum_id_seen: int = 0, step: int | None = None, finished: bool = False
@@ -233,6 +251,7 @@ class QuorumBook:
         """A sign of life; a group that says it is not finished (a new process of it) trains again."""
         self.first_seen_at = now if self.first_seen_at is None else self.first_seen_at
         self.last_heartbeat[group] = now
+        self._healthy_at = None
         self.quorum_id_floor = max(self.quorum_id_floor, quorum_id_seen)
         if step is not None:
             self.reported[group] = step
@@ -248,6 +267,7 @@ class QuorumBook:
             self.first_finished_at = now if self.first_finished_at is None else self.first_finished_at
         self.turned_away.pop(request.group, None)
         self.awaited.pop(request.group, None)
+        self.leave_rounds(request.group)
         if request.group not in self.pending and self.last_round is not None and self.ask_skew:
             position, clock_start = self.last_round
             if request.position == position:  # it asked for a round that closed without it: too late by this much
@@ -262,6 +282,7 @@ class QuorumBook:
     def depart(self, group: str) -> None:
         """A dead group left: rounds stop waiting for it at once; its replacement's heartbeats bring it back."""
         self.last_heartbeat.pop(group, None)
+        self._healthy_at = None
         self.awaited.pop(group, None)
         self.withdraw(group)
 
@@ -269,6 +290,71 @@ class QuorumBook:
         """Drop an open request whose caller gave up waiting."""
         self.pending.pop(group, None)
         self.asked_at.pop(group, None)
+
+    def leave_rounds(self, group: str) -> None:
+        """``group`` is done with its open round (it asks again): a later silence breaks no round."""
+        for round_id, members in list(self.open_rounds.items()):
+            members.discard(group)
+            if not members:
+                del self.open_rounds[round_id]
+
+    def break_rounds(self, now: float) -> dict[str, str]:
+        """Mark every open round a member left (silent for ``heartbeat_timeout_s``, or departed)
+        as broken by it; returns, for each group still in such a round, why.
+
+        A hung peer (SIGSTOP, a stuck GPU) keeps the others' all-reduce or heal with it waiting
+        until ``timeouts.collective``; the lighthouse stops hearing it after
+        ``heartbeat_timeout_s``. The members still in the round give up what they wait on with
+        the gone (``RoundBreak.gone``): its all-reduce, and transfers with a gone peer (a heal
+        between two others goes on). The gone stay gone: a member that resumes later may not
+        commit the round (``commit``), so it cannot hold a state nobody else has under the
+        same round number.
+        """
+        healthy, told = self.healthy(now), {}
+        for round_id, members in list(self.open_rounds.items()):
+            gone = members - healthy
+            if not gone:
+                continue
+            first = min(gone)
+            why = (
+                "it departed (its process died)"
+                if first not in self.last_heartbeat
+                else f"no heartbeat for cluster.timeouts.heartbeat={self.rules.heartbeat_timeout_s:g} s"
+            )
+            earlier = self.broken.get(round_id)
+            self.broken[round_id] = RoundBreak(
+                earlier.reason if earlier else f"group {first} left round {round_id}: {why}",
+                (earlier.gone if earlier else frozenset()) | gone,
+            )
+            told.update(dict.fromkeys(members, self.broken[round_id].reason))
+            members -= gone
+            if not members:
+                del self.open_rounds[round_id]
+        while len(self.broken) > BROKEN_KEPT:
+            del self.broken[next(iter(self.broken))]
+        return told
+
+    def round_state(self, group: str, round_id: int) -> tuple[RoundBreak | None, bool]:
+        """(how round ``round_id`` broke, if it did; whether ``group`` is still in it)."""
+        return self.broken.get(round_id), group in self.open_rounds.get(round_id, ())
+
+    def commit(self, group: str, round_id: int, step: int, now: float) -> str:
+        """``group`` commits round ``round_id`` at committed ``step``: "" when it may (the step is
+        recorded at once, so a quorum formed next heals whoever is behind it), else why not.
+
+        Refused to a member that left the round (the others gave up what they waited on with
+        it), and for a round unknown here (a restarted lighthouse formed no such round: every
+        member's commit is refused, and they go on, equal, from the round before). A member
+        still in a broken round whose all-reduce completed commits: whoever gave it up is
+        behind, and heals.
+        """
+        broken = self.broken.get(round_id)
+        if broken is not None and group in broken.gone:
+            return broken.reason
+        if group not in self.open_rounds.get(round_id, ()):
+            return f"round {round_id} is not open for group {group} at this lighthouse (was it restarted?)"
+        self.heartbeat(group, now, step=step)  # it stays in the round (a flight commits each fragment) until it asks
+        return ""
 
     def open_round(self, group: str, position: tuple[int, int]) -> int:
         """The inner step of the round other groups are waiting in, if it lies past ``position``; else 0.
@@ -283,8 +369,15 @@ class QuorumBook:
         ]
         return max(ahead, default=0)
 
-    def healthy(self, now: float) -> set[str]:
-        return healthy_groups(self.last_heartbeat, now, self.rules.heartbeat_timeout_s)
+    def healthy(self, now: float) -> frozenset[str]:
+        """The healthy groups at ``now``, computed once per moment: one decision asks several times, and
+        each is a pass over every group (at 1,000 groups, most of a decision's time; issue 33)."""
+        if self._healthy_at is None or self._healthy_at[0] != now:
+            self._healthy_at = (
+                now,
+                frozenset(healthy_groups(self.last_heartbeat, now, self.rules.heartbeat_timeout_s)),
+            )
+        return self._healthy_at[1]
 
     def join_clock_start(self) -> float | None:
         """When the join timeout starts counting: the first ask of a member of the previous quorum.
@@ -311,7 +404,7 @@ class QuorumBook:
             self._turn_away(group, f"no heartbeat for cluster.timeouts.heartbeat={hb:g} s while it waited")
         if self.ended is not None or not self._started(now):
             return None
-        if any(g in self.finished for g in healthy):
+        if any(g in healthy for g in self.finished):  # few finish: not a pass over every group per decision
             return self._closing_quorum(healthy, now)
         if self._awaiting(now):
             return None
@@ -401,7 +494,11 @@ class QuorumBook:
         quorum_id = next_quorum_id(self.previous, participants, fresh_lanes)
         if self.previous is None or quorum_id != self.previous.quorum_id:
             quorum_id = max(quorum_id, self.quorum_id_floor + 1)
-        quorum = Quorum(quorum_id, participants, max(steps.values()), heal_from, round_floor, closing)
+        self.rounds_formed += 1
+        quorum = Quorum(
+            quorum_id, participants, max(steps.values()), heal_from, round_floor, closing, self.rounds_formed
+        )
+        self.open_rounds[self.rounds_formed] = set(participants)
         self.previous = quorum
         self.lost_since = None
         for group in participants:

@@ -9,39 +9,23 @@ waits on the training thread, and nothing it does waits on the network.
 from __future__ import annotations
 
 import logging
-import threading
 
 from diloco.ft.client import LighthouseClient
+from diloco.ft.poller import RETRY_S, Poller
 from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable
 
 log = logging.getLogger(__name__)
 
-RETRY_S = 1.0  # between polls while the lighthouse cannot be reached
 
-
-class RoundWatcher:
+class RoundWatcher(Poller):
     """One long poll at a time for the round opened past the group's position (committed, last round step)."""
 
+    thread_name = "round-watch"
+
     def __init__(self, client: LighthouseClient, poll_s: float) -> None:
-        self.client = client
-        self.poll_s = poll_s
-        self._lock = threading.Lock()
+        super().__init__(client, poll_s)
         self._position = (0, 0)
         self._open_step = 0
-        self._moved = threading.Event()  # the group started a round or committed: poll again
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="round-watch", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop polling; an open poll is abandoned (its thread is a daemon bounded by ``poll_s``)."""
-        self._stop.set()
-        self._moved.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
 
     @property
     def open_step(self) -> int:

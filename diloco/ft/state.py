@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from diloco.ft.lanes import CancelScope
 from diloco.ft.transport import StateBundle, TransferError, recv_state, send_state
 from outer_opt import load_optimizer_state_tensors, optimizer_state_tensors
 
@@ -81,23 +82,27 @@ class HealState:
     def tensors(self) -> dict[str, torch.Tensor]:
         return self.global_tensors() | inner_optimizer_tensors(self.inner_optimizer) | self.extra
 
-    def send(self, lane: dist.ProcessGroup, dst: int, position: Position, timeout_s: float) -> bool:
-        """Send our state to lane rank ``dst``; False if the transfer failed (the receiver retries later)."""
+    def send(
+        self, lane: dist.ProcessGroup, dst: int, position: Position, timeout_s: float, cancel: CancelScope | None = None
+    ) -> bool:
+        """Send our state to lane rank ``dst``; False if the transfer failed or was cancelled."""
         bundle = StateBundle(
             tensors={k: v.detach().cpu() for k, v in self.tensors().items()},
             meta=dataclasses.asdict(position),
         )
         try:
-            send_state(lane, dst, bundle, timeout_s)
+            send_state(lane, dst, bundle, timeout_s, cancel)
         except TransferError as error:
             log.warning("sending state to lane rank %d failed: %s", dst, error)
             return False
         return True
 
-    def receive(self, lane: dist.ProcessGroup, src: int, timeout_s: float) -> StateBundle | None:
+    def receive(
+        self, lane: dist.ProcessGroup, src: int, timeout_s: float, cancel: CancelScope | None = None
+    ) -> StateBundle | None:
         template = {k: v.detach().cpu() if v.device.type != "cpu" else v for k, v in self.tensors().items()}
         try:
-            return recv_state(lane, src, template, timeout_s)
+            return recv_state(lane, src, template, timeout_s, cancel=cancel)
         except TransferError as error:
             log.warning("receiving state from lane rank %d failed: %s", src, error)
             return None

@@ -21,6 +21,13 @@ from diloco.ft.quorum import Quorum, QuorumBook
 REFRESH_S = 2
 TIMELINE_EVENTS = 500
 CURVE_POINTS = 400  # per group; a full curve is thinned to every other point, so the whole run fits
+# What /status and the page show at many groups (issue 33, experiments/lighthouse_scale.py): at 1,000
+# groups every point of every curve made /status 12 MB (1.6 s to encode, asked twice a second by the
+# launcher's watch) and the page 9 MB; beyond these, curves are thinned, names cut short and the
+# timeline marks each quorum once rather than once per member.
+SHOWN_POINTS = 20_000  # over all curves
+SHOWN_NAMES = 30  # participants named per quorum on the page
+TICK_ROWS = 100  # groups up to which the timeline marks every member of every quorum
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 EVENT_COLORS = {"joined": "#1f77b4", "lost": "#d62728", "heal": "#2ca02c", "end": "#000000"}
 
@@ -114,7 +121,10 @@ def build_status(
         "ended": None if book.ended is None else book.ended.to_json(),
         "history": list(history),
         "timeline": list(board.timeline),
-        "curves": {g: curve.points for g, curve in sorted(board.curves.items())},
+        "curves": {
+            g: _thinned(curve.points, SHOWN_POINTS // max(len(board.curves), 1))
+            for g, curve in sorted(board.curves.items())
+        },
         "rules": dataclasses.asdict(book.rules),
     }
 
@@ -150,13 +160,13 @@ def render_html(status: Mapping[str, Any]) -> str:
         if q is None
         else _table(
             ["id", "participants", "max round", "heal from", "age (s)"],
-            [[q["quorum_id"], ", ".join(q["participants"]), q["max_step"], _heal(q["heal_from"]), q["age_s"]]],
+            [[q["quorum_id"], _names(q["participants"]), q["max_step"], _heal(q["heal_from"]), q["age_s"]]],
         )
     )
     history = _table(
         ["id", "participants", "max round", "heal from", "formed at"],
         [
-            [h["quorum_id"], ", ".join(h["participants"]), h["max_step"], _heal(h["heal_from"]), _clock(h["formed_at"])]
+            [h["quorum_id"], _names(h["participants"]), h["max_step"], _heal(h["heal_from"]), _clock(h["formed_at"])]
             for h in reversed(status["history"])
         ],
     )
@@ -216,6 +226,10 @@ def timeline_svg(events: list[dict[str, Any]], history: list[dict[str, Any]], id
     x = _scale(min(times), max(now, max(times) + 1e-3), MARGIN + 40, WIDTH - 8)
     marks = [f'<text x="2" y="{row[g] + 4}" font-size="11">{escape(g[:14])}</text>' for g in ids]
     for h in history:
+        if len(ids) > TICK_ROWS:  # one mark per quorum: a thousand rows of ticks made the page megabytes
+            px = x(h["formed_at"])
+            marks.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="8" y2="{height - 14}" stroke="#ddd"/>')
+            continue
         for g in h["participants"]:
             if g in row:
                 px = x(h["formed_at"])
@@ -254,6 +268,17 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{escape(str(v))}</td>" for v in row) + "</tr>" for row in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _thinned(points: list, limit: int) -> list:
+    """At most about ``limit`` (at least 2) evenly spaced points, the last one kept."""
+    step = -(-len(points) // max(limit, 2))
+    return points if step <= 1 else points[::step] + ([points[-1]] if (len(points) - 1) % step else [])
+
+
+def _names(participants: list[str]) -> str:
+    shown = ", ".join(participants[:SHOWN_NAMES])
+    return shown if len(participants) <= SHOWN_NAMES else f"{shown}, ... ({len(participants)} groups)"
 
 
 def _heal(heal_from: Mapping[str, str]) -> str:

@@ -26,13 +26,13 @@ import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from diloco.byte_view import byte_view
+from diloco.ft.lanes import CancelScope, LaneError, wait_work
 
 FORMAT = "diloco-state"
 FORMAT_VERSION = 1
@@ -178,10 +178,10 @@ def unpack_state(header: bytes, payload: torch.Tensor, template: dict[str, torch
 
 
 class _Deadline:
-    """One deadline for a whole transfer; turns every Gloo failure into a TransferError."""
+    """One deadline for a whole transfer; turns every Gloo failure (and a cancel) into a TransferError."""
 
-    def __init__(self, timeout_s: float, what: str) -> None:
-        self.timeout_s, self.what = timeout_s, what
+    def __init__(self, timeout_s: float, what: str, cancel: CancelScope | None) -> None:
+        self.timeout_s, self.what, self.cancel = timeout_s, what, cancel
         self.end = time.monotonic() + timeout_s
 
     def post(self, op: Callable[[], dist.Work], step: str) -> dist.Work:
@@ -195,11 +195,13 @@ class _Deadline:
         if left <= 0:
             raise TransferError(f"{self.what}: {step}: timed out after {self.timeout_s:g} s")
         try:
-            work.wait(timedelta(seconds=left))
-        except RuntimeError as error:  # how Gloo reports a lost peer, a broken lane or a timeout
+            wait_work(work, left, self.cancel)
+        except LaneError as error:
+            if self.cancel is not None and self.cancel.hit():
+                raise TransferError(f"{self.what}: {step}: {error}") from error
             expired = self.end - time.monotonic() < 0.05  # Gloo rounds the wait down to whole milliseconds
             why = f"timed out after {self.timeout_s:g} s" if expired else "peer gone"
-            raise TransferError(f"{self.what}: {step}: {why}: {error}") from error
+            raise TransferError(f"{self.what}: {step}: {why}: {error.__cause__ or error}") from error
 
     def run(self, op: Callable[[], dist.Work], step: str) -> None:
         self.wait(self.post(op, step), step)
@@ -236,14 +238,17 @@ def _refuse(pg: Lane, peer: int, deadline: _Deadline, error: TransferError) -> N
     raise TransferError(f"{deadline.what}: {error}") from None
 
 
-def send_packed(pg: Lane, dst: int, header: bytes, payload: torch.Tensor, timeout_s: float) -> None:
+def send_packed(
+    pg: Lane, dst: int, header: bytes, payload: torch.Tensor, timeout_s: float, cancel: CancelScope | None = None
+) -> None:
     """Send a packed state to lane rank ``dst``; returns once the receiver has verified it.
 
     Raises TransferError if the receiver refuses the header (its template differs) or the
-    payload (checksum), if the peer is gone, or once ``timeout_s`` has passed in all.
+    payload (checksum), if the peer is gone, once ``timeout_s`` has passed in all, or at
+    once when ``cancel`` hits it (the receiver left the round, or this group did).
     """
     byte_view(payload)  # a flat contiguous CPU uint8 tensor, or ValueError here rather than on the wire
-    deadline = _Deadline(timeout_s, f"sending state to lane rank {dst}")
+    deadline = _Deadline(timeout_s, f"sending state to lane rank {dst}", cancel)
     chunk = CHUNK_BYTES  # read at call time, so tests can shrink it
     sizes = torch.tensor([len(header), payload.numel(), chunk], dtype=torch.int64)
     deadline.run(lambda: pg.send([sizes], dst, _TAG), "size prefix")
@@ -256,14 +261,19 @@ def send_packed(pg: Lane, dst: int, header: bytes, payload: torch.Tensor, timeou
         raise TransferError(f"{deadline.what}: the receiver refused the payload (checksum mismatch on arrival)")
 
 
-def send_state(pg: Lane, dst: int, bundle: StateBundle, timeout_s: float) -> None:
+def send_state(pg: Lane, dst: int, bundle: StateBundle, timeout_s: float, cancel: CancelScope | None = None) -> None:
     """Pack ``bundle`` and send it to lane rank ``dst`` (the healing peer's side)."""
     header, payload = pack_state(bundle)
-    send_packed(pg, dst, header, payload, timeout_s)
+    send_packed(pg, dst, header, payload, timeout_s, cancel)
 
 
 def recv_state(
-    pg: Lane, src: int, template: dict[str, torch.Tensor], timeout_s: float, max_header_bytes: int = 16 << 20
+    pg: Lane,
+    src: int,
+    template: dict[str, torch.Tensor],
+    timeout_s: float,
+    max_header_bytes: int = 16 << 20,
+    cancel: CancelScope | None = None,
 ) -> StateBundle:
     """Receive a state from lane rank ``src`` into new staging buffers, checked against ``template``.
 
@@ -271,7 +281,7 @@ def recv_state(
     sender hears every verdict. The returned tensors have the template's dtypes and shapes and
     are views of one staging buffer: the caller copies them into the live state after success.
     """
-    deadline = _Deadline(timeout_s, f"receiving state from lane rank {src}")
+    deadline = _Deadline(timeout_s, f"receiving state from lane rank {src}", cancel)
     _, total = _table(template)
     sizes = torch.zeros(3, dtype=torch.int64)
     deadline.run(lambda: pg.recv([sizes], src, _TAG), "size prefix")

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,7 +28,9 @@ from diloco.worker.builders import preflight, resume_folders
 FAULT_HORIZON_S = 7 * 24 * 3600.0  # the plan outlasts any local run; firing stops when the job ends
 
 
-def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str, Any]:
+def launch(
+    job: JobConfig, run_dir: Path, out: TextIO = sys.stdout, worker_prefix: Mapping[int, Sequence[str]] | None = None
+) -> dict[str, Any]:
     """Run the whole job on this machine; returns (and writes) the summary.
 
     The summary's ``ok`` says whether model.pt is the final global model every group holds
@@ -37,15 +39,18 @@ def launch(job: JobConfig, run_dir: Path, out: TextIO = sys.stdout) -> dict[str,
     current round (saving its checkpoint if ``trainer.checkpoint.every`` is set), model.pt
     gets the newest committed global model, summary.json says ``interrupted``, and
     ``JobInterrupted`` is raised; a second Ctrl-C stops every process at once.
+    ``worker_prefix``: per group, a command its workers run under (``LocalCluster``).
     """
     paths = RunPaths(run_dir)
     with run_dir_claimed(paths):
-        return _launch_claimed(job, paths, out)
+        return _launch_claimed(job, paths, out, worker_prefix)
 
 
-def _launch_claimed(job: JobConfig, paths: RunPaths, out: TextIO) -> dict[str, Any]:
+def _launch_claimed(
+    job: JobConfig, paths: RunPaths, out: TextIO, worker_prefix: Mapping[int, Sequence[str]] | None = None
+) -> dict[str, Any]:
     n_params, signature = preflight(job, paths)
-    cluster = LocalCluster(job, paths, signature)
+    cluster = LocalCluster(job, paths, signature, worker_prefix)
     say(
         f"model: {n_params:,} parameters; {job.cluster.groups} group(s) x {job.cluster.workers_per_group} "
         f"worker(s); lighthouse status page {cluster.lighthouse_url}/",

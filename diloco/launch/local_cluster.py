@@ -19,7 +19,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,9 +192,22 @@ def terminate_and_wait(processes: list[ProcessHandle], timeout_s: float) -> list
 
 
 class LocalCluster:
-    """The processes of one job on this machine: a lighthouse and every group's workers."""
+    """The processes of one job on this machine: a lighthouse and every group's workers.
 
-    def __init__(self, job: JobConfig, paths: RunPaths, signature: str) -> None:
+    ``worker_prefix``: per group, a command its workers run under (``ip netns exec NS``: the
+    group in its own network namespace, experiments/netns_link.py). Only exec'd workers can
+    (a fork server's children share its namespace), and no spare (it serves any group).
+    """
+
+    def __init__(
+        self, job: JobConfig, paths: RunPaths, signature: str, worker_prefix: Mapping[int, Sequence[str]] | None = None
+    ) -> None:
+        if worker_prefix and (job.cluster.spawn != "exec" or job.cluster.spares):
+            raise ValueError(
+                f"a per-group worker prefix needs cluster.spawn=exec and cluster.spares=0, "
+                f"got spawn={job.cluster.spawn}, spares={job.cluster.spares}"
+            )
+        self.worker_prefix = {g: tuple(p) for g, p in (worker_prefix or {}).items()}
         self.job = resolve_lighthouse(job)
         self.paths = paths
         self.signature = signature
@@ -283,7 +296,8 @@ class LocalCluster:
                 rank=rank, world_size=n, local_rank=rank, master_addr=self.job.cluster.master_addr, master_port=port
             )
             log_path = self.paths.worker_log(group, rank) if spare is None else self.paths.spare_log(spare, rank)
-            spec = WorkerSpec(group, env, threads, log_path, started_at, spare)
+            prefix = self.worker_prefix.get(group, ()) if spare is None else ()
+            spec = WorkerSpec(group, env, threads, log_path, started_at, spare, prefix)
             workers.append(WorkerProcess(group, rank, self._spawn(spec), spec.log_path))
         return workers
 

@@ -55,6 +55,9 @@ class WorkerSpec:
     log_path: Path
     started_at: float  # when the launcher asked for it (fault requests before it were meant for an earlier worker)
     spare: int | None = None
+    # A command the exec'd worker runs under (``ip netns exec NS ...``: a group in its own
+    # network namespace behind a shaped link, experiments/netns_link.py); it must exec, keeping the pid.
+    prefix: tuple[str, ...] = ()
 
     def place_args(self) -> list[str]:
         """``diloco.worker.entry``'s arguments naming where this worker belongs."""
@@ -67,7 +70,7 @@ class WorkerSpec:
 
 def exec_worker(spec: WorkerSpec, run_dir: Path, lifeline: Lifeline) -> subprocess.Popen:
     """Start ``python -m diloco.worker`` for ``spec``: a fresh interpreter that imports everything itself."""
-    argv = [sys.executable, "-m", "diloco.worker", "--run-dir", str(run_dir), *spec.place_args()]
+    argv = [*spec.prefix, sys.executable, "-m", "diloco.worker", "--run-dir", str(run_dir), *spec.place_args()]
     with spec.log_path.open("ab") as log_file:
         return subprocess.Popen(
             [*argv, "--started-at", str(spec.started_at), *lifeline.argv()],

@@ -48,6 +48,12 @@ class AutoOverlap:
         if nbytes > 0 and seconds > 0:
             self._seconds_per_byte = seconds / nbytes
 
+    @property
+    def seconds_per_byte(self) -> float | None:
+        """This worker's last measured link (None before its first full round): in the commit
+        records, so the plan can be checked against the link it was made for."""
+        return self._seconds_per_byte
+
     def measurements(self) -> torch.Tensor:
         """What this worker adds to the next round's sum (zeros until it has measured both); resets the step times."""
         steps, self._step_times = self._step_times, []

@@ -13,8 +13,7 @@ import time
 
 import torch
 
-from diloco.ft.lanes import LaneError
-from diloco.ft.manager import wait_work
+from diloco.ft.lanes import LaneError, wait_work
 from diloco.ft.state import local_tensor
 from diloco.outer.reduce import launch_reduce
 from diloco.outer.synchronizer import Synchronizer
@@ -88,7 +87,7 @@ class GradientSync(Synchronizer):
         if self._injects("break_lane"):
             self.manager.abandon_round()  # mid all-reduce: this round fails everywhere
         try:  # only the wait is guarded: that is where Gloo reports a lost peer; anything else is a bug
-            average = pending.result(lambda work: wait_work(work, self.collective_timeout_s))
+            average = pending.result(lambda work: wait_work(work, self.collective_timeout_s, round_.stop_when()))
         except LaneError as error:
             log.warning("group %s: gradient all-reduce failed: %s", self.manager.group, error)
             return None

@@ -12,6 +12,8 @@ The arithmetic of each step is ``update``'s; this module decides when and with w
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -24,8 +26,8 @@ import torch
 from torch import nn
 
 from diloco.config.algo import AlgoConfig
-from diloco.ft.lanes import LaneError
-from diloco.ft.manager import Round, wait_work
+from diloco.ft.lanes import LaneError, wait_work
+from diloco.ft.manager import Round
 from diloco.outer.auto_overlap import N_MEASUREMENTS, AutoOverlap
 from diloco.outer.fragments import fragments_to_apply, fragments_to_launch, skip_target
 from diloco.outer.reduce import launch_reduce
@@ -189,7 +191,7 @@ class OuterSync(Synchronizer):
     def _record_fields(self) -> dict[str, Any]:
         if self.auto is None:
             return {}
-        return {"delay": self.algo.delay, "quantize": self.algo.quantize}
+        return {"delay": self.algo.delay, "quantize": self.algo.quantize, "link_s_per_byte": self.auto.seconds_per_byte}
 
     def _schedule(self, rule: Callable[[int, int, int, int], list[int]], step: int) -> list[int]:
         return rule(step, self.algo.sync_every, self.algo.fragments, self.algo.delay)
@@ -250,11 +252,13 @@ class OuterSync(Synchronizer):
             local_ok.append(finite)
         if self._injects("break_lane"):
             self.manager.abandon_round()  # mid all-reduce: this round fails everywhere
+        if self._injects("stop_in_round"):
+            os.kill(os.getpid(), signal.SIGSTOP)  # hung mid all-reduce, until someone sends SIGCONT
         flight.averages = []
         for ok, reduce in zip(local_ok, pending):
             average = None
             try:
-                average = reduce.result(lambda work: wait_work(work, self.collective_timeout_s))
+                average = reduce.result(lambda work: wait_work(work, self.collective_timeout_s, round_.stop_when()))
             except LaneError as error:
                 log.warning("group %s: round %s failed: %s", self.manager.group, round_.quorum.quorum_id, error)
             flight.averages.append(average if ok else None)

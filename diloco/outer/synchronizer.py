@@ -191,12 +191,13 @@ class Synchronizer:
         """
         position = Position(committed=self.manager.committed, inner_step=step, round_step=round_step)
         sent = all(
-            self.heal_state.send(round_.lane, t, position, self.collective_timeout_s) for t in round_.heal_targets
+            self.heal_state.send(round_.lane, t, position, self.collective_timeout_s, round_.stop_when(t))
+            for t in round_.heal_targets
         )
         source = round_.heal_source
         staged = None
         if source is not None:
-            staged = self.heal_state.receive(round_.lane, source, self.collective_timeout_s)
+            staged = self.heal_state.receive(round_.lane, source, self.collective_timeout_s, round_.stop_when(source))
         transfers_ok = self.manager.all_ranks(sent and (source is None or staged is not None))
         if not transfers_ok:
             self.manager.abandon_round()

@@ -14,6 +14,7 @@ from torch import nn
 from diloco.config.job import JobConfig, training_config
 from diloco.ft.client import LighthouseClient
 from diloco.ft.fault_requests import FaultHook
+from diloco.ft.lane_watch import LaneWatcher
 from diloco.ft.lanes import Lanes
 from diloco.ft.manager import Manager
 from diloco.ft.state import HealState, local_tensor
@@ -73,25 +74,25 @@ def build_outer_sync(
     """
     group = group_name(job.group.id)
     timeouts = job.cluster.timeouts
-    client = None
-    if env.rank == 0:
-        client = LighthouseClient(
-            lighthouse_url(job),
-            token=job.cluster.lighthouse.token,
-            job_id=job.name,
-            signature=signature,
-            group=group,
-            connect_timeout_s=timeouts.connect,
-            config=training_config(job),
-        )
+    # Every rank watches its round (the lane it waits on is its own); only the leader heartbeats and asks.
+    client = LighthouseClient(
+        lighthouse_url(job),
+        token=job.cluster.lighthouse.token,
+        job_id=job.name,
+        signature=signature,
+        group=group,
+        connect_timeout_s=timeouts.connect,
+        config=training_config(job) if env.rank == 0 else None,
+    )
     manager = Manager(
         group=group,
         inner_pg=control_group(env, timeouts.control),
-        client=client,
+        client=client if env.rank == 0 else None,
         lanes=Lanes(local_rank=env.rank, connect_timeout_s=timeouts.connect, collective_timeout_s=timeouts.collective),
         quorum_timeout_s=timeouts.quorum,
         heartbeat_interval_s=timeouts.heartbeat / HEARTBEATS_PER_TIMEOUT,
         watch_rounds=job.algo.window == "time",
+        lane_watch=LaneWatcher(client, poll_s=timeouts.quorum),
     )
     common = dict(
         manager=manager,

@@ -42,7 +42,7 @@ def _selection(group: str, option: str) -> list[str]:
     if group == "experiment":
         return [f"+experiment={option}"]  # config.yaml names no experiment: appended, as in the README
     overrides = [f"{group}={option}"]
-    if group == "faults" and option == "soak":
+    if group == "faults" and option in ("soak", "seed_topology_15s", "seed_topology_60s"):
         overrides.append("cluster.groups=3")  # its min_alive=2 needs two other groups for a kill to happen
     if group == "data" and option != "stdlib":
         overrides.append(f"data.path={CONF_DIR / 'config.yaml'}")  # any existing file will do for composition

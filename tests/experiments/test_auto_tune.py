@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from auto_tune import link_name, numbers, table, verdict_line
+from auto_tune import link_kinds, link_name, model_seconds_per_byte, numbers, table, verdict_line
 
 from tests.conftest import run_experiment
 
@@ -18,7 +18,7 @@ def _canned(run_dir, train_s: float, loss: float, delays: list[int] | None) -> N
     (run_dir / "summary.json").write_text(json.dumps(summary))
     records = [{"committed": False, "sync_ms": 1.0}]
     for i, delay in enumerate(delays or [1, 1, 1]):
-        plan = {} if delays is None else {"delay": delay, "quantize": "fp4"}
+        plan = {} if delays is None else {"delay": delay, "quantize": "fp4", "link_s_per_byte": 8e-6 * (i + 1)}
         records.append({"committed": True, "sync_ms": 10.0 * (i + 1)} | plan)
     (run_dir / "commits" / "group0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -29,14 +29,27 @@ def test_numbers_table_and_verdict_from_canned_runs(tmp_path):
     fixed, auto = numbers(tmp_path / "fixed"), numbers(tmp_path / "auto")
     assert fixed["plan"] is None and auto["plan"] == "τ=6, fp4", "the last committed round's plan"
     assert auto["train_s"] == 15.0 and auto["rounds"] == 3 and auto["round_ms"] == 20.0
-    figures = {link_name(1.0): {"fixed": fixed, "auto": auto}}
+    assert fixed["link_s_per_byte"] is None and auto["link_s_per_byte"] == 16e-6, "the median of what auto measured"
+    fixed["model_s_per_byte"] = auto["model_s_per_byte"] = model_seconds_per_byte(1.0, 2)
+    figures = {"netns": {link_name(1.0): {"fixed": fixed, "auto": auto}}}
     text = table(figures, "τ=1, fp4")
-    assert "| 1 Mbit/s | fixed | τ=1, fp4 | 20.0 | 1.00x | 20 | 2.0000 | +0.00% |" in text
-    assert "| 1 Mbit/s | auto | τ=6, fp4 | 15.0 | 0.75x | 20 | 2.0200 | +1.00% |" in text
-    assert verdict_line(figures["1 Mbit/s"]) == (
+    assert "| 1 Mbit/s | netns | fixed | τ=1, fp4 | — | 8 | 20.0 | 1.00x | 20 | 2.0000 | +0.00% |" in text
+    assert "| 1 Mbit/s | netns | auto | τ=6, fp4 | 16 | 8 | 15.0 | 0.75x | 20 | 2.0200 | +1.00% |" in text
+    assert verdict_line(figures["netns"]["1 Mbit/s"]) == (
         "0.75x the fixed plan's training time, final eval loss +1.00%; runs ok with equal digests: True"
     )
     assert link_name(0.0) == "unlimited"
+    assert model_seconds_per_byte(0.0, 2) is None and model_seconds_per_byte(2.0, 4) == pytest.approx(4e-6)
+
+
+def test_link_kinds_skip_the_kernel_link_with_its_reason(monkeypatch, capsys):
+    monkeypatch.setattr("auto_tune.unavailable", lambda: "needs root")
+    assert link_kinds("both") == ("bucket",)
+    assert "--link netns skipped: needs root" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="needs root"):
+        link_kinds("netns")
+    monkeypatch.setattr("auto_tune.unavailable", lambda: None)
+    assert link_kinds("both") == ("bucket", "netns") and link_kinds("bucket") == ("bucket",)
 
 
 @pytest.mark.slow
@@ -45,7 +58,7 @@ def test_auto_tune_quick(tmp_path):
     ends on a larger τ; both runs end ok with equal digests."""
     args = ["--quick", "--links", "0.5", "--results", str(tmp_path)]
     run_experiment("auto_tune.py", args, timeout_s=240)
-    runs = json.loads((tmp_path / "auto_tune.json").read_text())["0.5 Mbit/s"]
+    runs = json.loads((tmp_path / "auto_tune.json").read_text())["bucket"]["0.5 Mbit/s"]
     assert all(n["ok"] and n["digests_agree"] for n in runs.values()), runs
     assert runs["fixed"]["plan"] is None
     delay = int(runs["auto"]["plan"].split(",")[0].removeprefix("τ="))

@@ -246,13 +246,33 @@ def test_injected_allreduce_failure_is_not_committed_and_heals(job_factory):
     assert_digests_agree(job.paths, 3)
 
 
-def test_stopped_group_is_left_out_and_heals_after_sigcont(job_factory):
-    job = job_factory("trainer.max_steps=100000")
+def test_a_group_hung_mid_allreduce_costs_the_others_a_heartbeat_timeout_and_heals_after_sigcont(job_factory):
+    """Issue 33 item 2: group2 SIGSTOPs itself with its all-reduce in flight. The survivors do
+    not wait out cluster.timeouts.collective (30 s here): the lighthouse drops group2 after
+    cluster.timeouts.heartbeat (2 s), their lane watch gives the round up, nobody commits it,
+    and they go on without group2; resumed, group2 may not commit the round either, heals and
+    commits with everyone again."""
+    job = job_factory("trainer.max_steps=100000", "faults.accept_requests=true", "cluster.timeouts.collective=30")
     job.start(range(3))
     job.cluster.wait_for(
         lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three"
     )
-    job.cluster.signal_group(2, signal.SIGSTOP)
+    seen = len(commits(job.paths, 0))
+    job.cluster.request_fault(2, "stop_in_round")
+
+    def failed_rounds() -> list[dict]:
+        return [r for r in commits(job.paths, 0)[seen:] if not r["committed"] and not r["join"]]
+
+    job.cluster.wait_for(failed_rounds, 60, "group0's round to fail")
+    failed = failed_rounds()[0]
+    given_up = (job.paths.logs / "group0_rank0.log").read_text()
+    assert "group group2 left round" in given_up and "no heartbeat" in given_up, "not given up by the lane watch"
+    assert not any(
+        r["round"] == failed["round"] + 1 and r["participants"] == ALL3
+        for g in range(3)
+        for r in committed_rounds(job.paths, g)
+    ), "a group committed the round the others gave up"
+    print(f"survivors' stall at a peer hung mid all-reduce: {failed['sync_ms'] / 1000:.1f} s (heartbeat timeout 2 s)")
     stopped_at = job.rounds_of(0)
     job.cluster.wait_for(
         lambda: job.committed_with(0, ["group0", "group1"], stopped_at), 60, "survivors to go on without group2"

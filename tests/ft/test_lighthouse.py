@@ -32,7 +32,8 @@ from diloco.config.base import ConfigError
 from diloco.config.cluster import LighthouseConfig, QuorumRules
 from diloco.ft import status_page
 from diloco.ft.client import LighthouseClient
-from diloco.ft.lanes import Lanes
+from diloco.ft.lane_watch import LaneWatcher
+from diloco.ft.lanes import CancelScope, LaneCancel, LaneError, Lanes, wait_work
 from diloco.ft.lighthouse import Lighthouse
 from diloco.ft.manager import JobEndedError, Manager
 from diloco.ft.protocol import (
@@ -459,7 +460,11 @@ def test_malformed_requests_get_400_and_unknown_paths_404(start):
     assert code == 400 and "'timeout_s'=-1 must be a positive number" in answer["error"]
     assert post(lh, "/nope", b"{}") == (
         404,
-        {"error": "unknown path '/nope': POST /heartbeat or /quorum or /round_open or /recovery", "code": "not_found"},
+        {
+            "error": "unknown path '/nope': POST /heartbeat or /quorum or /round_open or /recovery or /lane_watch "
+            "or /commit",
+            "code": "not_found",
+        },
     )
     code, answer = get(lh, "/nope")
     assert code == 404 and json.loads(answer)["code"] == "not_found"
@@ -742,3 +747,52 @@ def test_serve_forever_prints_its_address_and_a_sigterm_before_the_end_is_no_cle
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=5)
+
+
+class NeverDone:
+    """A stand-in for a Gloo send or recv whose peer hangs: no future, and a wait that runs out."""
+
+    def get_future(self) -> None:
+        raise RuntimeError("Work::getFuture not implemented.")
+
+    def wait(self, timeout: timedelta) -> None:
+        threading.Event().wait(timeout.total_seconds())
+        raise RuntimeError(f"Timed out waiting {timeout} for the hung peer")
+
+
+def test_a_member_that_stops_heartbeating_ends_the_survivors_wait_at_once_and_commits_nothing(start):
+    """Issue 33 item 2, the rule with stand-ins: the lighthouse drops a silent member, the
+    survivors' lane watch cancels their pending collective (30 s of collective timeout left) and
+    a transfer with it, not one with another member; the silent one may not commit the round
+    once it is back."""
+    clock = ManualClock()
+    lh = start(clock=clock)
+    beat(lh, "ABC")
+    round_id = quorums(ask_all(lh, {"A": 0, "B": 0, "C": 0}))["A"].round_id
+    assert client(lh, "A").commit(round_id, step=1) == "", "a whole round may commit"
+    assert {g["id"]: g["step"] for g in status(lh)["groups"]} == {"A": 1, "B": 0, "C": 0}, "recorded at once"
+    cancel, failed = LaneCancel(), {}
+    watcher = LaneWatcher(client(lh, "A"), poll_s=30.0)
+    watcher.start()
+    watcher.follow(round_id, cancel)
+
+    def survivor_waits(peer: str | None) -> None:
+        try:
+            wait_work(NeverDone(), timeout_s=30.0, cancel=CancelScope(cancel, peer))
+        except LaneError as error:
+            failed[peer] = str(error)
+
+    waits = {peer: threading.Thread(target=survivor_waits, args=(peer,), daemon=True) for peer in (None, "C", "B")}
+    for waiting in waits.values():
+        waiting.start()
+    clock.advance(FAST.heartbeat_timeout_s / 2)
+    beat(lh, "AB")
+    clock.advance(FAST.heartbeat_timeout_s / 2)  # C has been silent (SIGSTOPped) for a whole heartbeat timeout
+    for peer in (None, "C"):
+        waits[peer].join(timeout=5.0)  # a hang guard, far below the 30 s the waits had left
+    watcher.stop()
+    assert set(failed) == {None, "C"} and waits["B"].is_alive(), f"given up: {sorted(failed, key=str)}"
+    assert f"group C left round {round_id}: no heartbeat" in failed[None]
+    beat(lh, "C")  # C resumes: it stays gone from the round and may not commit it
+    assert f"group C left round {round_id}" in client(lh, "C").commit(round_id, step=1)
+    assert client(lh, "B").commit(round_id, step=1) == "", "a member whose all-reduce completed commits"

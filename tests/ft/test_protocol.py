@@ -18,6 +18,7 @@ from diloco.ft.protocol import (
     ErrorCode,
     GroupProgress,
     Heartbeat,
+    LaneWatch,
     LighthouseRefused,
     LighthouseUnavailable,
     QuorumAsk,
@@ -25,6 +26,8 @@ from diloco.ft.protocol import (
     QuorumSuperseded,
     QuorumTimeout,
     RecoveryNotice,
+    RoundCommit,
+    RoundNews,
     RoundWatch,
     authorization_header,
     check_token,
@@ -69,9 +72,22 @@ def test_the_field_names_on_the_wire_are_fixed():
     assert watch.to_json() == {**WHO, "step": 3, "round_step": 40, "timeout_s": 2.0}
     notice = RecoveryNotice(**WHO, wait_ms=1500)
     assert notice.to_json() == {**WHO, "wait_ms": 1500}
-    assert sorted(ENDPOINTS) == ["/heartbeat", "/quorum", "/recovery", "/round_open"]
-    for message in (beat, ask, watch, notice):
+    lane_watch = LaneWatch(**WHO, round_id=7, timeout_s=60.0, gone_seen=1)
+    assert lane_watch.to_json() == {**WHO, "round_id": 7, "timeout_s": 60.0, "gone_seen": 1}
+    commit = RoundCommit(**WHO, round_id=7, step=4)
+    assert commit.to_json() == {**WHO, "round_id": 7, "step": 4}
+    assert sorted(ENDPOINTS) == ["/commit", "/heartbeat", "/lane_watch", "/quorum", "/recovery", "/round_open"]
+    for message in (beat, ask, watch, notice, lane_watch, commit):
         assert parse_request(message.path, json.dumps(message.to_json()).encode()) == message
+
+
+def test_a_round_answer_is_checked():
+    news = RoundNews("group g1 left round 3", ("g1",), open=False)
+    assert news.to_json() == {"broken": "group g1 left round 3", "gone": ["g1"], "open": False}
+    assert RoundNews.from_json(news.to_json()) == news
+    for bad in ({}, {"broken": "", "gone": [], "open": 1}, {"broken": "", "gone": [3], "open": True}, ["", True], None):
+        with pytest.raises(ValueError, match="malformed round answer"):
+            RoundNews.from_json(bad)
 
 
 def test_a_round_open_answer_is_checked():

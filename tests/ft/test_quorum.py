@@ -106,7 +106,7 @@ class TestBook:
         assert book.decide(now=1.0) is None
         book.ask(QuorumRequest("g1", step=0), now=1.5)
         q = book.decide(now=1.5)
-        assert q == Quorum(1, ("g0", "g1", "g2"), 5, {"g1": "g0"})
+        assert q == Quorum(1, ("g0", "g1", "g2"), 5, {"g1": "g0"}, round_id=1)
         assert book.pending == {} and book.decide(now=1.6) is None
 
     def test_steady_state_keeps_the_id_and_a_dead_group_changes_it(self):
@@ -286,6 +286,42 @@ class TestBook:
         assert book.decide(now=30.0) is None and book.decide(now=31.0) is None
         book.ask(QuorumRequest("new", step=0), now=32.0)
         assert book.decide(now=32.0).round_floor == 15
+
+    def test_a_member_that_leaves_a_round_is_gone_from_it_for_good(self):
+        book = self._book()
+        for g in ("g0", "g1", "g2"):
+            book.ask(QuorumRequest(g, step=4), now=1.0)
+        r = book.decide(now=1.0).round_id
+        assert book.break_rounds(now=1.0) == {} and book.round_state("g0", r) == (None, True)
+        assert book.commit("g0", r, step=5, now=1.2) == "" and book.high_water == 5  # recorded at once
+        for g in ("g0", "g1"):
+            book.heartbeat(g, now=RULES.heartbeat_timeout_s)
+        told = book.break_rounds(now=1.0 + RULES.heartbeat_timeout_s)  # g2 went silent (hung) mid-round
+        assert set(told) == {"g0", "g1", "g2"} and "group g2 left round" in told["g1"] and "no heartbeat" in told["g1"]
+        broken, still_in = book.round_state("g1", r)
+        assert broken.gone == {"g2"} and still_in and book.round_state("g2", r)[1] is False
+        book.heartbeat("g2", now=12.0)  # it resumes: still gone from the round, and may not commit it
+        assert "group g2 left" in book.commit("g2", r, step=5, now=12.0) and book.reported["g2"] == 4
+        assert book.commit("g1", r, step=5, now=12.0) == "", "a member whose all-reduce completed commits"
+        assert book.break_rounds(now=12.0) == {}, "told once"
+
+    def test_a_departed_member_breaks_its_round_at_once_and_asking_again_leaves_a_round(self):
+        book = self._book()
+        for g in ("g0", "g1", "g2"):
+            book.ask(QuorumRequest(g, step=1), now=1.0)
+        r = book.decide(now=1.0).round_id
+        book.ask(QuorumRequest("g0", step=2), now=1.1)  # g0 is done with round r
+        assert book.round_state("g0", r) == (None, False)
+        book.depart("g0")  # so its death breaks nothing
+        assert book.break_rounds(now=1.1) == {}
+        book.depart("g1")
+        assert set(book.break_rounds(now=1.1)) == {"g1", "g2"} and "departed" in book.round_state("g2", r)[0].reason
+        book.depart("g2")
+        assert book.break_rounds(now=1.1) == {"g2": book.broken[r].reason} and book.broken[r].gone == {"g1", "g2"}
+
+    def test_a_commit_of_a_round_this_lighthouse_never_formed_is_refused(self):
+        book = self._book()  # a restarted lighthouse: the groups' rounds are unknown to it
+        assert "not open for group g0" in book.commit("g0", 3, step=9, now=1.0) and book.high_water == 0
 
     def test_failed_commit_forces_a_new_id(self):
         book = self._book()

@@ -16,7 +16,7 @@ import pytest
 from diloco.config.base import ConfigError, to_dict
 from diloco.launch.launcher import launch
 from diloco.launch.local_cluster import LocalCluster, log_tail, serving_pid, wait_until
-from diloco.launch.spawn import ForkedProcess, ForkServer, WorkerSpec, become_subreaper
+from diloco.launch.spawn import ForkedProcess, ForkServer, WorkerSpec, become_subreaper, exec_worker
 from diloco.lifeline import Lifeline
 from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
@@ -31,6 +31,23 @@ def test_cluster_spawn_names_the_allowed_values():
     with pytest.raises(ConfigError, match=r"cluster\.spawn='clone': must be one of fork, exec"):
         compose_job(["cluster.spawn=clone"])
     assert compose_job([]).cluster.spawn == "fork"
+
+
+def test_a_worker_prefix_wraps_execd_workers_only(tmp_path):
+    """The hook netns_link uses: an exec'd worker runs under its group's prefix (here a python
+    that prints the command it was handed); a forked one cannot, nor a spare, so both are refused."""
+    show = [sys.executable, "-c", "import sys; print(sys.argv[1:])"]
+    env = WorkerEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=1)
+    log = tmp_path / "worker.log"
+    lifeline = Lifeline()
+    try:
+        exec_worker(WorkerSpec(0, env, 1, log, time.time(), prefix=tuple(show)), tmp_path, lifeline).wait(timeout=30)
+    finally:
+        lifeline.cut()
+    assert log.read_text().startswith(f"['{sys.executable}', '-m', 'diloco.worker', '--run-dir', '{tmp_path}'")
+    for overrides in (["cluster.spawn=fork"], ["cluster.spawn=exec", "cluster.spares=1"]):
+        with pytest.raises(ValueError, match="cluster.spawn=exec and cluster.spares=0"):
+            LocalCluster(compose_job(FAST + overrides), RunPaths(tmp_path / "run"), "sig", {0: show})
 
 
 def committed(paths: RunPaths, group: int) -> list[dict]:

@@ -213,3 +213,4 @@ def test_groups_over_a_slow_link_move_to_the_same_larger_overlap_and_agree(tmp_p
     records = [r for r in read_jsonl(tmp_path / "commits0.jsonl") if r["committed"]]
     assert records[0]["delay"] == 1 and records[-1]["delay"] == 3, records
     assert all(r["quantize"] == "fp4" for r in records)
+    assert records[-1]["link_s_per_byte"] > 0, "the link the plan was made for, in the record"

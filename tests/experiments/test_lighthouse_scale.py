@@ -1,0 +1,95 @@
+"""experiments/lighthouse_scale.py: its percentiles, latencies, table and target checks on canned
+numbers, and a ``--quick`` run of 100 simulated groups against a real lighthouse process.
+
+The smoke run requires no timing target to PASS (a shared CPU is noisy): only that every
+round was answered to every group and the numbers came back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+from lighthouse_scale import Ask, percentile, quorum_latencies, report, table_rows, targets
+
+from tests.conftest import run_experiment
+
+TIMEOUT_S = 120
+
+
+def canned_run(groups: int, p99_ms: float, cpu: float, page_s: float) -> dict:
+    return {
+        "groups": groups,
+        "rounds": 12,
+        "quorum_p50_ms": 3.25,
+        "quorum_p99_ms": p99_ms,
+        "heartbeats_per_s": 1333.3,
+        "heartbeat_p99_ms": 4.0,
+        "cpu_heartbeats": 0.2,
+        "cpu_load": cpu,
+        "peak_rss_mb": 250.4,
+        "status_s": 0.0512,
+        "status_kb": 450.0,
+        "page_s": page_s,
+        "page_kb": 470.0,
+        "errors": {"heartbeat TimeoutError": 2} if groups == 1000 else {},
+    }
+
+
+def test_percentile_interpolates_between_ranks():
+    values = [float(v) for v in range(100, 0, -1)]  # 1..100, unsorted
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 100.0
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_latency_counts_from_the_last_ask_of_each_round_and_skips_the_start():
+    asks = [
+        Ask("a", asked=1.0, answered=9.0, quorum_id=1, max_step=0, participants=2),  # the start round: skipped
+        Ask("b", asked=2.0, answered=9.0, quorum_id=1, max_step=0, participants=2),
+        Ask("a", asked=10.0, answered=10.8, quorum_id=1, max_step=1, participants=2),
+        Ask("b", asked=10.5, answered=10.75, quorum_id=1, max_step=1, participants=2),
+        Ask("a", asked=20.0, answered=20.1, quorum_id=2, max_step=2, participants=1),  # b left: a new id
+    ]
+    assert sorted(quorum_latencies(asks, after=5.0)) == pytest.approx([0.1, 0.25, 0.3])
+
+
+def test_table_and_targets_on_canned_numbers():
+    runs = [canned_run(100, 5.0, 0.05, 0.02), canned_run(1000, 120.0, 0.45, 1.5)]
+    assert table_rows(runs)[1] == [
+        "1,000",
+        "12",
+        "3.2 / 120.0",
+        "1,333",
+        "4.0",
+        "20%",
+        "45%",
+        "250",
+        "0.051 (450 KiB)",
+        "1.500 (470 KiB)",
+        "2",
+    ]
+    assert targets(runs[1]) == [
+        "- quorum p99 within 100 ms at 1,000 groups: 120.0 ms: FAIL",
+        "- the lighthouse under 0.5 of a core at 1,000 groups: 0.45: PASS",
+        "- the status page under 1 s at 1,000 groups: 1.500 s: FAIL",
+    ]
+    args = SimpleNamespace(window=5.0, spread=0.5, rounds=12, deaths=4, senders=2)
+    text = report(runs, args)
+    assert "| 100 | 12 | 3.2 / 5.0 |" in text and "quorum p99 within 100 ms at 1,000 groups" in text
+    assert text.endswith("errors: heartbeat TimeoutError x2")
+
+
+@pytest.mark.slow
+def test_a_hundred_groups_against_a_real_lighthouse(tmp_path):
+    out, _ = run_experiment("lighthouse_scale.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S)
+    assert (tmp_path / "lighthouse_scale.md").read_text().strip() == out.strip()
+    [run] = json.loads((tmp_path / "lighthouse_scale.json").read_text())
+    assert run["groups"] == 100 and run["rounds"] >= 3, run
+    assert run["answers"] >= 100 * run["rounds"] - 10, "nearly every group answered in every round"
+    assert run["heartbeats_per_s"] > 50 and 0 < run["cpu_load"] and run["peak_rss_mb"] > 0, run
+    assert math.isfinite(run["quorum_p99_ms"]) and math.isfinite(run["page_s"]), run
