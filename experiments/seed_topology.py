@@ -88,7 +88,6 @@ def settings(args: argparse.Namespace) -> Settings:
     if args.quick:
         # 8 groups, faults from 6 s: a kill every 8 s and one 4-s hang in ~25 s of
         # training; a group left behind at the end is stopped after 12 s, not timeouts.quorum's 60.
-        # (A kill every 8 s plus a 4-s hang every 12 s starved 8 groups: no round committed after 15 s.)
         extra = ["cluster.groups=8", "cluster.timeouts.quorum=12"]
         faults = [
             "faults.start_after=6",

@@ -95,8 +95,8 @@ def test_spread_and_job_memory_count_a_child():
 
 @pytest.mark.slow
 def test_seed_topology_quick(tmp_path):
-    # --steps skips the calibration: 8 groups, 160 steps (~30 s a run), kills at ~6, 14, 22 s, one hang.
-    args = ["--quick", "--steps", "160", "--results", str(tmp_path)]
+    # --steps skips the calibration: 8 groups, 100 steps (~20 s a run), kills at ~6 and 14 s, one hang.
+    args = ["--quick", "--steps", "100", "--results", str(tmp_path)]
     out, _ = run_experiment("seed_topology.py", args, TIMEOUT_S)
     figures = json.loads((tmp_path / "seed_topology.json").read_text())
     assert list(figures) == [FAULT_FREE, "kill every 8 s"], out
