@@ -26,6 +26,18 @@ CONF_GROUPS = frozenset(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # tests talk to lighthouses on loopback only
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip where torch sees no CUDA device (CI's machines have none)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def run_experiment(script: str, args: list[str], timeout_s: float) -> tuple[str, str]:
     """Run ``experiments/<script>`` with ``args``; its (stdout, stderr), the test failing if it
     fails or outlasts ``timeout_s``.

@@ -131,6 +131,9 @@ class ClusterConfig:
     # Caps each worker's outer-round traffic (megabits per second, a token bucket): a slow link
     # on loopback, or politeness on a shared one. 0: unlimited.
     lane_bandwidth_mbps: float = 0.0
+    # One device's peak TFLOP/s, the denominator of MFU (train/mfu). 0: a known GPU's bf16 dense
+    # figure from its data sheet, else a matmul measured once per worker (diloco/train/flops.py).
+    peak_tflops: float = 0.0
     lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
 
@@ -155,6 +158,12 @@ class ClusterConfig:
             "cluster.lane_bandwidth_mbps",
             self.lane_bandwidth_mbps,
             "must be >= 0 megabits per second (0: unlimited)",
+        )
+        check(
+            self.peak_tflops >= 0,
+            "cluster.peak_tflops",
+            self.peak_tflops,
+            "must be >= 0 TFLOP/s per device (0: from the GPU's name, else measured)",
         )
         check(self.restart_backoff >= 0, "cluster.restart_backoff", self.restart_backoff, "must be >= 0 seconds")
         self.lighthouse.validate()

@@ -13,6 +13,7 @@ from diloco.config.faults import FaultsConfig
 from diloco.config.inner_opt import InnerOptConfig
 from diloco.config.logger import LoggerConfig
 from diloco.config.model import ModelConfig
+from diloco.config.parallel import ParallelConfig
 from diloco.config.sample import SampleConfig
 from diloco.config.trainer import TrainerConfig
 from outer_opt import OuterOptConfig
@@ -36,6 +37,7 @@ class JobConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     outer_opt: OuterOptConfig = field(default_factory=OuterOptConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     role: Literal["local", "lighthouse", "group", "summary", "eval", "sample"] = "local"
@@ -53,12 +55,21 @@ class JobConfig:
             self.algo,
             self.outer_opt,
             self.cluster,
+            self.parallel,
             self.logger,
             self.faults,
             self.sample,
         ):
             part.validate()
         self.algo.check_fits(n_blocks=self.model.n_layers, max_steps=self.trainer.max_steps)
+        self.parallel.check_fits(self.model, self.cluster.workers_per_group)
+        check(
+            not (self.trainer.compile and self.parallel.tp > 1),
+            "trainer.compile",
+            self.trainer.compile,
+            f"does not compose with parallel.tp={self.parallel.tp} yet: torch 2.13 fails in the compiled blocks' "
+            "tensor-parallel backward; set trainer.compile=false or parallel.tp=1",
+        )
         check(
             self.model.vocab_size == self.data.vocab_size,
             "model.vocab_size",
@@ -107,7 +118,7 @@ class JobConfig:
         )
 
 
-TRAINING_SECTIONS = ("model", "data", "inner_opt", "trainer", "algo", "outer_opt")
+TRAINING_SECTIONS = ("model", "data", "inner_opt", "trainer", "algo", "outer_opt", "parallel")
 
 
 def training_config(job: JobConfig) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from diloco.config.base import check
 
@@ -30,6 +31,13 @@ class TrainerConfig:
 
     ``batch_size`` is sequences per worker per micro-batch, so one optimizer step of a group
     sees ``batch_size * workers_per_group * grad_accum`` sequences of ``seq_len`` tokens.
+
+    ``activation_checkpoint``: what each transformer block keeps for its backward pass: every
+    activation (``none``), only its input (``full``: the backward pass recomputes the block's
+    forward), or also its matmul and attention outputs (``selective``: it recomputes only the
+    cheap elementwise ops).
+    ``compile``: torch.compile each block (on CPU inductor needs a C++ compiler).
+    Neither changes the parameters' names or values (diloco/train/block_wrappers.py).
     """
 
     max_steps: int = 500
@@ -41,6 +49,8 @@ class TrainerConfig:
     log_every: int = 10
     seed: int = 0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    compile: bool = False
     resume: str = ""  # a checkpoint, a run directory or "latest" (see diloco/train/checkpoint.resolve_resume)
 
     def validate(self) -> None:

@@ -3,23 +3,31 @@
 Each request is handed to the ``Lighthouse`` the server carries (``server.lighthouse``); a body
 over the limit or without a length is refused before it is read.
 
-One thread reads every request with a selector and answers the quick ones itself (heartbeats,
-recovery notices, commits: a lock and a few dictionary updates); a long poll (a message with a
-``timeout_s``) or a status page gets a thread of its own, which writes its answer and closes
-the connection. A thread per connection, as ``ThreadingHTTPServer`` gives, cost 0.3 ms of CPU
-per request before the lighthouse saw it: at 1,000 groups heartbeating 4 times per 3 s that
-alone was most of a core (issue 33, experiments/lighthouse_scale.py). Every answer is
-HTTP/1.0 with its length, and the connection closes after it, as the clients expect.
+One thread reads every request with a selector and hands each POST to the lighthouse at once.
+A quick one (heartbeat, recovery notice, commit: a lock and a few dictionary updates) is
+answered on the spot; a long poll (a message with a ``timeout_s``) is parked: the lighthouse
+keeps a ``Reply`` for it and calls it, from whichever thread decides its fate, with the answer.
+Replies are queued, and this thread writes them: no thread waits per open request. A thread
+per long poll cost every round at 1,000 groups 2,000 thread starts and their wake-ups fighting
+for the GIL, and the last ask's grant came 1.4 s late (issue 33,
+experiments/lighthouse_scale.py). Only the status page and /status, slow to render, get a
+thread, which queues its answer the same way. Every answer is HTTP/1.0 with its length, and
+the connection closes after it, as the clients expect; an answer that does not fit the socket
+at once is finished when the socket can take more.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
+import ipaddress
 import json
 import logging
 import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -31,14 +39,18 @@ log = logging.getLogger(__name__)
 SERVER = "diloco-lighthouse/1"
 # Every group asks for a round within the same second: the socketserver default of 5 pending
 # connections reset some of 30 groups' requests on a busy machine (issue 33).
-LISTEN_BACKLOG = 1024
-REQUEST_TIMEOUT_S = 30.0  # a client stalling mid-request cannot hold a connection forever
+LISTEN_BACKLOG = 4096
+REQUEST_TIMEOUT_S = 30.0  # a client stalling mid-request, or not reading its answer, cannot hold a connection forever
+SWEEP_EVERY_S = 0.5  # stalled connections are looked for this often, not at every event
 MAX_HEAD_BYTES = 64 * 1024
 DRAIN_BYTES = 16 * MAX_BODY_BYTES  # an over-long body is read up to this, so its sender reads the refusal
 
+# The answer to a parked request: (HTTP status, JSON object or its encoded bytes); callable from any thread, once.
+Reply = Callable[[int, dict | bytes], None]
 
-class _Request:
-    """One connection's bytes until its request is whole."""
+
+class _Connection:
+    """One connection: its request's bytes until it is whole, then its answer's until they are sent."""
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock, self.peer = sock, peer
@@ -46,6 +58,8 @@ class _Request:
         self.deadline = time.monotonic() + REQUEST_TIMEOUT_S
         self.head: tuple[str, str, dict[str, str]] | None = None  # method, path, headers (lower-case names)
         self.needed = 0  # bytes of the whole request once the head is parsed
+        self.post = False  # counted in ``posts_in_flight`` until its answer is written
+        self.answer = memoryview(b"")  # what is left to write
 
 
 class LighthouseHTTPServer:
@@ -64,54 +78,81 @@ class LighthouseHTTPServer:
             raise
         self.socket.setblocking(False)
         self.server_address = self.socket.getsockname()
+        # A connection's own address is the listening one, unless that is a wildcard (one system call per request).
+        bound = self.server_address[0]
+        self._local_host = None if ipaddress.ip_address(bound).is_unspecified else bound
         self.lighthouse: Any = None  # set by the lighthouse before serving
         self._selector = selectors.DefaultSelector()
-        self._pending: dict[socket.socket, _Request] = {}
+        self._open: dict[socket.socket, _Connection] = {}  # being read or written by the loop
+        self._queued: collections.deque[_Connection] = collections.deque()  # answers decided off the loop
+        self._wake_sent = False
+        self._waker, self._wake = socket.socketpair()  # a byte on ``_wake`` wakes the loop for ``_queued``
+        self._waker.setblocking(False)
+        self._wake.setblocking(False)
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._stopped.set()
-        self._posts_lock = threading.Lock()
-        self._posts = 0  # POSTs being handled or answered
-        self._loop_thread: threading.Thread | None = None
+        self._posts = 0  # POSTs being handled or answered; changed only by the loop
 
     def posts_in_flight(self) -> int:
         """POSTs whose answer has not been written yet (a lighthouse leaving waits for them)."""
-        with self._posts_lock:
-            return self._posts
-
-    def _count_post(self, change: int) -> None:
-        with self._posts_lock:
-            self._posts += change
+        return self._posts
 
     # -- the loop ----------------------------------------------------------------------------
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         self._stopped.clear()
-        self._loop_thread = threading.current_thread()
         self._selector.register(self.socket, selectors.EVENT_READ)
+        self._selector.register(self._waker, selectors.EVENT_READ)
+        swept = time.monotonic()
         try:
             while not self._stop.is_set():
-                for key, _ in self._selector.select(poll_interval):
+                for key, events in self._selector.select(poll_interval):
                     if key.fileobj is self.socket:
                         self._accept()
+                    elif key.fileobj is self._waker:
+                        self._woken()
+                    elif events & selectors.EVENT_WRITE:
+                        self._write(self._open[key.fileobj])  # type: ignore[index]
                     else:
-                        self._read(self._pending[key.fileobj])  # type: ignore[index]
+                        self._read(self._open[key.fileobj])  # type: ignore[index]
+                while self._queued:
+                    self._write(self._queued.popleft())
                 now = time.monotonic()
-                for request in [r for r in self._pending.values() if r.deadline < now]:
-                    self._drop(request)
+                if now - swept > SWEEP_EVERY_S:
+                    swept = now
+                    for connection in [c for c in self._open.values() if c.deadline < now]:
+                        self._close(connection)
+            while self._queued:  # the answers lighthouse.stop() gave its open long polls
+                self._write(self._queued.popleft())
         finally:
             self._selector.unregister(self.socket)
+            self._selector.unregister(self._waker)
             self._stopped.set()
 
     def shutdown(self) -> None:
-        """Stop the loop and wait for it; answers being written by their threads still go out."""
+        """Stop the loop and wait for it; answers queued by then are written if the sockets take them at once."""
         self._stop.set()
         self._stopped.wait()
 
     def server_close(self) -> None:
-        for request in list(self._pending.values()):
-            self._drop(request)
+        for connection in [*self._open.values(), *self._queued]:
+            self._close(connection)
         self.socket.close()
         self._selector.close()
+        self._waker.close()
+        self._wake.close()
+
+    def queue_answer(self, connection: _Connection, status: int, payload: dict | bytes, content_type: str) -> None:
+        """Have the loop write this answer (from any thread); the encoding happens here, off the loop."""
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        connection.answer = memoryview(_response(status, data, content_type))
+        self._queued.append(connection)
+        if not self._wake_sent:  # cleared by the loop after it read the wake-ups and before it takes the queue
+            self._wake_sent = True
+            try:
+                self._wake.send(b"\0")
+            except OSError:  # closed: the lighthouse stopped and server_close closed the rest
+                pass
 
     def _accept(self) -> None:
         for _ in range(LISTEN_BACKLOG):
@@ -123,132 +164,161 @@ class LighthouseHTTPServer:
                 log.warning("lighthouse cannot accept a connection: %s", error)
                 return
             sock.setblocking(False)
-            self._pending[sock] = _Request(sock, str(address[0]))
-            self._selector.register(sock, selectors.EVENT_READ)
+            connection = _Connection(sock, str(address[0]))
+            # A client sends its request as it connects: read at once, and most connections never
+            # enter the selector (two system calls and a loop round less per request).
+            if self._read(connection):
+                self._open[sock] = connection
+                self._selector.register(sock, selectors.EVENT_READ)
 
-    def _read(self, request: _Request) -> None:
+    def _read(self, connection: _Connection) -> bool:
+        """Read what has come; whether the request still needs more."""
         try:
-            data = request.sock.recv(65536)
+            data = connection.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
-            return
+            return True
         except OSError:
             data = b""
         if not data:  # the client left before its request was whole
-            return self._drop(request)
-        request.buffer += data
-        if request.head is None:
-            end = request.buffer.find(b"\r\n\r\n")
+            self._close(connection)
+            return False
+        connection.buffer += data
+        if connection.head is None:
+            end = connection.buffer.find(b"\r\n\r\n")
             if end < 0:
-                if len(request.buffer) > MAX_HEAD_BYTES:
-                    self._answer_now(request, *_error(ErrorAnswer(ErrorCode.BAD_REQUEST, "request head too long")))
-                return
+                if len(connection.buffer) <= MAX_HEAD_BYTES:
+                    return True
+                self._forget(connection)
+                self._answer(connection, *_error(ErrorAnswer(ErrorCode.BAD_REQUEST, "request head too long")))
+                return False
             try:
-                request.head = _parse_head(bytes(request.buffer[:end]))
+                connection.head = _parse_head(bytes(connection.buffer[:end]))
             except ValueError as e:
-                return self._answer_now(request, *_error(ErrorAnswer(ErrorCode.BAD_REQUEST, str(e))))
-            del request.buffer[: end + 4]
-            method, _, headers = request.head
+                self._forget(connection)
+                self._answer(connection, *_error(ErrorAnswer(ErrorCode.BAD_REQUEST, str(e))))
+                return False
+            del connection.buffer[: end + 4]
+            method, _, headers = connection.head
             length = headers.get("content-length", "0") if method == "POST" else "0"
-            request.needed = min(int(length), DRAIN_BYTES) if length.isdigit() else 0
-        if len(request.buffer) >= request.needed:
-            self._dispatch(request)
+            connection.needed = min(int(length), DRAIN_BYTES) if length.isdigit() else 0
+        if len(connection.buffer) < connection.needed:
+            return True
+        self._dispatch(connection)
+        return False
 
-    def _dispatch(self, request: _Request) -> None:
-        """A whole request: answered here if it is quick, else by a thread of its own."""
-        assert request.head is not None, "dispatched only once the head is parsed"
-        method, path, headers = request.head
-        self._selector.unregister(request.sock)
-        del self._pending[request.sock]
+    def _dispatch(self, connection: _Connection) -> None:
+        """A whole request: answered here, parked with the lighthouse, or (a page) rendered by a thread."""
+        assert connection.head is not None, "dispatched only once the head is parsed"
+        method, path, headers = connection.head
+        self._forget(connection)
         if method == "POST":
-            self._count_post(1)
-            length = headers.get("content-length", "")
-            if (error := unreadable_post(path, length)) is not None:
-                return self._send(request.sock, *_error(error), post=True)
-            if "timeout_s" not in ENDPOINTS[path].__dataclass_fields__:
-                return self._guarded(self._answer, request)
-        threading.Thread(target=self._guarded, args=(self._answer, request), daemon=True).start()
+            connection.post = True
+            self._posts += 1
+            if (error := unreadable_post(path, headers.get("content-length", ""))) is not None:
+                return self._answer(connection, *_error(error))
+            return self._guarded(self._post, connection)
+        if method == "GET" and path in ("/", "/status"):
+            threading.Thread(target=self._guarded, args=(self._page, connection), daemon=True).start()
+            return
+        paths = f"GET / or /status, POST {' or '.join(ENDPOINTS)}"
+        self._answer(connection, *_error(ErrorAnswer(ErrorCode.NOT_FOUND, f"unknown path {path!r}: {paths}")))
 
-    def _guarded(self, answer: Any, request: _Request) -> None:
-        """Answer ``request``; a bug in doing so is logged with its traceback and the connection
+    def _guarded(self, answer: Callable[[_Connection], None], connection: _Connection) -> None:
+        """Answer ``connection``; a bug in doing so is logged with its traceback and the connection
         closed unanswered, as ``socketserver`` did, and the lighthouse goes on serving."""
         try:
-            answer(request)
+            answer(connection)
         except Exception:
-            log.exception("lighthouse failed to answer %s from %s", request.head, request.peer)
-            request.sock.close()
-            if request.head is not None and request.head[0] == "POST":
-                self._count_post(-1)
+            log.exception("lighthouse failed to answer %s from %s", connection.head, connection.peer)
+            if connection.post:  # on the loop, which keeps the count
+                self._close(connection)
+            else:  # a page's thread
+                connection.sock.close()
 
-    def _answer(self, request: _Request) -> None:
-        assert request.head is not None, "dispatched only once the head is parsed"
-        method, path, headers = request.head
-        if threading.current_thread() is not self._loop_thread:
-            request.sock.setblocking(True)
-            request.sock.settimeout(REQUEST_TIMEOUT_S)
-        if method == "POST":
-            return self._send(request.sock, *self._post(request, path, headers), post=True)
-        lighthouse = self.lighthouse
-        if method == "GET" and path == "/status":
-            self._send(request.sock, 200, json.dumps(lighthouse.status()).encode(), "application/json")
-        elif method == "GET" and path == "/":
-            page = status_page.render_html(lighthouse.status()).encode()
-            self._send(request.sock, 200, page, "text/html; charset=utf-8")
+    def _post(self, connection: _Connection) -> None:
+        assert connection.head is not None, "dispatched only once the head is parsed"
+        _, path, headers = connection.head
+        body = bytes(connection.buffer[: int(headers["content-length"])])
+        answer = self.lighthouse.handle_post(
+            path,
+            headers.get("authorization"),
+            body,
+            self._local_host or connection.sock.getsockname()[0],
+            connection.peer,
+            functools.partial(self.queue_answer, connection, content_type="application/json"),
+        )
+        if answer is not None:  # else parked: the lighthouse calls the reply
+            status, payload = answer
+            self._answer(connection, status, payload if isinstance(payload, bytes) else json.dumps(payload).encode())
+
+    def _page(self, connection: _Connection) -> None:
+        """GET / or /status, off the loop: rendering 1,000 groups takes a while."""
+        assert connection.head is not None, "dispatched only once the head is parsed"
+        status = self.lighthouse.status()
+        if connection.head[1] == "/status":
+            self.queue_answer(connection, 200, json.dumps(status).encode(), "application/json")
         else:
-            paths = f"GET / or /status, POST {' or '.join(ENDPOINTS)}"
-            self._send(request.sock, *_error(ErrorAnswer(ErrorCode.NOT_FOUND, f"unknown path {path!r}: {paths}")))
+            self.queue_answer(connection, 200, status_page.render_html(status).encode(), "text/html; charset=utf-8")
 
-    def _post(self, request: _Request, path: str, headers: dict[str, str]) -> tuple[int, bytes, str]:
-        local_host = request.sock.getsockname()[0]
-        body = bytes(request.buffer[: int(headers["content-length"])])
-        status, payload = self.lighthouse.handle_post(
-            path, headers.get("authorization"), body, local_host, request.peer
-        )
-        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        return status, data, "application/json"
+    def _answer(
+        self, connection: _Connection, status: int, data: bytes, content_type: str = "application/json"
+    ) -> None:
+        """Answer from the loop itself."""
+        connection.answer = memoryview(_response(status, data, content_type))
+        self._write(connection)
 
-    def _answer_now(self, request: _Request, status: int, data: bytes, content_type: str) -> None:
-        self._selector.unregister(request.sock)
-        del self._pending[request.sock]
-        self._send(request.sock, status, data, content_type)
-
-    def _send(self, sock: socket.socket, status: int, data: bytes, content_type: str, post: bool = False) -> None:
-        """Write the answer and close; a non-blocking socket that cannot take it all hands the rest to a thread."""
-        head = (
-            f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nServer: {SERVER}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(data)}\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n"
-        )
-        answer = head.encode() + data
+    def _woken(self) -> None:
+        """Read the wake-ups, then let the next answer queued send one: cleared first, a wake-up sent
+        meanwhile was read here while the flag said one was pending, and answers queued later stayed."""
         try:
-            sent = sock.send(answer) if sock.gettimeout() == 0 else 0
-            if sent < len(answer):
-                if sock.gettimeout() == 0:
-                    rest = memoryview(answer)[sent:]
-                    threading.Thread(target=self._send_rest, args=(sock, rest, post), daemon=True).start()
-                    return
-                sock.sendall(answer)
-            sock.shutdown(socket.SHUT_WR)
+            while self._waker.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        self._wake_sent = False
+
+    def _write(self, connection: _Connection) -> None:
+        """Write what the socket takes; the rest when it can take more. A client that left is no error."""
+        try:
+            sent = connection.sock.send(connection.answer)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
         except OSError:
             log.debug("a client left before its answer")
-        sock.close()
-        if post:
-            self._count_post(-1)
+            return self._close(connection)
+        connection.answer = connection.answer[sent:]
+        if not connection.answer:
+            try:
+                connection.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            return self._close(connection)
+        if connection.sock not in self._open:
+            connection.deadline = time.monotonic() + REQUEST_TIMEOUT_S
+            self._open[connection.sock] = connection
+            self._selector.register(connection.sock, selectors.EVENT_WRITE)
 
-    def _send_rest(self, sock: socket.socket, rest: memoryview, post: bool) -> None:
-        sock.setblocking(True)
-        sock.settimeout(REQUEST_TIMEOUT_S)
-        try:
-            sock.sendall(rest)
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            log.debug("a client left before its answer")
-        sock.close()
-        if post:
-            self._count_post(-1)
+    def _forget(self, connection: _Connection) -> None:
+        """Stop reading ``connection``: its request is whole (or refused)."""
+        if self._open.pop(connection.sock, None) is not None:
+            self._selector.unregister(connection.sock)
 
-    def _drop(self, request: _Request) -> None:
-        self._selector.unregister(request.sock)
-        del self._pending[request.sock]
-        request.sock.close()
+    def _close(self, connection: _Connection) -> None:
+        if self._open.pop(connection.sock, None) is not None:
+            self._selector.unregister(connection.sock)
+        connection.sock.close()
+        connection.buffer, connection.answer = bytearray(), memoryview(b"")  # a parked poll's record outlives it
+        if connection.post:
+            connection.post = False
+            self._posts -= 1
+
+
+def _response(status: int, data: bytes, content_type: str) -> bytes:
+    head = (
+        f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nServer: {SERVER}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(data)}\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + data
 
 
 def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:

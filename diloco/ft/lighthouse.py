@@ -5,13 +5,17 @@ unpickled, DESIGN.md invariant 5). Heartbeats carry a group's committed step and
 quorum id it saw; a quorum request is a long poll, answered once the pure ``QuorumBook``
 (quorum.py) forms a quorum that contains the group. The lighthouse also hosts the job's
 ``TCPStore``, on which the outer lanes rendezvous, and a read-only status page for operators
-(the HTTP front is http_front.py). A round watch (time-bounded windows) is a long poll too; a
-recovery notice from the launcher says whether rounds wait for a dead group's replacement.
+(the HTTP front is http_front.py). A round watch (time-bounded windows) and a lane watch are
+long polls too; a recovery notice from the launcher says whether rounds wait for a dead
+group's replacement. A long poll holds no thread: it is parked with the HTTP front's ``Reply``
+and answered by whichever step settles it (an ask, a decision, its deadline, ``stop``).
 Its whole memory is rebuilt from heartbeats, so a restarted lighthouse needs no saved state.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -28,7 +32,7 @@ import torch.distributed as dist
 
 from diloco.config.cluster import LighthouseConfig, QuorumRules
 from diloco.ft import status_page
-from diloco.ft.http_front import LighthouseHTTPServer
+from diloco.ft.http_front import LighthouseHTTPServer, Reply
 from diloco.ft.identity import JobIdentity, NotThisJob
 from diloco.ft.protocol import (
     HEARTBEAT_ACK,
@@ -53,22 +57,34 @@ from diloco.ft.quorum import JobEnd, Quorum, QuorumBook, QuorumRequest
 log = logging.getLogger(__name__)
 
 MAX_POLL_S = 300.0  # a long poll never outlives this, whatever the client asks for
-DECIDE_EVERY_S = 0.02  # the join and heartbeat timeouts are noticed within this
+DECIDE_EVERY_S = 0.02  # the join, heartbeat and long polls' timeouts are noticed within this
+# Deciding takes at most this share of a core (and waits at most DECIDE_EVERY_S between passes): a pass
+# looks at every group, and at 1,000 groups a pass after each ask of a round's burst held the lock and
+# the GIL from the HTTP loop, which left up to 1,000 connections waiting to be accepted and answered the
+# last ask a second late (issue 33).
+DECIDE_SHARE = 0.1
 _WILDCARD_HOSTS = {"", "0.0.0.0"}
+_STOPPING = ErrorAnswer(ErrorCode.STOPPING, "the lighthouse is stopping; retry once it is back")
 
 
-@dataclass
-class _Waiter:
-    """One open long poll; the decision step fills in ``quorum``, ``end`` or ``error`` and wakes it."""
+@dataclass(eq=False)
+class _Poll:
+    """One parked long poll (a quorum request, lane watch or round watch), answered exactly once."""
 
-    group: str
-    quorum: Quorum | None = None
-    end: JobEnd | None = None
-    error: ErrorAnswer | None = None
+    request: QuorumAsk | LaneWatch | RoundWatch
+    deadline: float  # on the lighthouse's clock
+    reply: Reply
+    store_host: str = ""  # a quorum grant's store address
+    done: bool = False
 
     @property
-    def answered(self) -> bool:
-        return self.quorum is not None or self.end is not None or self.error is not None
+    def group(self) -> str:
+        return self.request.group
+
+    def answer(self, status: int, payload: dict | bytes) -> None:
+        if not self.done:
+            self.done = True
+            self.reply(status, payload)
 
 
 class Lighthouse:
@@ -91,19 +107,18 @@ class Lighthouse:
         self.job_id = job_id
         self._identity = JobIdentity(job_id, model_signature, job_config)  # None parts: pinned by the first group
         self._clock = clock
-        lock = threading.Lock()
-        self._cond = threading.Condition(lock)  # round watchers and stop() wait on it
-        # Open quorum requests wait on their own condition, woken only when a request is answered:
-        # woken by every ask (for the round watchers), 1,000 waiting groups cost a million wake-ups
-        # a round and answered the last ask 0.75 s late at 300 groups (experiments/lighthouse_scale.py).
-        self._answered = threading.Condition(lock)
+        self._lock = threading.Lock()
         self._book = QuorumBook(rules, started_at=clock())
         self._told_end: set[str] = set()  # finished groups that received the job's end
         self._steps: dict[str, int] = {}
-        self._waiters: dict[str, _Waiter] = {}
-        # Open lane watches by group: each wakes only when its own group's round breaks or ends,
-        # so a thousand watchers are not woken by every ask (the quorum waiters' condition is).
-        self._lane_watchers: dict[str, set[threading.Event]] = {}
+        self._waiters: dict[str, _Poll] = {}  # open quorum requests by group
+        # Open lane watches by group: each is looked at only when its own group's round breaks or ends.
+        self._lane_watchers: dict[str, set[_Poll]] = {}
+        self._round_watchers: set[_Poll] = set()  # looked at once per decision after asks came
+        self._asked = False  # since the last decision
+        self._deadlines: list[tuple[float, int, _Poll]] = []  # a heap; answered polls leave it lazily
+        self._deadlines_kept = 0  # open polls at the heap's last sweep
+        self._poll_ids = itertools.count()
         self._current: tuple[Quorum, float] | None = None  # (quorum, formed at clock time)
         self._history: deque[dict[str, Any]] = deque(maxlen=cfg.history)
         self._board = status_page.StatusBoard()  # what only the status page shows
@@ -140,9 +155,11 @@ class Lighthouse:
     def stop(self) -> None:
         """Stop serving; open long polls are answered 503 at once. Bounded: threads get 5 s."""
         self._stopping.set()
-        with self._cond:
-            self._cond.notify_all()
-            self._answered.notify_all()
+        with self._lock:
+            lanes = [poll for polls in self._lane_watchers.values() for poll in polls]
+            for poll in [*self._waiters.values(), *lanes, *self._round_watchers]:
+                self._finish_locked(poll, stopping=True)
+            self._deadlines.clear()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -175,17 +192,18 @@ class Lighthouse:
 
     # -- requests ------------------------------------------------------------------------
     def handle_post(
-        self, path: str, authorization: str | None, body: bytes, local_host: str, peer: str = "?"
-    ) -> tuple[int, dict | bytes]:
+        self, path: str, authorization: str | None, body: bytes, local_host: str, peer: str, reply: Reply
+    ) -> tuple[int, dict | bytes] | None:
         """Check and serve one POST to an ``ENDPOINTS`` path; a refusal changes nothing in the lighthouse's state.
 
-        The answer is a JSON object, or (a quorum grant) its encoded bytes.
+        The answer is a JSON object, or (a quorum grant) its encoded bytes; ``None`` for a long
+        poll left open, which ``reply`` answers later (from another thread, at most ``MAX_POLL_S`` on).
         """
         try:
             check_token(authorization, self.cfg.token)
             request = parse_request(path, body)
             config = request.config if isinstance(request, QuorumAsk) else None
-            with self._cond:
+            with self._lock:
                 try:
                     self._identity.admit(request.job, request.signature, config)
                 except NotThisJob as refusal:
@@ -196,34 +214,32 @@ class Lighthouse:
         if isinstance(request, Heartbeat):
             self._heartbeat(request)
             return 200, HEARTBEAT_ACK
-        if isinstance(request, RoundWatch):
-            return 200, {"round_step": self._round_open(request)}
         if isinstance(request, RecoveryNotice):
             self._recovery(request)
             return 200, HEARTBEAT_ACK
-        if isinstance(request, LaneWatch):
-            return 200, self._lane_watch(request).to_json()
         if isinstance(request, RoundCommit):
             return 200, self._commit(request).to_json()
-        assert isinstance(request, QuorumAsk), f"no handler for {type(request).__name__} at {path}"
-        answer = self._quorum(request, local_host if self.cfg.host in _WILDCARD_HOSTS else self.cfg.host)
-        if isinstance(answer, ErrorAnswer):
-            return answer.status, answer.to_json()
-        if isinstance(answer, JobEnd):
-            return 200, quorum_answer_to_json(answer)
-        return 200, self._grant_bytes(answer)
+        with self._lock:
+            if isinstance(request, LaneWatch):
+                return self._lane_watch_locked(request, reply)
+            if isinstance(request, RoundWatch):
+                return self._round_watch_locked(request, reply)
+            assert isinstance(request, QuorumAsk), f"no handler for {type(request).__name__} at {path}"
+            store_host = local_host if self.cfg.host in _WILDCARD_HOSTS else self.cfg.host
+            return self._quorum_locked(request, store_host, reply)
 
-    def _grant_bytes(self, grant: QuorumGrant) -> bytes:
+    def _grant_bytes(self, quorum: Quorum, store_host: str) -> bytes:
         """A grant's JSON, encoded once per quorum: every participant gets the same bytes, and encoding
         1,000 participants' names for each of 1,000 groups cost a second a round (issue 33)."""
+        grant = QuorumGrant(quorum, (store_host, self.store_address[1]))
         cached = self._grant_cache
-        if cached is None or cached[0] is not grant.quorum or cached[1] != grant.store:
-            cached = (grant.quorum, grant.store, json.dumps(quorum_answer_to_json(grant)).encode())
-            self._grant_cache = cached  # one assignment: a thread that races here encodes it once more
+        if cached is None or cached[0] is not quorum or cached[1] != grant.store:
+            cached = (quorum, grant.store, json.dumps(quorum_answer_to_json(grant)).encode())
+            self._grant_cache = cached
         return cached[2]
 
     def _heartbeat(self, beat: Heartbeat) -> None:
-        with self._cond:
+        with self._lock:
             self._book.heartbeat(
                 beat.group, self._clock(), quorum_id_seen=beat.quorum_id, step=beat.step, finished=beat.finished
             )
@@ -231,7 +247,7 @@ class Lighthouse:
             self._board.progress(beat.group, GroupProgress.from_json(beat.progress))
 
     def _recovery(self, notice: RecoveryNotice) -> None:
-        with self._cond:
+        with self._lock:
             now = self._clock()
             if notice.wait_ms:
                 self._book.await_return(notice.group, now, notice.wait_ms / 1000)
@@ -239,36 +255,36 @@ class Lighthouse:
                 self._book.depart(notice.group)
             self._decide_locked(now)
 
-    def _lane_watch(self, watch: LaneWatch) -> RoundNews:
-        """Wait (at most ``watch.timeout_s``, capped by ``MAX_POLL_S``) until more members leave the group's round
-        than it knows of, or the group leaves it."""
-        woken = threading.Event()
-        with self._cond:
-            deadline = self._clock() + min(watch.timeout_s, MAX_POLL_S)
-            self._lane_watchers.setdefault(watch.group, set()).add(woken)
-        try:
-            while True:
-                with self._cond:
-                    broken, still_in = self._book.round_state(watch.group, watch.round_id)
-                    remaining = deadline - self._clock()
-                news = (
-                    RoundNews(broken.reason, tuple(sorted(broken.gone)), still_in)
-                    if broken
-                    else RoundNews(open=still_in)
-                )
-                if len(news.gone) > watch.gone_seen or not news.open or remaining <= 0 or self._stopping.is_set():
-                    return news
-                woken.wait(min(remaining, 0.5))
-                woken.clear()
-        finally:
-            with self._cond:
-                watchers = self._lane_watchers.get(watch.group, set())
-                watchers.discard(woken)
-                if not watchers:
-                    self._lane_watchers.pop(watch.group, None)
+    def _park_locked(self, request: QuorumAsk | LaneWatch | RoundWatch, reply: Reply, store_host: str = "") -> _Poll:
+        """A long poll left open until ``request.timeout_s`` (capped by ``MAX_POLL_S``) at most."""
+        poll = _Poll(request, self._clock() + min(request.timeout_s, MAX_POLL_S), reply, store_host)
+        heapq.heappush(self._deadlines, (poll.deadline, next(self._poll_ids), poll))
+        return poll
+
+    def _lane_watch_locked(self, watch: LaneWatch, reply: Reply) -> tuple[int, dict] | None:
+        """Answered once more members leave the group's round than it knows of, or the group leaves it."""
+        news, settled = self._lane_news_locked(watch)
+        if settled or self._stopping.is_set():
+            return 200, news.to_json()
+        self._lane_watchers.setdefault(watch.group, set()).add(self._park_locked(watch, reply))
+        return None
+
+    def _lane_news_locked(self, watch: LaneWatch) -> tuple[RoundNews, bool]:
+        """The watched round's news, and whether it settles the watch."""
+        broken, still_in = self._book.round_state(watch.group, watch.round_id)
+        news = RoundNews(broken.reason, tuple(sorted(broken.gone)), still_in) if broken else RoundNews(open=still_in)
+        return news, len(news.gone) > watch.gone_seen or not news.open
+
+    def _end_lane_watch_locked(self, poll: _Poll) -> None:
+        assert isinstance(poll.request, LaneWatch), f"not a lane watch: {poll.request!r}"
+        watchers = self._lane_watchers.get(poll.group, set())
+        watchers.discard(poll)
+        if not watchers:
+            self._lane_watchers.pop(poll.group, None)
+        poll.answer(200, self._lane_news_locked(poll.request)[0].to_json())
 
     def _commit(self, commit: RoundCommit) -> RoundNews:
-        with self._cond:
+        with self._lock:
             reason = self._book.commit(commit.group, commit.round_id, commit.step, self._clock())
             if not reason:
                 self._steps[commit.group] = commit.step
@@ -276,100 +292,91 @@ class Lighthouse:
             log.warning("group %s may not commit round %d: %s", commit.group, commit.round_id, reason)
         return RoundNews(reason, open=False)  # only ``broken`` is read
 
-    def _wake_lane_watchers(self, groups: Iterable[str]) -> None:
+    def _wake_lane_watchers_locked(self, groups: Iterable[str]) -> None:
+        """Answer the lane watches of ``groups`` (whose rounds changed) that this change settles."""
         for group in groups:
-            for woken in self._lane_watchers.get(group, ()):
-                woken.set()
+            for poll in list(self._lane_watchers.get(group, ())):
+                if self._lane_news_locked(poll.request)[1]:  # type: ignore[arg-type]
+                    self._end_lane_watch_locked(poll)
 
-    def _quorum(self, ask: QuorumAsk, store_host: str) -> QuorumGrant | JobEnd | ErrorAnswer:
-        """Wait (at most ``ask.timeout_s``, capped by ``MAX_POLL_S``) for this request's fate."""
+    def _quorum_locked(self, ask: QuorumAsk, store_host: str, reply: Reply) -> tuple[int, dict] | None:
+        """Register the request; it is answered once a decision settles its fate or its wait runs out."""
         group = ask.group
-        waiter = _Waiter(group)
-        with self._cond:
-            now = self._clock()
-            deadline = now + min(ask.timeout_s, MAX_POLL_S)
-            if self._book.ended is not None:
-                self._answer_after_end(waiter, ask.finished)
-            else:
-                self._book.heartbeat(group, now, quorum_id_seen=ask.quorum_id, finished=ask.finished)
-                earlier = self._waiters.get(group)
-                if earlier is not None:
-                    earlier.error = ErrorAnswer(
-                        ErrorCode.SUPERSEDED, f"superseded: group {group!r} sent a newer quorum request"
-                    )
-                    self._answered.notify_all()
-                self._waiters[group] = waiter
-                self._steps[group] = ask.step
-                self._book.ask(
-                    QuorumRequest(group, ask.step, ask.commit_failed, ask.finished, ask.digest, ask.round_step), now
-                )
-                self._wake_lane_watchers([group])  # it left its last round
-                self._cond.notify_all()  # round watchers: a round may have opened
-                self._decide_now.set()
-            while not waiter.answered and not self._stopping.is_set():
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    return ErrorAnswer(ErrorCode.TIMEOUT, self._give_up_locked(waiter, ask.timeout_s))
-                self._answered.wait(min(remaining, 0.5))
-            if waiter.quorum is not None:
-                return QuorumGrant(waiter.quorum, (store_host, self.store_address[1]))
-            if waiter.end is not None:
-                return waiter.end
-            if waiter.error is not None:
-                return waiter.error
-            self._give_up_locked(waiter, ask.timeout_s)
-            return ErrorAnswer(ErrorCode.STOPPING, "the lighthouse is stopping; retry once it is back")
+        if self._stopping.is_set():
+            return _STOPPING.status, _STOPPING.to_json()
+        if self._book.ended is not None:
+            return self._end_answer_locked(group, ask.finished)
+        now = self._clock()
+        self._book.heartbeat(group, now, quorum_id_seen=ask.quorum_id, finished=ask.finished)
+        earlier = self._waiters.get(group)
+        if earlier is not None:
+            superseded = ErrorAnswer(ErrorCode.SUPERSEDED, f"superseded: group {group!r} sent a newer quorum request")
+            earlier.answer(superseded.status, superseded.to_json())
+        self._waiters[group] = self._park_locked(ask, reply, store_host)
+        self._steps[group] = ask.step
+        self._book.ask(QuorumRequest(group, ask.step, ask.commit_failed, ask.finished, ask.digest, ask.round_step), now)
+        self._wake_lane_watchers_locked([group])  # it left its last round
+        self._asked = True  # round watchers: a round may have opened
+        self._decide_now.set()
+        return None
 
-    def _round_open(self, watch: RoundWatch) -> int:
-        """Wait (at most ``watch.timeout_s``, capped by ``MAX_POLL_S``) for a peer to open a later round."""
-        position = (watch.step, watch.round_step)
-        with self._cond:
-            deadline = self._clock() + min(watch.timeout_s, MAX_POLL_S)
-            while not self._stopping.is_set():
-                if round_step := self._book.open_round(watch.group, position):
-                    return round_step
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    return 0
-                self._cond.wait(min(remaining, 0.5))
-            return 0
+    def _round_watch_locked(self, watch: RoundWatch, reply: Reply) -> tuple[int, dict] | None:
+        """Answered once a peer opens a later round (its inner step), or with 0 when the wait runs out."""
+        round_step = self._book.open_round(watch.group, (watch.step, watch.round_step))
+        if round_step or self._stopping.is_set():
+            return 200, {"round_step": round_step}
+        self._round_watchers.add(self._park_locked(watch, reply))
+        return None
 
-    def _give_up_locked(self, waiter: _Waiter, timeout_s: float) -> str:
+    def _finish_locked(self, poll: _Poll, stopping: bool = False) -> None:
+        """Answer a long poll whose wait ran out, or that the stopping lighthouse gives up."""
+        request = poll.request
+        if isinstance(request, LaneWatch):
+            return self._end_lane_watch_locked(poll)
+        if isinstance(request, RoundWatch):
+            self._round_watchers.discard(poll)
+            return poll.answer(200, {"round_step": 0})
+        message = self._give_up_locked(poll)
+        error = _STOPPING if stopping else ErrorAnswer(ErrorCode.TIMEOUT, message)
+        poll.answer(error.status, error.to_json())
+
+    def _give_up_locked(self, waiter: _Poll) -> str:
         """Withdraw a request whose wait ran out; the message says who could have joined it."""
+        assert isinstance(waiter.request, QuorumAsk), f"not a quorum request: {waiter.request!r}"
         now = self._clock()
         healthy, asked = sorted(self._book.healthy(now)), sorted(self._book.pending)
         if self._waiters.get(waiter.group) is waiter:
             del self._waiters[waiter.group]
             self._book.withdraw(waiter.group)
         return (
-            f"no quorum within {min(timeout_s, MAX_POLL_S):g} s: healthy groups {healthy}, asked {asked}; "
-            f"a quorum needs cluster.min_groups={self.rules.min_groups} askers and a strict majority "
+            f"no quorum within {min(waiter.request.timeout_s, MAX_POLL_S):g} s: healthy groups {healthy}, "
+            f"asked {asked}; a quorum needs cluster.min_groups={self.rules.min_groups} askers and a strict majority "
             f"of the healthy groups, after a join wait of {self._book.join_wait():.2g} s "
             f"(cluster.timeouts.join={self.rules.join_timeout_s:g} s, longer while groups ask far apart)"
         )
 
-    def _answer_after_end(self, waiter: _Waiter, finished: bool) -> None:
+    def _end_answer_locked(self, group: str, finished: bool) -> tuple[int, dict]:
         """After the end a finished group learns it; any other is too late to take part."""
         end = self._book.ended
         assert end is not None, "called only once the job has ended"
         if finished:
-            waiter.end = end
-            self._told_end.add(waiter.group)
-        else:
-            waiter.error = ErrorAnswer(
-                ErrorCode.JOB_ENDED,
-                f"the job ended at round {end.round} (every group finished, or cluster.timeouts.end passed after "
-                f"the first did); group {waiter.group!r} did not finish and can no longer take part",
-            )
+            self._told_end.add(group)
+            return 200, quorum_answer_to_json(end)
+        error = ErrorAnswer(
+            ErrorCode.JOB_ENDED,
+            f"the job ended at round {end.round} (every group finished, or cluster.timeouts.end passed after "
+            f"the first did); group {group!r} did not finish and can no longer take part",
+        )
+        return error.status, error.to_json()
 
     @property
     def ended(self) -> JobEnd | None:
-        with self._cond:
+        with self._lock:
             return self._book.ended
 
     def awaits_replacement(self, group: str) -> bool:
         """Whether rounds wait for ``group``'s replacement: a recovery notice said so, and its wait has not run out."""
-        with self._cond:
+        with self._lock:
             held = self._book.awaited.get(group)
             return held is not None and self._clock() < held[1]
 
@@ -389,7 +396,7 @@ class Lighthouse:
 
     def served_end(self) -> bool:
         """The job ended and every group that had finished by then has been told."""
-        with self._cond:
+        with self._lock:
             end = self._book.ended
             return end is not None and set(self._book.finished) <= self._told_end
 
@@ -398,16 +405,38 @@ class Lighthouse:
         while not self._stopping.is_set():
             self._decide_now.wait(DECIDE_EVERY_S)
             self._decide_now.clear()
-            with self._cond:
-                self._decide_locked(self._clock())
+            began = time.thread_time()  # the pass's own work, not its waits for the lock and the CPU
+            with self._lock:
+                now = self._clock()
+                self._decide_locked(now)
+                self._settle_polls_locked(now)
+            time.sleep(min(DECIDE_EVERY_S, (time.thread_time() - began) * (1 / DECIDE_SHARE - 1)))
+
+    def _settle_polls_locked(self, now: float) -> None:
+        """Answer the round watches a round opened for, and every long poll whose wait ran out."""
+        if self._asked:
+            self._asked = False
+            for poll in list(self._round_watchers):
+                watch = poll.request
+                assert isinstance(watch, RoundWatch), f"not a round watch: {watch!r}"
+                if round_step := self._book.open_round(watch.group, (watch.step, watch.round_step)):
+                    self._round_watchers.discard(poll)
+                    poll.answer(200, {"round_step": round_step})
+        while self._deadlines and self._deadlines[0][0] <= now:
+            poll = heapq.heappop(self._deadlines)[2]
+            if not poll.done:
+                self._finish_locked(poll)
+        if len(self._deadlines) > 2 * self._deadlines_kept + 1000:  # answered polls still hold their requests
+            self._deadlines = [entry for entry in self._deadlines if not entry[2].done]
+            heapq.heapify(self._deadlines)
+            self._deadlines_kept = len(self._deadlines)
 
     def _decide_locked(self, now: float) -> None:
-        """Run the pure rules once and wake every waiter whose fate they settled."""
-        woken = False
+        """Run the pure rules once and answer every request whose fate they settled."""
         told = self._book.break_rounds(now)
         for reason in sorted(set(told.values())):
             log.warning("%s; its other members give it up", reason)
-        self._wake_lane_watchers(told)
+        self._wake_lane_watchers_locked(told)
         quorum = self._book.decide(now)
         self._board.membership(self._book.healthy(now))
         if quorum is not None:
@@ -425,29 +454,26 @@ class Lighthouse:
             for group in quorum.participants:
                 waiter = self._waiters.pop(group, None)
                 if waiter is not None:
-                    waiter.quorum, woken = quorum, True
+                    waiter.answer(200, self._grant_bytes(quorum, waiter.store_host))
         for group, reason in self._book.turned_away.items():
             waiter = self._waiters.pop(group, None)
             if waiter is not None:
-                waiter.error = ErrorAnswer(ErrorCode.WITHDRAWN, f"request of group {group!r} withdrawn: {reason}")
-                woken = True
+                error = ErrorAnswer(ErrorCode.WITHDRAWN, f"request of group {group!r} withdrawn: {reason}")
+                waiter.answer(error.status, error.to_json())
         self._book.turned_away.clear()
         if self._book.ended is None and (end := self._book.end_of_job(now)) is not None:
             log.info("the job ended at round %d, held by %s", end.round, ", ".join(end.holders))
             self._board.event("end", "", f"round {end.round}, held by {', '.join(end.holders)}")
         if self._book.ended is not None:
             for group, waiter in list(self._waiters.items()):
-                self._answer_after_end(waiter, group in self._book.finished)
+                waiter.answer(*self._end_answer_locked(group, group in self._book.finished))
                 del self._waiters[group]
-                woken = True
-        if woken:
-            self._answered.notify_all()
 
     # -- status --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """What /status serves: a read-only snapshot, holding no secrets (the pid lets a launcher
         tell its own lighthouse from another process on the port)."""
-        with self._cond:
+        with self._lock:
             return {"pid": os.getpid()} | status_page.build_status(
                 self.job_id,
                 self._identity.signature,

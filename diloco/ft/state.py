@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is an FSDP-sharded DTensor, without importing DTensor where nothing shards:
+    """Whether ``t`` is a DTensor (FSDP2, tensor parallelism), without importing DTensor where nothing shards:
     its module (with sympy) costs the launcher, the lighthouse and every ``python run.py`` 0.9 s,
     and no tensor can be a DTensor before that module is loaded."""
     dtensor = sys.modules.get("torch.distributed.tensor")
@@ -30,7 +30,7 @@ def is_dtensor(t: torch.Tensor) -> bool:
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This worker's shard of a (possibly FSDP-sharded) tensor, sharing its storage."""
+    """This worker's shard of a (possibly FSDP- or tensor-parallel-sharded) tensor, sharing its storage."""
     return t.to_local() if is_dtensor(t) else t
 
 

@@ -26,6 +26,7 @@ from diloco.train.data import ByteTokenizer, eval_batches, load_corpus
 from diloco.train.device import select_device
 from diloco.train.logger import perplexity
 from diloco.train.model import Transformer, meta_model
+from diloco.train.tp_layout import join_shards, tp_shard_dim
 from diloco.train.trainer import Batch, next_token_loss
 
 if TYPE_CHECKING:
@@ -128,7 +129,8 @@ def check_unaltered(weights: Path) -> None:
 def checkpoint_global_weights(group_folder: Path, trained: JobConfig) -> dict[str, torch.Tensor]:
     """θ_g of a group's checkpoint by parameter name (θ_l for algo=local, which has no θ_g).
 
-    Each worker saved its FSDP shard (a run of dim 0); they are concatenated in rank order.
+    Each worker saved its shard (FSDP2's run of dim 0 of its tensor-parallel piece); they are
+    joined in rank order (``tp_layout.join_shards``).
     """
     names = [name for name, _ in meta_model(trained.model).named_parameters()]
     algo = trained.algo
@@ -139,9 +141,10 @@ def checkpoint_global_weights(group_folder: Path, trained: JobConfig) -> dict[st
     else:
         parts = fragment_parameter_names(names, trained.model.n_layers, algo.fragments, algo.pattern)
         key_of = {name: f"global.{p}.{i}" for p, part in enumerate(parts) for i, name in enumerate(part)}
-    workers = (complete_info(group_folder) or {}).get("workers", 1)
-    shards = [read_rank(rank_dir(group_folder, rank)) for rank in range(workers)]
-    return {name: torch.cat([shard[key] for shard in shards], dim=0) for name, key in key_of.items()}
+    info = complete_info(group_folder) or {}
+    shards = [read_rank(rank_dir(group_folder, rank)) for rank in range(info.get("workers", 1))]
+    tp = info.get("tp", 1)
+    return {name: join_shards([s[key] for s in shards], tp_shard_dim(name), tp) for name, key in key_of.items()}
 
 
 def load_model(weights: Path, trained: JobConfig, device: torch.device) -> Transformer:
@@ -224,7 +227,7 @@ def evaluate_checkpoint(job: JobConfig, weights: Path, trained: JobConfig) -> di
     batches = eval_batches(
         load_corpus(job.data).val,
         seq_len=t.seq_len,
-        batch_size=t.batch_size * job.cluster.workers_per_group,
+        batch_size=t.batch_size * job.parallel.dp(job.cluster.workers_per_group),
         max_batches=t.eval_batches,
         worker=0,
         num_workers=1,

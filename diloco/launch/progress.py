@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,12 +35,15 @@ def render_progress(
     *,
     eta_s: float | None = None,
     job_tokens_per_s: float | None = None,
+    job_tflops: float | None = None,
+    mfu: float | None = None,
     width: int = 24,
 ) -> str:
-    """``step 120/300 [#########...] loss 2.31 eval 2.40 round 3 tok/s 9.1k 0:31<0:46``.
+    """``step 120/300 [#########...] loss 2.31 eval 2.40 round 3 tok/s 9.1k TFLOP/s 0.12 MFU 31% 0:31<0:46``.
 
-    ``tok/s`` is the whole job's (every group's), as in summary.json; ``eta_s`` is None
-    until a rate has been measured (shown as ``?``).
+    ``tok/s`` and ``TFLOP/s`` are the whole job's (every group's), as in summary.json; ``mfu``
+    is the groups' mean (alike groups have alike peaks); ``eta_s`` is None until a rate has
+    been measured (shown as ``?``).
     """
     frac = min(1.0, step / max_steps) if max_steps else 0.0
     filled = int(round(frac * width))
@@ -52,6 +56,10 @@ def render_progress(
         parts.append(f"round {int(last['outer/round'])}")
     if job_tokens_per_s is not None:
         parts.append(f"tok/s {job_tokens_per_s / 1000:.1f}k")
+    if job_tflops is not None:
+        parts.append(f"TFLOP/s {job_tflops:.3g}")
+    if mfu is not None:
+        parts.append(f"MFU {100 * mfu:.1f}%")
     parts.append(f"{format_duration(elapsed_s)}<{'?' if eta_s is None else format_duration(eta_s)}")
     return " ".join(parts)
 
@@ -100,7 +108,9 @@ class ProgressView:
         step = int(slowest.get("step", 0))
         if self._first_progress is None and step > 0:
             self._first_progress = (elapsed_s, step)
-        rates = [r["train/tokens_per_s"] for r in self._latest.values() if r.get("train/tokens_per_s") is not None]
+        rates = _present(self._latest.values(), "train/tokens_per_s")
+        tflops = _present(self._latest.values(), "train/tflops")
+        mfus = _present(self._latest.values(), "train/mfu")
         line = render_progress(
             step,
             self.max_steps,
@@ -108,6 +118,8 @@ class ProgressView:
             slowest,
             eta_s=remaining_seconds(self._first_progress, (elapsed_s, step), self.max_steps),
             job_tokens_per_s=sum(rates) if rates else None,
+            job_tflops=sum(tflops) if tflops else None,
+            mfu=sum(mfus) / len(mfus) if mfus else None,
         )
         line += render_outages({i: self._latest.get(path, {}) for i, path in enumerate(self.files)})
         tty = self.out.isatty()
@@ -120,3 +132,8 @@ class ProgressView:
                 TRANSCRIPT.info(line)  # redrawn in place on the console; one line every interval in run.log
             else:
                 say(line, self.out)
+
+
+def _present(records: Iterable[dict[str, Any]], key: str) -> list[float]:
+    """``key``'s latest value in each group's records that has one."""
+    return [r[key] for r in records if r.get(key) is not None]

@@ -85,11 +85,19 @@ class OuterSync(Synchronizer):
     """
 
     def __init__(
-        self, *, algo: AlgoConfig, fragments: list[Fragment], auto: AutoOverlap | None = None, **common: Any
+        self,
+        *,
+        algo: AlgoConfig,
+        fragments: list[Fragment],
+        auto: AutoOverlap | None = None,
+        codec_device: torch.device | None = None,
+        **common: Any,
     ) -> None:
-        """``auto``: algo.auto's plan and measurements (its plan tensor is in ``heal_state.extra``)."""
+        """``auto``: algo.auto's plan and measurements (its plan tensor is in ``heal_state.extra``);
+        ``codec_device``: where quantized Δ is encoded and decoded (``launch_reduce``)."""
         super().__init__(**common)
         self.algo = algo
+        self.codec_device = codec_device
         self.fragments = fragments
         self.auto = auto
         self._flight: Flight | None = None
@@ -247,6 +255,7 @@ class OuterSync(Synchronizer):
                     round_.size,
                     extras=self._measurements_to_send(flight) if i == 0 else None,
                     bucket=self.bucket,
+                    codec_device=self.codec_device,
                 )
             )
             local_ok.append(finite)

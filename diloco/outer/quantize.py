@@ -89,7 +89,9 @@ def _blockwise(x: torch.Tensor, block: int, qmax: float) -> tuple[torch.Tensor, 
     padded = torch.zeros(_n_blocks(n, block) * block, dtype=torch.float32, device=x.device)
     padded[:n] = x
     rows = padded.view(-1, block)
-    scales = rows.abs().amax(dim=1) / qmax
+    # A 0-d tensor, not a Python float: CUDA divides by a Python scalar as a multiply by its
+    # reciprocal, which rounds differently, and every codec device must give the same bits.
+    scales = rows.abs().amax(dim=1) / torch.tensor(qmax, device=x.device)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     return rows / safe[:, None], scales
 

@@ -66,10 +66,14 @@ def launch_reduce(
     size: int,
     extras: torch.Tensor | None = None,
     bucket: TokenBucket | None = None,
+    codec_device: torch.device | None = None,
 ) -> PendingReduce:
     """Start summing ``weight * delta``, ``weight`` and the float32 ``extras`` over the lane, without waiting.
 
     With a ``bucket`` the result is held back until the link has carried the bytes this member sends.
+    ``codec_device``: where a quantized format is encoded and decoded (a worker's GPU: a 150M Δ
+    takes seconds on the CPU). Every step is elementwise IEEE arithmetic, so the bits equal the
+    CPU's and groups on different devices still agree.
     """
     extras = torch.zeros(0, dtype=torch.float32) if extras is None else extras.to(torch.float32)
     if fmt == "none":
@@ -82,7 +86,8 @@ def launch_reduce(
             ring_allreduce_bytes(buffer.nbytes, size),
         )
     else:
-        payload = quantize(delta * weight, fmt)
+        codec = codec_device or delta.device
+        payload = quantize((delta * weight).to(codec), fmt).cpu()
         tail = torch.cat([torch.tensor([weight], dtype=torch.float32), extras]).view(torch.uint8)
         packed = torch.cat([payload, tail])
         gathered = [torch.empty_like(packed) for _ in range(size)]
@@ -92,7 +97,7 @@ def launch_reduce(
         def finish() -> tuple[torch.Tensor | None, torch.Tensor]:
             tails = [g[cut:].view(torch.float32) for g in gathered]  # in rank order: the same sums everywhere
             total = sum(float(t[0]) for t in tails)
-            summed = reduce_quantized([g[:cut] for g in gathered], fmt, delta.numel())
+            summed = reduce_quantized([g[:cut].to(codec) for g in gathered], fmt, delta.numel()).to(delta.device)
             return weighted_mean(summed, total), sum((t[1:] for t in tails), torch.zeros_like(extras))
 
         pending = PendingReduce(work, finish, (size - 1) * packed.nbytes)

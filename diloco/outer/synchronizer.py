@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from diloco.byte_view import as_bytes_tensor, byte_view
 from diloco.ft.fault_requests import FaultHook
 from diloco.ft.manager import Manager, MembershipError, Round
 from diloco.ft.quorum import JobEnd
 from diloco.ft.state import HealState, Position
 from diloco.outer.bandwidth import TokenBucket
+from diloco.outer.digest import state_digest
 from diloco.train.sync_hooks import OuterOutcome
 
 log = logging.getLogger(__name__)
@@ -294,10 +294,10 @@ class Synchronizer:
         own = hashlib.sha256()
         for p in range(len(self.heal_state.global_params)):
             if p not in self._fragment_digests:
-                self._fragment_digests[p] = _sha256(self.heal_state.fragment_tensors(p))
+                self._fragment_digests[p] = state_digest(self.heal_state.fragment_tensors(p))
             own.update(self._fragment_digests[p])
         if self.heal_state.extra:  # the rest of the job's state (algo.auto's plan): groups agree on it too
-            own.update(_sha256(self.heal_state.extra))
+            own.update(state_digest(self.heal_state.extra))
         return self.manager.combine_digests(own.digest())
 
     def fresh_digest(self) -> str:
@@ -312,11 +312,3 @@ class Synchronizer:
             self._fragment_digests.clear()
         else:
             self._fragment_digests.pop(fragment, None)
-
-
-def _sha256(named: dict[str, torch.Tensor]) -> bytes:
-    digest = hashlib.sha256()
-    for name, tensor in named.items():
-        digest.update(name.encode())
-        digest.update(byte_view(as_bytes_tensor(tensor)))
-    return digest.digest()

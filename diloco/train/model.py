@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +106,9 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+BlockBody = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class TransformerBlock(nn.Module):
     """h = x + Attn(norm(x)); out = h + FFN(norm(h)). The unit FSDP2 shards."""
 
@@ -114,10 +118,21 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self._wrapped_body: BlockBody | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return (self._wrapped_body or self.body)(x, cos, sin)
+
+    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def wrap_body(self, wrapper: Callable[[BlockBody], BlockBody]) -> None:
+        """Run the block's computation through ``wrapper`` (activation checkpointing, torch.compile:
+        ``diloco.train.block_wrappers``). A function and not a wrapper module, so the parameter names
+        the outer sync, digests and checkpoints match by stay the plain block's, and module hooks
+        (FSDP2's all-gathers) stay outside the wrapped computation."""
+        self._wrapped_body = wrapper(self._wrapped_body or self.body)
 
 
 class Transformer(nn.Module):

@@ -18,6 +18,7 @@ from torch import nn
 from diloco.config.trainer import TrainerConfig
 from diloco.ft.state import is_dtensor
 from diloco.train.data import ShardedBatches
+from diloco.train.flops import Utilization
 from diloco.train.logger import perplexity
 from diloco.train.sync_hooks import OuterOutcome, SyncHooks
 
@@ -65,11 +66,13 @@ class Trainer:
         on_checkpoint: CheckpointCallback | None = None,
         stop_requested: Callable[[], bool] | None = None,
         pace: Callable[[float], None] | None = None,
+        utilization: Utilization | None = None,
     ) -> None:
         """``on_checkpoint(trainer)`` saves the worker's state (every ``cfg.checkpoint.every`` steps,
         at a planned stop and at the end); ``stop_requested`` says a planned stop was asked for
         (a signal): training then stops after the next round, with every group at that round.
-        ``pace(seconds)`` runs after each inner step (an injected straggler's delay)."""
+        ``pace(seconds)`` runs after each inner step (an injected straggler's delay); ``utilization``
+        adds the achieved TFLOP/s and MFU beside tokens/s."""
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -84,6 +87,7 @@ class Trainer:
         self.on_checkpoint = on_checkpoint
         self.stop_requested = stop_requested
         self.pace = pace
+        self.utilization = utilization
         self.step = 0
         self.resumed_tokens = 0  # tokens this group trained before the checkpoint it resumed from
         self.trained_steps = 0
@@ -133,7 +137,9 @@ class Trainer:
         cfg = self.cfg
         tokens_per_step = self.batches.tokens_per_step
         start = window_start = time.perf_counter()
-        window_loss = torch.zeros(2, dtype=torch.float64)
+        # Summed on the device, read once per log line: a read per step would stall the GPU's queue.
+        window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        window_steps = 0
         train_loss = eval_loss = math.nan
         self.trained_steps = 0  # steps this process took itself (a group that heals jumps over others)
         if self.outer is not None:
@@ -144,15 +150,18 @@ class Trainer:
             if self.pace is not None:
                 self.pace(time.perf_counter() - step_started)
             self.trained_steps += 1
-            window_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+            window_loss += loss.double()
+            window_steps += 1
             metrics, self.sync_metrics = self.sync_metrics, {}
             if self.outer is not None:
                 metrics.update(self._follow(self.outer.after_inner_step(self.step, tokens_per_step)))
             last = self.step >= cfg.max_steps
             if self.step % cfg.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start
-                steps = int(window_loss[1].item())
-                train_loss = _group_mean(window_loss)
+                steps = window_steps
+                train_loss = _group_mean(
+                    torch.stack([window_loss.cpu(), torch.tensor(float(steps), dtype=torch.float64)])
+                )
                 metrics.update(
                     {
                         "train/loss": train_loss,
@@ -163,7 +172,10 @@ class Trainer:
                         "train/tokens": float(tokens_per_step * self.step),
                     }
                 )
+                if self.utilization is not None:
+                    metrics.update(self.utilization.metrics(metrics["train/tokens_per_s"]))
                 window_loss.zero_()
+                window_steps = 0
                 window_start = time.perf_counter()
                 if self.outer is not None:
                     self.outer.observe(self.step, metrics)

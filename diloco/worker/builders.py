@@ -21,9 +21,11 @@ from diloco.config.redaction import redacted
 from diloco.ft.fault_requests import FaultHook
 from diloco.outer.synchronizer import Synchronizer
 from diloco.run_paths import RunPaths
+from diloco.train.block_wrappers import apply_block_wrappers, check_compile, will_run_on_cpu
 from diloco.train.checkpoint import check_compatible, rank_dir, resolve_resume, verify_rank
 from diloco.train.data import ShardedBatches, eval_batches, load_corpus, shard_windows
 from diloco.train.device import check_device
+from diloco.train.flops import Utilization, device_peak, flops_per_token
 from diloco.train.inner_opt import build_inner_optimizer
 from diloco.train.logger import MetricsLogger, rename_wandb_run, start_wandb
 from diloco.train.model import Transformer, count_parameters, meta_model, param_signature
@@ -82,7 +84,9 @@ def build_trainer(
 ) -> Trainer:
     """The inner loop of one worker, complete: optimizer, schedule and data for its place in the job.
 
-    ``inner`` is the optimizer ``outer`` was built with (``build_inner``); a new one otherwise.
+    ``worker`` and ``num_workers`` are its data-parallel index and the group's dp degree (the tp
+    workers of one dp index read the same batches). ``inner`` is the optimizer ``outer`` was
+    built with (``build_inner``); a new one otherwise.
     ``outer`` is not started here: its owner starts and closes it around ``fit``.
     """
     optimizer, scheduler = inner if inner is not None else build_inner(job, model)
@@ -102,6 +106,10 @@ def build_trainer(
         on_checkpoint=on_checkpoint,
         stop_requested=stop_requested,
         pace=straggler_pace(job.faults, group),
+        utilization=Utilization(
+            flops_per_token(job.model, job.trainer.seq_len),
+            device_peak(job.cluster.peak_tflops, device).tflops * num_workers * job.parallel.tp,  # the group's devices
+        ),
     )
 
 
@@ -114,8 +122,9 @@ def preflight(job: JobConfig, paths: RunPaths) -> tuple[int, str]:
     signature.
     """
     check_device(job.cluster.device)
+    check_compile(job.trainer, on_cpu=will_run_on_cpu(job.cluster.device))
     for group in range(job.cluster.groups):
-        build_data(job, group, 0, job.cluster.workers_per_group)
+        build_data(job, group, 0, job.parallel.dp(job.cluster.workers_per_group))
     model = meta_model(job.model)
     signature = param_signature(job.model, model)
     if job.trainer.resume:
@@ -145,7 +154,10 @@ def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device) -> Rep
     torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
     model = Transformer(job.model).to(device)
     n_params, signature = count_parameters(model), param_signature(job.model, model)
-    sharded = shard_model(model, model.layers, mesh, device)
+    apply_block_wrappers(model.layers, job.trainer, device)  # lazy: traced at the first forward, after sharding
+    peak = device_peak(job.cluster.peak_tflops, device)  # measured (if it must be) before a spare takes over
+    print(f"peak {peak.tflops:.4g} TFLOP/s per device ({peak.source})", flush=True)
+    sharded = shard_model(model, mesh, device)
     return Replica(device, model, sharded, build_inner(job, model), n_params, signature)
 
 
@@ -164,6 +176,7 @@ def checkpoint_identity(job: JobConfig, signature: str, workers: int) -> dict[st
         "signature": signature,
         "groups": job.cluster.groups,
         "workers": workers,
+        "tp": job.parallel.tp,  # each rank's shards are cut by the mesh
         "algo": job.algo.name,
         "fragments": job.algo.fragments,
         "windows_per_group": shard_windows(train_tokens, job.cluster.groups, job.trainer.seq_len),

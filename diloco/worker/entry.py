@@ -28,6 +28,7 @@ from diloco.config.redaction import redacted
 from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
 from diloco.files import write_atomically, write_json_atomically
 from diloco.ft.manager import JobEndedError
+from diloco.ft.state import is_dtensor
 from diloco.process_logging import output_to, setup_process_logging
 from diloco.run_paths import RunPaths
 from diloco.train.checkpoint import check_compatible
@@ -83,6 +84,7 @@ def run_worker(
     mesh = init_group(
         env,
         device,
+        tp=job.parallel.tp,
         connect_timeout_s=job.cluster.timeouts.connect,
         collective_timeout_s=job.cluster.timeouts.collective,
     )
@@ -156,8 +158,8 @@ def _train_group(
         job,
         model,
         group=group,
-        worker=env.rank,
-        num_workers=env.world_size,
+        worker=env.rank // job.parallel.tp,  # tp workers read the same batch: data splits over dp only
+        num_workers=job.parallel.dp(env.world_size),
         device=replica.device,
         inner=inner,
         sharded=sharded,
@@ -179,7 +181,7 @@ def _train_group(
             outer.close()
     if result.interrupted and outer is not None:
         outer.load_global_into_local()  # what a planned stop keeps is the last committed global model
-    weights = _full_state_dict(model, sharded)
+    weights = _full_state_dict(model)
     report = _result_record(group, result, replica.n_params, job.model.vocab_size)
     if outer is not None:
         report |= outer.report()
@@ -218,9 +220,10 @@ def saves_final_model(job: JobConfig, report: dict[str, Any]) -> bool:
     return end is not None and group_name(job.group.id) in end["holders"]
 
 
-def _full_state_dict(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
-    """Unsharded CPU weights on rank 0 (a collective: every worker must call it)."""
-    if not sharded:
+def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Whole CPU weights on rank 0 (a collective where FSDP2 or tensor parallelism split them:
+    every worker must call it)."""
+    if not any(is_dtensor(p) for p in model.parameters()):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -111,7 +111,7 @@ def build_outer_sync(
             inner_optimizer=inner_optimizer,
         )
         t = job.trainer
-        tokens_per_step = t.batch_size * env.world_size * t.grad_accum * t.seq_len
+        tokens_per_step = t.batch_size * job.parallel.dp(env.world_size) * t.grad_accum * t.seq_len
         return GradientSync(params=params, tokens_per_step=tokens_per_step, heal_state=heal_state, **common)
     fragments = build_fragments(job, model, device)
     auto = None
@@ -123,7 +123,9 @@ def build_outer_sync(
         inner_optimizer=inner_optimizer,
         extra={} if auto is None else {"auto.plan": auto.plan},
     )
-    return OuterSync(algo=job.algo, fragments=fragments, auto=auto, heal_state=heal_state, **common)
+    return OuterSync(
+        algo=job.algo, fragments=fragments, auto=auto, heal_state=heal_state, codec_device=device, **common
+    )
 
 
 def control_group(env: WorkerEnv, timeout_s: float) -> dist.ProcessGroup | None:

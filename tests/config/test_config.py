@@ -180,7 +180,24 @@ def test_an_unknown_key_is_refused_at_composition():
         (["cluster.min_groups=3"], r"cluster\.min_groups=3"),
         (["role=boss"], r"role='boss': must be one of local, lighthouse, group"),
         (["cluster.spares=-1"], r"cluster\.spares=-1: must be >= 0"),
+        (
+            ["trainer.activation_checkpoint=some"],
+            r"trainer\.activation_checkpoint='some': must be one of none, full, selective",
+        ),
+        (["cluster.peak_tflops=-1"], r"cluster\.peak_tflops=-1\.0: must be >= 0 TFLOP/s per device"),
         (["role=group", "cluster.spares=1"], r"cluster\.spares=1: warm spares are kept by the local launcher"),
+        (["parallel.tp=0"], r"parallel\.tp=0: must be a positive integer"),
+        (["parallel.tp=2", "trainer.compile=true"], r"trainer\.compile=True: does not compose with parallel\.tp=2 yet"),
+        (["parallel.tp=4"], r"parallel\.tp=4: must divide cluster\.workers_per_group=2 \(dp x tp workers\)"),
+        (["parallel.tp=4", "cluster.workers_per_group=4"], r"parallel\.tp=4: must divide model\.n_kv_heads=2"),
+        (
+            ["parallel.tp=4", "cluster.workers_per_group=4", "model.n_heads=6", "model.n_kv_heads=6", "model.dim=96"],
+            r"parallel\.tp=4: must divide model\.n_heads=6",
+        ),
+        (
+            ["parallel.tp=2", "model.ffn_hidden_dim=171"],
+            r"parallel\.tp=2: must divide the MLP width \(model\.ffn_hidden_dim\)=171",
+        ),
     ],
 )
 def test_invalid_values_name_the_key(overrides, message):

@@ -116,6 +116,8 @@ ALGOS = {
     "streaming": ["algo=streaming", "algo.fragments=2", "algo.delay=1", "algo.alpha=0.5", "algo.quantize=fp4"],
     "ddp": ["algo=ddp", "algo.sync_every=1"],
 }
+# Tensor parallelism inside each group: either of the two ranks' shards heals from the same rank of a peer.
+STREAMING_TP2 = [*ALGOS["streaming"], "cluster.workers_per_group=2", "parallel.tp=2"]
 
 
 @pytest.mark.parametrize("algo", ["diloco", "streaming"])
@@ -131,9 +133,9 @@ def test_three_groups_hold_identical_state_after_every_commit(job_factory, algo)
     assert len({r["rounds"] for r in results}) == 1
 
 
-@pytest.mark.parametrize("algo", sorted(ALGOS))
+@pytest.mark.parametrize("algo", [*sorted(ALGOS), "streaming, tp 2"])
 def test_killed_group_is_left_out_then_heals_when_restarted(job_factory, algo):
-    job = job_factory("trainer.max_steps=100000", *ALGOS[algo])
+    job = job_factory("trainer.max_steps=100000", *ALGOS.get(algo, STREAMING_TP2))
     job.start(range(3))
     job.cluster.wait_for(
         lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three"

@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -39,8 +40,10 @@ from diloco.ft.manager import JobEndedError, Manager
 from diloco.ft.protocol import (
     ErrorCode,
     GroupProgress,
+    LaneWatch,
     LighthouseRefused,
     LighthouseUnavailable,
+    QuorumAsk,
     QuorumSuperseded,
     QuorumTimeout,
 )
@@ -326,6 +329,47 @@ def test_stop_answers_open_long_polls_at_once(start):
     t.join(60.0)
     assert not t.is_alive(), "the open long poll was not answered by stop()"
     assert isinstance(result["A"], LighthouseUnavailable) and "stopping" in str(result["A"])
+
+
+def raw_post(lh: Lighthouse, message) -> socket.socket:
+    """POST ``message`` (a protocol message) on a socket left open, its answer unread."""
+    body = json.dumps(message.to_json()).encode()
+    sock = socket.create_connection(("127.0.0.1", lh.port), timeout=2.0)
+    head = f"POST {message.path} HTTP/1.0\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n"
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def abandon(sock: socket.socket) -> None:
+    """Leave at once, resetting the connection: writing the answer then fails."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_open_long_polls_hold_no_thread_and_answers_nobody_reads_break_nothing(start):
+    """Open requests are parked with the HTTP front, not given a thread each; the answers to a quorum
+    request and a lane watch whose clients left go nowhere, and the lighthouse goes on serving."""
+    lh = start(QuorumRules(min_groups=21, join_timeout_s=0.1, heartbeat_timeout_s=5.0))
+    before = threading.active_count()
+    asks = {
+        f"g{i}": raw_post(lh, QuorumAsk(JOB, SIG, f"g{i}", step=0, commit_failed=False, timeout_s=30.0))
+        for i in range(20)
+    }
+    wait_until(lambda: waiting(lh) == set(asks))
+    wait_until(lambda: threading.active_count() <= before)  # the status page's threads end; no poll holds one
+    for sock in asks.values():
+        abandon(sock)
+    last = raw_post(lh, QuorumAsk(JOB, SIG, "g20", step=0, commit_failed=False, timeout_s=30.0))
+    grant = json.loads(last.makefile("rb").read().partition(b"\r\n\r\n")[2])
+    last.close()
+    assert set(grant["quorum"]["participants"]) == {*asks, "g20"}
+    watch = raw_post(lh, LaneWatch(JOB, SIG, "g0", round_id=grant["quorum"]["round_id"], timeout_s=30.0))
+    wait_until(lambda: not lh.wait_replies_sent(0.0))  # the watch is open
+    abandon(watch)
+    beat(lh, grant["quorum"]["participants"], step=1)
+    got = quorums(ask_all(lh, dict.fromkeys(grant["quorum"]["participants"], 1)))  # g0's ask ends its watch
+    assert {q.max_step for q in got.values()} == {1} and len(got) == 21
+    assert lh.wait_replies_sent(timeout_s=2.0)
 
 
 # -- refusals ------------------------------------------------------------------------------

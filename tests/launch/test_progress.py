@@ -14,6 +14,8 @@ def test_render_progress_shows_step_bar_loss_throughput_and_eta():
     line = render_progress(50, 200, 30.0, last, eta_s=90.0, job_tokens_per_s=12345.0, width=8)
     assert line == "step 50/200 [##......] loss 2.346 round 3 tok/s 12.3k 0:30<1:30"
     assert render_progress(0, 200, 3.0, {}, width=8) == "step 0/200 [........] 0:03<?"
+    line = render_progress(50, 200, 30.0, {}, eta_s=90.0, job_tokens_per_s=1e6, job_tflops=1.234, mfu=0.31, width=8)
+    assert line == "step 50/200 [##......] tok/s 1000.0k TFLOP/s 1.23 MFU 31.0% 0:30<1:30"
 
 
 def test_the_eta_comes_from_the_measured_step_rate_not_from_time_zero():
@@ -24,14 +26,18 @@ def test_the_eta_comes_from_the_measured_step_rate_not_from_time_zero():
     assert remaining_seconds((20.0, 10), (50.0, 310), 300) == 0.0
 
 
-def test_the_console_shows_the_whole_jobs_tokens_per_second(tmp_path):
+def test_the_console_shows_the_whole_jobs_tokens_and_flops_per_second_and_the_mean_mfu(tmp_path):
     files = [tmp_path / "g0.jsonl", tmp_path / "g1.jsonl"]
-    files[0].write_text(json.dumps({"step": 40, "train/tokens_per_s": 1000.0}) + "\n")
-    files[1].write_text(json.dumps({"step": 30, "train/tokens_per_s": 1500.0}) + "\n")
+    files[0].write_text(
+        json.dumps({"step": 40, "train/tokens_per_s": 1000.0, "train/tflops": 0.5, "train/mfu": 0.2}) + "\n"
+    )
+    files[1].write_text(
+        json.dumps({"step": 30, "train/tokens_per_s": 1500.0, "train/tflops": 0.75, "train/mfu": 0.3}) + "\n"
+    )
     out = io.StringIO()
     view = ProgressView(files, max_steps=100, out=out, plain_interval_s=0.0)
     view.update(elapsed_s=10.0)
-    assert "tok/s 2.5k 0:10<?" in out.getvalue()
+    assert "tok/s 2.5k TFLOP/s 1.25 MFU 25.0% 0:10<?" in out.getvalue()
     files[1].write_text(files[1].read_text() + json.dumps({"step": 50}) + "\n")
     view.update(elapsed_s=12.0)  # the slowest group went 30 -> 40 (group 0) in 2 s: 60 steps left at 5/s
     assert out.getvalue().splitlines()[-1].endswith("0:12<0:12")

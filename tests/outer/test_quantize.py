@@ -252,3 +252,19 @@ def test_reduce_is_deterministic():
     again = reduce_quantized([p.clone() for p in packed], "fp4", 1000)
     assert torch.equal(first, again)
     assert math.isfinite(first.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_gpu_codec_gives_the_cpus_bits(fmt):
+    """Groups agree on θ_g only if every codec device encodes and sums to the same bits."""
+    torch.manual_seed(0)
+    xs = [torch.randn(100_003) * 10.0 ** torch.randint(-6, 3, (100_003,)) for _ in range(3)]
+    xs[0][:4096] = 0.0  # an all-zero block
+    xs[1][5000:5100] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]).repeat(15)[:100]  # fp4 ties
+    on_cpu = [quantize(x, fmt) for x in xs]
+    on_gpu = [quantize(x.cuda(), fmt).cpu() for x in xs]
+    assert all(torch.equal(a, b) for a, b in zip(on_cpu, on_gpu))
+    summed_cpu = reduce_quantized(on_cpu, fmt, xs[0].numel())
+    summed_gpu = reduce_quantized([p.cuda() for p in on_cpu], fmt, xs[0].numel()).cpu()
+    assert torch.equal(summed_cpu.view(torch.int32), summed_gpu.view(torch.int32))

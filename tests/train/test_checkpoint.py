@@ -181,12 +181,13 @@ RESUMABLE += ["trainer.checkpoint.every=20", "trainer.max_steps=40"]
 
 
 @pytest.mark.slow
-def test_a_resumed_job_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
-    """2 groups x 2 FSDP-sharded workers: each worker saves and restores only its own shard."""
-    whole = launch(compose_job(RESUMABLE), tmp_path / "whole")
+@pytest.mark.parametrize("layout", [[], ["parallel.tp=2"]], ids=["fsdp", "tp"])
+def test_a_resumed_job_equals_the_uninterrupted_one_bit_for_bit(tmp_path, layout):
+    """2 groups x 2 workers, FSDP2- or tensor-parallel-sharded: each worker saves and restores only its own shard."""
+    whole = launch(compose_job([*RESUMABLE, *layout]), tmp_path / "whole")
     assert whole["ok"], whole["failure"]
     halfway = step_dir(tmp_path / "whole", 20)
-    resumed = launch(compose_job([*RESUMABLE, f"trainer.resume={halfway}"]), tmp_path / "resumed")
+    resumed = launch(compose_job([*RESUMABLE, *layout, f"trainer.resume={halfway}"]), tmp_path / "resumed")
     assert resumed["ok"], resumed["failure"]
     digests = {r["digest"] for s in (whole, resumed) for r in s["per_group"]}
     assert len(digests) == 1, "θ_g and the outer state after the resume are the uninterrupted job's"
@@ -196,11 +197,14 @@ def test_a_resumed_job_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
     assert min(m["step"] for m in metrics) > 20, "the resumed job trained only the steps after the checkpoint"
     weights, run_dir = locate_weights(str(step_dir(tmp_path / "whole", 40)))  # role=eval checkpoint=...
     assert run_dir == tmp_path / "whole"
-    final = read_weights(weights, compose_job(RESUMABLE))  # group 0's two shards of θ_g, put together
+    final = read_weights(weights, compose_job([*RESUMABLE, *layout]))  # group 0's two shards of θ_g, put together
     saved = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
     assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in saved)
     with pytest.raises(ConfigError, match="written with workers=2, this job has 1"):
         launch(compose_job([*RESUMABLE, "cluster.workers_per_group=1", f"trainer.resume={halfway}"]), tmp_path / "x")
+    if layout:  # the same workers cut another way hold other shards
+        with pytest.raises(ConfigError, match="written with tp=2, this job has 1"):
+            launch(compose_job([*RESUMABLE, f"trainer.resume={halfway}"]), tmp_path / "y")
 
 
 @pytest.mark.slow

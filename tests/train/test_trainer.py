@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from diloco.train.flops import device_peak, flops_per_token
 from diloco.train.model import Transformer
 from diloco.train.trainer import Trainer
 from diloco.worker.builders import build_trainer
@@ -36,9 +38,12 @@ def test_fit_logs_the_named_metrics_and_the_loss_falls():
         by_step.setdefault(step, {}).update(record)
     assert sorted(by_step) == [10, 15, 20, 30]
     first, last = by_step[10], by_step[30]
-    for key in ("train/loss", "train/lr", "train/tokens_per_s", "eval/loss", "eval/ppl"):
+    for key in ("train/loss", "train/lr", "train/tokens_per_s", "train/tflops", "train/mfu", "eval/loss", "eval/ppl"):
         assert key in last, key
     assert last["train/loss"] < first["train/loss"]
+    assert last["train/tflops"] == pytest.approx(last["train/tokens_per_s"] * flops_per_token(job.model, 64) / 1e12)
+    peak = device_peak(job.cluster.peak_tflops, torch.device("cpu"))  # measured: this one process's
+    assert last["train/mfu"] == pytest.approx(last["train/tflops"] / peak.tflops)
     assert result.tokens_seen == 30 * job.trainer.batch_size * job.trainer.seq_len
     assert result.final_eval_loss == last["eval/loss"]
 
