@@ -36,11 +36,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import markdown_table, runs_root, stop_on_sigterm, verdict, write_result
+from common import markdown_table, run_job, runs_root, stop_on_sigterm, verdict, write_result
 
 from diloco.config.job import JobConfig, job_config_from_dict
 from diloco.launch.compose import compose_raw
-from diloco.launch.local_cluster import JobFailed
 from diloco.outer.digest import state_digest
 from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
@@ -72,21 +71,6 @@ def compose(shape: Shape, overrides: list[str]) -> JobConfig:
     return job_config_from_dict(compose_raw(base + overrides))
 
 
-def launch_job(job: JobConfig, run_dir: Path) -> dict[str, Any]:
-    """Run a job quietly; a failed one's summary (``ok`` false) with its last log lines."""
-    import io
-
-    from diloco.launch.launcher import launch
-    from diloco.launch.local_cluster import logs_tail
-
-    try:
-        return launch(job, run_dir, out=io.StringIO())
-    except JobFailed as error:
-        summary = json.loads(RunPaths(run_dir).summary.read_text()) if RunPaths(run_dir).summary.exists() else {}
-        summary.update(ok=False, failure=str(error), logs=logs_tail(RunPaths(run_dir).logs, 30))
-        return summary
-
-
 def equal_digests(summary: dict[str, Any]) -> bool:
     digests = {g.get("digest") for g in summary.get("per_group", [])}
     return len(digests) == 1 and None not in digests
@@ -108,10 +92,12 @@ def check_smoke(shape: Shape, root: Path) -> dict[str, Any]:
     every = f"trainer.checkpoint.every={5 * shape.sync_every}"
     first = compose(shape, common + [f"trainer.max_steps={10 * shape.sync_every}", every])
     run = root / "smoke"
-    summary = launch_job(first, run)
+    summary = run_job(first, run, keep_failure=True)
     resumed_dir = root / "smoke_resumed"
-    resumed = launch_job(
-        compose(shape, common + [f"trainer.max_steps={15 * shape.sync_every}", f"trainer.resume={run}"]), resumed_dir
+    resumed = run_job(
+        compose(shape, common + [f"trainer.max_steps={15 * shape.sync_every}", f"trainer.resume={run}"]),
+        resumed_dir,
+        keep_failure=True,
     )
     step_ms = statistics.median(metric_values(run, "train/step_ms") or [float("nan")])
     ok = bool(summary.get("ok") and resumed.get("ok") and equal_digests(summary) and equal_digests(resumed))
@@ -123,7 +109,6 @@ def check_smoke(shape: Shape, root: Path) -> dict[str, Any]:
         "resumed_rounds": resumed.get("rounds"),
         "step_ms": step_ms,
         "failure": summary.get("failure") or resumed.get("failure"),
-        "logs": summary.get("logs") or resumed.get("logs"),
     }
 
 
@@ -180,14 +165,13 @@ def check_speed(shape: Shape, root: Path, rows: list[str]) -> dict[str, Any]:
             ],
         )
         run = root / f"speed_{len(result)}"
-        summary = launch_job(job, run)
+        summary = run_job(job, run, keep_failure=True)
         result[label] = {
             "ok": bool(summary.get("ok")),
             "tokens_per_s": statistics.median(inner_tokens_per_s(run) or [float("nan")]),
             "tflops": statistics.median(metric_values(run, "train/tflops")[2:] or [float("nan")]),
             "mfu": statistics.median(metric_values(run, "train/mfu")[2:] or [float("nan")]),
             "failure": summary.get("failure"),
-            "logs": summary.get("logs"),
         }
         result["ok"] = result["ok"] and result[label]["ok"]
         if label == "eager":
@@ -216,7 +200,7 @@ def check_sync(shape: Shape, root: Path) -> dict[str, Any]:
             ],
         )
         run = root / f"sync_{fmt}"
-        summary = launch_job(job, run)
+        summary = run_job(job, run, keep_failure=True)
         syncs = metric_values(run, "outer/sync_ms")[1:]  # the first round also builds the lanes
         records = read_jsonl(RunPaths(run).metrics(0))
         steps = [r["train/step_ms"] for r in records if "train/step_ms" in r and "outer/sync_ms" not in r][5:]
@@ -226,7 +210,6 @@ def check_sync(shape: Shape, root: Path) -> dict[str, Any]:
             "inner_step_ms": statistics.median(steps or [float("nan")]),
             "bytes_sent": summary.get("bytes_sent"),
             "failure": summary.get("failure"),
-            "logs": summary.get("logs"),
         }
         ok = ok and rows[fmt]["ok"]
     return {"ok": ok, **rows}
@@ -262,7 +245,7 @@ def check_faults(shape: Shape, root: Path, step_ms: float) -> dict[str, Any]:
             "faults.hang_seconds=4",
         ],
     )
-    summary = launch_job(job, root / "faults")
+    summary = run_job(job, root / "faults", keep_failure=True)
     kills = summary.get("faults", {}).get("kill", 0)
     recoveries = summary.get("recoveries", 0)
     return {
@@ -274,7 +257,6 @@ def check_faults(shape: Shape, root: Path, step_ms: float) -> dict[str, Any]:
         "survivor_stall_s": summary.get("survivor_stall_s"),
         "wall_seconds": summary.get("wall_seconds"),
         "failure": summary.get("failure"),
-        "logs": summary.get("logs"),
     }
 
 
