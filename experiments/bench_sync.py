@@ -14,7 +14,7 @@ DiLoCo at H=10 (``conf/experiment/bench_sync.yaml``), one job per M:
    round).
 
     python experiments/bench_sync.py            # M = 2, 3, 4; a few minutes on two cores
-    python experiments/bench_sync.py --quick    # M = 2, fewer steps: a smoke test
+    python experiments/bench_sync.py --quick    # M = 2, fewer and smaller steps: a smoke test
 
 Prints a markdown table and the target check, and writes the table to
 experiments/results/bench_sync.md. Timings on a shared 2-core machine are noisy: read the
@@ -51,6 +51,8 @@ HEADERS = [
 TARGET_RATIO = 2.0
 SKIP_STEPS = 10  # the first window: start-up of the other groups competes for the cores
 ENDLESS = 100_000  # max_steps of the job: it is stopped once measured, so the schedule never ends it
+# --quick: a smoke run of 4 x 64 tokens a step (the syncs' 2M parameters stay; their ratio to the step does not)
+QUICK_SHAPE = ["trainer.batch_size=4", "trainer.seq_len=64"]
 
 
 @dataclass
@@ -119,8 +121,9 @@ def time_restart(run: ClusterRun, groups: int, timeout_s: float) -> float:
     return time.monotonic() - started
 
 
-def measure(groups: int, steps: int, run_dir: Path, timeout_s: float) -> Row:
-    job = compose_job(["algo=diloco", f"cluster.groups={groups}", f"trainer.max_steps={ENDLESS}"], "bench_sync")
+def measure(groups: int, steps: int, run_dir: Path, timeout_s: float, shape: list[str]) -> Row:
+    overrides = ["algo=diloco", f"cluster.groups={groups}", f"trainer.max_steps={ENDLESS}", *shape]
+    job = compose_job(overrides, "bench_sync")
     with ClusterRun(job, run_dir) as run:
         run.cluster.wait_for(
             lambda: all(last_step(run, g) >= SKIP_STEPS + steps for g in range(groups)),
@@ -155,7 +158,7 @@ def report(rows: list[Row], h: int, steps: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 groups and 40 steps: a smoke test")
+    parser.add_argument("--quick", action="store_true", help="2 groups, 40 steps of 4 x 64 tokens: a smoke test")
     parser.add_argument("--groups", type=int, nargs="+", help="group counts (default 2 3 4; --quick: 2)")
     parser.add_argument("--steps", type=int, help="timed inner steps per group (default 100; --quick: 40)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any one wait may take")
@@ -169,7 +172,7 @@ def main() -> None:
     with runs_root(args.keep_runs, "bench_sync") as root:
         for m in groups:
             started = time.monotonic()
-            rows.append(measure(m, steps, root / f"groups{m}", args.timeout))
+            rows.append(measure(m, steps, root / f"groups{m}", args.timeout, QUICK_SHAPE if args.quick else []))
             print(f"{m} groups measured in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
     text = report(rows, h, steps)
     print(text)

@@ -92,6 +92,7 @@ CONFIGS = [
     _diloco(50, 4, "algo.alpha_reference_groups=0", name="diloco H=50, α=0.5 whatever M"),
 ]
 QUICK_STEPS = 100
+QUICK_BATCH = ["trainer.batch_size=4", "trainer.seq_len=64"]  # a smoke run: start-up dominates anyway
 
 
 @dataclass
@@ -223,7 +224,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--groups", type=int, nargs="+", metavar="M", help="run only the configurations with M groups")
     parser.add_argument(
-        "--quick", action="store_true", help=f"tiny model, {QUICK_STEPS} steps, ddp/local/diloco M=2: a smoke test"
+        "--quick",
+        action="store_true",
+        help=f"tiny model, {QUICK_STEPS} steps of 4 x 64 tokens, ddp/local/diloco M=2: a smoke test",
     )
     parser.add_argument(
         "--collect", nargs="+", metavar="DIR", type=Path, help="run nothing: one table from runs kept under DIR"
@@ -252,6 +255,7 @@ def main() -> None:
         sys.exit(f"--steps={steps}: must be a positive multiple of {EVAL_EVERY} (every H divides it)")
     began = time.monotonic()
     shared = [f"model={model}", f"trainer.max_steps={steps}", f"trainer.eval_every={EVAL_EVERY}"]
+    shared += QUICK_BATCH if args.quick else []
     results = []
     if args.collect:
         results, model, steps = collect_kept(args.collect)
@@ -273,7 +277,8 @@ def main() -> None:
     n_params = results[0].summary["parameters"] if results else 0
     setup = (
         f"model={model} ({n_params / 1e6:.2f}M parameters), {steps} inner steps per group, "
-        f"1 CPU process per group, trainer batch as conf/experiment/{EXPERIMENT}.yaml; equal tokens at each M."
+        f"1 CPU process per group, trainer batch as conf/experiment/{EXPERIMENT}.yaml"
+        f"{' with ' + ', '.join(QUICK_BATCH) if args.quick else ''}; equal tokens at each M."
     )
     folder = Path(args.results) if args.results else RESULTS
     stem = f"compare_ddp_{model}_{steps}"

@@ -13,8 +13,13 @@ Each check is a real job, composed from ``conf/`` and launched as ``python run.p
 - digest: sha256 of the 150M model's θ_g and outer momentum, the most a commit hashes.
 - faults: 3 groups of ``tiny``, a random group SIGKILLed every 8 s and one SIGSTOPped for 4 s
   every 13 s: the job ends ok, every kill recovered, equal digests.
+- hf: a random ``LlamaForCausalLM`` of Llama 3.2 1B's config (128,256-token vocabulary, GQA,
+  llama3 RoPE scaling, tied embeddings; bf16 as Meta ships it) saved by transformers, imported
+  (``model.init_from``: this model's logits against transformers' on the GPU, fp32), 2 groups
+  of DiLoCo from it, then ``role=export`` and transformers' logits of the export against the
+  job's model.pt. Needs transformers.
 
-    python experiments/gpu_check.py                      # every check (about 5 min on one H100)
+    python experiments/gpu_check.py                      # every check (about 8 min on one H100)
     python experiments/gpu_check.py --only speed sync    # some of them
     python experiments/gpu_check.py --cpu-dry-run        # the same checks on the CPU at toy sizes
 
@@ -45,8 +50,43 @@ from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
 from diloco.train.model import Transformer, count_parameters
 
-CHECKS = ("smoke", "speed", "sync", "digest", "faults")
+CHECKS = ("smoke", "speed", "sync", "digest", "faults", "hf")
 SPEED_TARGET = 0.95
+HF_LOGITS_TOLERANCE = 1e-3  # fp32 on the GPU, 16 blocks: cuBLAS sums in another order than transformers' kernels
+# Llama 3.2 1B's config.json (its shape; the weights here are random: nothing is downloaded).
+LLAMA32_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    tie_word_embeddings=True,
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
+TOY_LLAMA = LLAMA32_1B | dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rope_scaling=LLAMA32_1B["rope_scaling"] | {"original_max_position_embeddings": 128},
+    bos_token_id=510,
+    eos_token_id=511,
+)
 
 
 @dataclass(frozen=True)
@@ -60,10 +100,11 @@ class Shape:
     speed_steps: int
     sync_every: int
     fault_seconds: float
+    hf_config: dict[str, Any]
 
 
-GPU = Shape("cuda", "llama3_150m", batch=16, seq=1024, speed_steps=200, sync_every=20, fault_seconds=60.0)
-CPU_DRY = Shape("cpu", "tiny", batch=4, seq=64, speed_steps=60, sync_every=10, fault_seconds=30.0)
+GPU = Shape("cuda", "llama3_150m", 16, 1024, speed_steps=200, sync_every=20, fault_seconds=60.0, hf_config=LLAMA32_1B)
+CPU_DRY = Shape("cpu", "tiny", 4, 64, speed_steps=60, sync_every=10, fault_seconds=30.0, hf_config=TOY_LLAMA)
 
 
 def compose(shape: Shape, overrides: list[str]) -> JobConfig:
@@ -256,6 +297,62 @@ def check_faults(shape: Shape, root: Path, step_ms: float) -> dict[str, Any]:
         "syncs": f"{summary.get('syncs_committed')}/{summary.get('syncs_attempted')}",
         "survivor_stall_s": summary.get("survivor_stall_s"),
         "wall_seconds": summary.get("wall_seconds"),
+        "failure": summary.get("failure"),
+    }
+
+
+def check_hf(shape: Shape, root: Path) -> dict[str, Any]:
+    """Import a Llama 3.2 1B-shaped transformers checkpoint, train 2 groups from it, export, compare logits."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from diloco.launch.export import export_checkpoint
+    from diloco.train.hf_weights import load_pretrained
+
+    device = torch.device(shape.device)
+    source = root / "hf_source"
+    started = time.perf_counter()
+    with torch.device(device):
+        hf_model = LlamaForCausalLM(LlamaConfig(**shape.hf_config)).to(torch.bfloat16)
+    hf_model.save_pretrained(source)
+    tokens = torch.randint(0, shape.hf_config["vocab_size"], (2, 256), device=device)
+    made_s = time.perf_counter() - started
+
+    overrides = [f"model.init_from={source}", "cluster.groups=2", f"algo.sync_every={shape.sync_every}"]
+    overrides += [f"trainer.max_steps={2 * shape.sync_every}", "trainer.batch_size=4", "trainer.seq_len=512"]
+    job = compose(shape, overrides)
+    started = time.perf_counter()
+    ours = Transformer(job.model).to(device)
+    load_pretrained(ours, job.model)
+    load_s = time.perf_counter() - started
+    del hf_model  # its bf16 rotary buffer is not transformers' fp32 one: load the checkpoint as a user would
+    reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device)
+    with torch.no_grad():
+        import_diff = (ours(tokens) - reference(tokens).logits).abs().max().item()
+    del ours, reference
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the two groups' processes need the GPU next
+
+    run = root / "hf_job"
+    summary = run_job(job, run, keep_failure=True)
+    started = time.perf_counter()
+    exported = export_checkpoint(run / "model.pt", job, root / "hf_export")
+    export_s = time.perf_counter() - started
+    trained = Transformer(job.model).to(device)
+    trained.load_state_dict(torch.load(run / "model.pt", map_location=device, weights_only=True))
+    reloaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).to(device)
+    with torch.no_grad():
+        export_diff = (trained(tokens) - reloaded(tokens).logits).abs().max().item()
+    ok = bool(summary.get("ok")) and equal_digests(summary) and max(import_diff, export_diff) < HF_LOGITS_TOLERANCE
+    return {
+        "ok": ok,
+        "parameters": count_parameters(trained),
+        "import_logits_max_diff": import_diff,
+        "export_logits_max_diff": export_diff,
+        "make_and_save_s": round(made_s, 1),
+        "import_s": round(load_s, 1),
+        "job_wall_s": summary.get("wall_seconds"),
+        "eval_loss": summary.get("final_eval_loss"),
+        "export_s": round(export_s, 1),
         "failure": summary.get("failure"),
     }
 

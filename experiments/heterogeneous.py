@@ -19,7 +19,7 @@ per second of training), final eval loss of the global model, the slow group's i
 window and its share of the rounds.
 
     python experiments/heterogeneous.py            # 2 runs, about 1.5 minutes in all
-    python experiments/heterogeneous.py --quick    # H=20, 200 steps: a smoke test
+    python experiments/heterogeneous.py --quick    # H=20, 200 steps of 4 x 64 tokens: a smoke test
 
 Prints a markdown table and the target checks (throughput >= 1.3x, final eval loss within
 1%) and writes them to experiments/results/heterogeneous.md; plots train loss against wall
@@ -166,7 +166,7 @@ def plot(runs: dict[str, Run], path: Path) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="H=20 and 200 inner steps: a smoke test")
+    parser.add_argument("--quick", action="store_true", help="H=20, 200 inner steps of 4 x 64 tokens: a smoke test")
     parser.add_argument("--steps", type=int, help="inner steps of the fixed-H run (default 1000; --quick: 200)")
     parser.add_argument("--slowdown", type=float, default=2.0, help="how many times slower group 1 is (default 2)")
     add_output_arguments(parser)
@@ -177,7 +177,7 @@ def main() -> None:
     args = parse_args()
     stop_on_sigterm()
     began = time.monotonic()
-    shared = ["algo.sync_every=20"] if args.quick else []
+    shared = ["algo.sync_every=20", "trainer.batch_size=4", "trainer.seq_len=64"] if args.quick else []
     shared += [f"faults.slowdown={args.slowdown}"]
     job = compose_job(shared, EXPERIMENT)
     h, groups = job.algo.sync_every, job.cluster.groups
@@ -203,7 +203,8 @@ def main() -> None:
         f"Equal tokens: the fixed-H run trains {steps} inner steps, the time-bounded one "
         f"{time_bounded_steps(steps, groups, args.slowdown, h)} (its slow group runs fewer per window). "
         "Throughput: tokens trained per second of training, all groups; the performance model predicts "
-        f"{time_window_speedup([1.0] * (groups - 1) + [args.slowdown]):.2f}x (diloco.outer.perf_model.time_window_speedup)."
+        f"{time_window_speedup([1.0] * (groups - 1) + [args.slowdown]):.2f}x "
+        "(diloco.outer.perf_model.time_window_speedup)."
     )
     folder = Path(args.results) if args.results else RESULTS
     drawn = plot(runs, folder / "heterogeneous.png")

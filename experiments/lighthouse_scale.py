@@ -23,7 +23,7 @@ that the lighthouse needs for itself. The bodies are the protocol's own messages
 (``diloco.ft.protocol``), and answers are parsed with its functions.
 
     python experiments/lighthouse_scale.py            # 100, 300 and 1,000 groups: ~5 min on two cores
-    python experiments/lighthouse_scale.py --quick    # 100 groups, 4 rounds: ~25 s
+    python experiments/lighthouse_scale.py --quick    # 100 groups, 4 rounds 2 s apart: ~20 s
     python experiments/lighthouse_scale.py --nice -20 # as root on a shared machine (the table in docs/results.md)
     python experiments/lighthouse_scale.py --groups 1000 --rounds 20
 
@@ -620,7 +620,7 @@ def main() -> None:
     add_output_arguments(parser)
     args = parser.parse_args()
     if args.quick:
-        args.groups, args.rounds, args.deaths, args.heartbeats_only, args.window = [100], 4, 2, 3.0, 2.5
+        args.groups, args.rounds, args.deaths, args.heartbeats_only, args.window = [100], 4, 2, 2.0, 2.0
     stop_on_sigterm()
     runs = []
     with runs_root(args.keep_runs, "lighthouse_scale") as root:

@@ -1,10 +1,11 @@
 """Layering: one door to hydra, and the library's layers depend on each other one way only.
 
 ``run.py`` and ``diloco/launch/compose.py`` are the only doors from config files into the
-library; nothing imports run.py. Inside, imports run launch -> worker -> outer -> train -> ft
--> config -> leaves (docs/architecture.md), a group's processes never load the lighthouse
-server, and ``diloco`` and ``outer_opt`` import each other in no circle. The import graph is read from the source with ``ast`` (what ``import`` would run:
-lazy imports inside functions count, ``if TYPE_CHECKING:`` blocks do not).
+library; nothing imports run.py. Inside, imports run launch -> prepare -> worker -> outer -> train
+-> ft -> config -> leaves (docs/architecture.md), a group's processes never load the lighthouse
+server, and ``diloco`` and ``outer_opt`` import each other in no circle. The import graph is read
+from the source with ``ast`` (what ``import`` would run: lazy imports inside functions count,
+``if TYPE_CHECKING:`` blocks do not).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ HYDRA_DOOR = "diloco/launch/compose.py"
 # The layers of diloco/, top to bottom (DESIGN section 5): a module may import its own layer and
 # those below it, never one above. ``leaf`` is diloco/'s root: small shared modules (paths, files,
 # exit codes) that import only each other; ``config`` holds every config dataclass and imports
-# only itself, the leaves and outer_opt's config.
-LAYERS = ("launch", "worker", "outer", "train", "ft", "config", "leaf")
+# only itself, the leaves and outer_opt's config. ``prepare`` (role=prepare: a corpus into tokens)
+# sits just below launch: it uses train's data errors and config's metadata, and nothing trains.
+LAYERS = ("launch", "prepare", "worker", "outer", "train", "ft", "config", "leaf")
 # outer_opt (the outer optimizers) sits beside the layers: ft (a healing group's optimizer state),
 # outer and config import it, and it imports only diloco's config helpers.
 OUTER_OPT_MAY_LOAD = ("outer_opt", "diloco.config.base")

@@ -17,8 +17,10 @@ class DataConfig:
 
     corpus: Literal["stdlib", "text", "tokens"] = "stdlib"
     path: str | None = None
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
-    vocab_size: int = 256
+    # None (conf/data/tokens.yaml): the prepared corpus's tokens.json decides; without one, uint16
+    # ids of a 65536 vocabulary (``diloco.config.tokens_meta.resolve_data_section``, run on composing).
+    token_dtype: Literal["uint16", "uint32"] | None = "uint16"
+    vocab_size: int | None = 256
     val_fraction: float = 0.02
 
     def validate(self) -> None:
@@ -40,6 +42,13 @@ class DataConfig:
             check(
                 bool(self.path), "data.path", self.path, f"required when data.corpus={self.corpus}; point it at {what}"
             )
+        check(
+            self.vocab_size is not None,
+            "data.vocab_size",
+            self.vocab_size,
+            "required for a token file without metadata (tokens.json beside it, written by role=prepare) "
+            "read as uint32; set it to the tokenizer's vocabulary size",
+        )
         check(self.token_dtype in TOKEN_DTYPES, "data.token_dtype", self.token_dtype, "must be one of uint16, uint32")
         check(
             0.0 < self.val_fraction < 0.5,

@@ -10,11 +10,14 @@ from diloco.config.base import check, from_dict, to_dict
 from diloco.config.cluster import ClusterConfig
 from diloco.config.data import DataConfig
 from diloco.config.faults import FaultsConfig
+from diloco.config.hf_llama import with_pretrained_shape
 from diloco.config.inner_opt import InnerOptConfig
 from diloco.config.logger import LoggerConfig
 from diloco.config.model import ModelConfig
 from diloco.config.parallel import ParallelConfig
+from diloco.config.prepare import PrepareConfig
 from diloco.config.sample import SampleConfig
+from diloco.config.tokens_meta import resolve_data_section
 from diloco.config.trainer import TrainerConfig
 from outer_opt import OuterOptConfig
 
@@ -40,11 +43,12 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
-    role: Literal["local", "lighthouse", "group", "summary", "eval", "sample"] = "local"
+    role: Literal["local", "lighthouse", "group", "summary", "eval", "sample", "export", "prepare"] = "local"
     group: GroupConfig = field(default_factory=GroupConfig)
     name: str = "diloco"
-    checkpoint: str | None = None  # role=eval / role=sample: a finished run's directory or its model.pt
+    checkpoint: str | None = None  # role=eval / sample / export: a finished run's directory or its model.pt
     sample: SampleConfig = field(default_factory=SampleConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)  # role=prepare: a corpus into tokens
 
     def validate(self) -> None:
         for part in (
@@ -59,10 +63,11 @@ class JobConfig:
             self.logger,
             self.faults,
             self.sample,
+            self.prepare,
         ):
             part.validate()
         self.algo.check_fits(n_blocks=self.model.n_layers, max_steps=self.trainer.max_steps)
-        self.parallel.check_fits(self.model, self.cluster.workers_per_group)
+        self.parallel.check_fits(self.model, self.cluster.workers_per_group, self.trainer.seq_len)
         check(
             not (self.trainer.compile and self.parallel.tp > 1),
             "trainer.compile",
@@ -71,11 +76,12 @@ class JobConfig:
             "tensor-parallel backward; set trainer.compile=false or parallel.tp=1",
         )
         check(
-            self.model.vocab_size == self.data.vocab_size,
+            self.data.vocab_size <= self.model.vocab_size,  # data.validate() above refused None
             "model.vocab_size",
             self.model.vocab_size,
-            f"differs from data.vocab_size={self.data.vocab_size}; the tokenizer decides the "
-            "vocabulary, so set data.vocab_size and leave model.vocab_size unset",
+            f"is smaller than the tokenizer's vocabulary, data.vocab_size={self.data.vocab_size}: ids past the "
+            "model's embedding rows cannot be trained; leave model.vocab_size unset (it follows the data's) or "
+            "raise it, or prepare the corpus with a smaller tokenizer",
         )
         check(
             self.trainer.seq_len <= self.model.max_seq_len,
@@ -91,7 +97,7 @@ class JobConfig:
             f"must be a multiple of algo.sync_every={h}: a checkpoint is taken between rounds",
         )
         check(
-            self.cluster.spares == 0 or self.role in ("local", "summary", "eval", "sample"),
+            self.cluster.spares == 0 or self.role in ("local", "summary", "eval", "sample", "export", "prepare"),
             "cluster.spares",
             self.cluster.spares,
             f"warm spares are kept by the local launcher (role=local), not with role={self.role}: under "
@@ -135,11 +141,16 @@ def training_config(job: JobConfig) -> dict[str, Any]:
 
 
 def job_config_from_dict(raw: dict[str, Any]) -> JobConfig:
-    """Typed, validated config from a plain dict; the model's vocabulary follows the data's."""
+    """Typed, validated config from a plain dict; the model's vocabulary follows the data's, or with
+    ``model.init_from`` the model's shape and vocabulary come from that checkpoint's config.json."""
     raw = dict(raw)
     model = dict(raw.get("model") or {})
-    data = from_dict(DataConfig, raw.get("data"), "data")
-    model.setdefault("vocab_size", data.vocab_size)
+    data = from_dict(DataConfig, resolve_data_section(raw.get("data") or {}), "data")
+    raw["data"] = to_dict(data)
+    if model.get("init_from"):
+        model = with_pretrained_shape(model)
+    if data.vocab_size is not None:  # None (a uint32 token file without metadata): data.validate() says the fix
+        model.setdefault("vocab_size", data.vocab_size)
     raw["model"] = model
     job = from_dict(JobConfig, raw)
     job.validate()

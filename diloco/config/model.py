@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from diloco.config.base import check
 
@@ -25,6 +26,17 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Llama 3.1's long-context RoPE ("llama3"): frequencies whose wavelength exceeds
+    # rope_original_max_seq_len / rope_low_freq_factor are divided by rope_factor, those shorter
+    # than rope_original_max_seq_len / rope_high_freq_factor kept, those between blended smoothly.
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    # A Hugging Face Llama directory: its config.json sets the shape (``job_config_from_dict``),
+    # its safetensors the initial weights of every group (``diloco.train.hf_weights``).
+    init_from: str | None = None
 
     @property
     def head_dim(self) -> int:
@@ -48,7 +60,7 @@ class ModelConfig:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
             value = getattr(self, name)
             check(value > 0, f"model.{name}", value, "must be a positive integer")
-        for name in ("ffn_dim_multiplier", "norm_eps", "rope_theta", "init_std"):
+        for name in ("ffn_dim_multiplier", "norm_eps", "rope_theta", "init_std", "rope_factor"):
             value = getattr(self, name)
             check(value > 0, f"model.{name}", value, "must be positive")
         check(
@@ -75,4 +87,21 @@ class ModelConfig:
             self.n_heads,
             f"gives head_dim = model.dim // model.n_heads = {self.head_dim}, which must be even "
             "for rotary embeddings; pick n_heads so that dim / n_heads is even",
+        )
+        if self.rope_scaling == "llama3":
+            self._validate_llama3_scaling()
+
+    def _validate_llama3_scaling(self) -> None:
+        check(
+            self.rope_original_max_seq_len > 0,
+            "model.rope_original_max_seq_len",
+            self.rope_original_max_seq_len,
+            "must be a positive context length (the one the model was pre-trained at)",
+        )
+        check(
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+            "model.rope_high_freq_factor",
+            self.rope_high_freq_factor,
+            f"must exceed model.rope_low_freq_factor={self.rope_low_freq_factor} > 0 (llama3 RoPE scaling "
+            "blends the frequencies between the two)",
         )

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diloco.config.base import ConfigError, check
-from diloco.config.model import ModelConfig
+from diloco.config.data import DataConfig
 from diloco.config.sample import SampleConfig
 from diloco.files import file_sha256
 from diloco.outer.fragments import fragment_parameter_names
 from diloco.train.checkpoint import complete_info, enclosing_checkpoint, group_dir, rank_dir, read_rank
+from diloco.train.corpus_meta import CorpusTokenizer, load_tokenizer, read_corpus_meta
 from diloco.train.data import ByteTokenizer, eval_batches, load_corpus
 from diloco.train.device import select_device
 from diloco.train.logger import perplexity
@@ -176,26 +177,70 @@ def mean_loss(model: torch.nn.Module, batches: list[Batch], device: torch.device
     return total / count
 
 
-def byte_tokenizer(model_cfg: ModelConfig) -> ByteTokenizer:
-    """Sampling reads and writes text: only a byte-level model has a tokenizer here to do it."""
+def text_tokenizer(trained: JobConfig) -> ByteTokenizer | CorpusTokenizer:
+    """Sampling reads and writes text through the tokenizer the model was trained with: the one
+    ``role=prepare`` saved beside a tokens corpus (named in its tokens.json), or bytes for a model
+    of a stdlib or text corpus. A token file without metadata has no tokenizer here."""
+    tokenizer = load_tokenizer(trained.data)
+    if tokenizer is not None:
+        return tokenizer
     check(
-        model_cfg.vocab_size == ByteTokenizer.vocab_size,
-        "model.vocab_size",
-        model_cfg.vocab_size,
-        "role=sample needs a byte-level model (vocabulary 256: trained with data=stdlib or data=text); "
-        "a tokens corpus's tokenizer is not part of this project",
+        trained.data.corpus != "tokens",
+        "data.path",
+        trained.data.path,
+        "the model was trained on this token file, which has no tokens.json beside it, so no tokenizer to turn "
+        "text into its ids and back; prepare the corpus with role=prepare (it saves the tokenizer), or sample a "
+        "byte-level model (data=stdlib or data=text)",
     )
     return ByteTokenizer()
 
 
+def tokenizer_identity(data_cfg: DataConfig) -> str | None:
+    """What fixes the meaning of a corpus's ids: "bytes" for stdlib and text, the tokenizer's
+    sha256 for a prepared tokens corpus, None for a token file without metadata (unknown)."""
+    if data_cfg.corpus != "tokens":
+        return "bytes"
+    meta = read_corpus_meta(data_cfg)
+    return f"tokenizer sha256 {meta.tokenizer.sha256[:12]}... ({meta.tokenizer.source})" if meta else None
+
+
+def check_same_tokenizer(job: JobConfig, trained: JobConfig) -> None:
+    """``role=eval`` scores a model on ids of its own tokenizer, else the loss means nothing: the
+    tokenizers' identities where both are known, the vocabularies where one is not."""
+    mine, theirs = tokenizer_identity(job.data), tokenizer_identity(trained.data)
+    if mine is not None and theirs is not None:
+        key, value = ("data.path", job.data.path) if job.data.corpus == "tokens" else ("data.corpus", job.data.corpus)
+        theirs_data = f"data=tokens data.path={trained.data.path}" if trained.data.corpus == "tokens" else "data=stdlib"
+        check(
+            mine == theirs,
+            key,
+            value,
+            f"holds ids of {mine}, but the model was trained on ids of {theirs}; evaluate on a corpus of its "
+            f"tokenizer (the model's own: {theirs_data})",
+        )
+        return
+    check(
+        trained.model.vocab_size == job.data.vocab_size,
+        "data.vocab_size",
+        job.data.vocab_size,
+        f"differs from the trained model's vocabulary ({trained.model.vocab_size}); "
+        "evaluate on a corpus of its tokenizer",
+    )
+
+
 @torch.no_grad()
-def generate(model: Transformer, prompt: torch.Tensor, cfg: SampleConfig, device: torch.device) -> torch.Tensor:
+def generate(
+    model: Transformer, prompt: torch.Tensor, cfg: SampleConfig, device: torch.device, vocab_size: int | None = None
+) -> torch.Tensor:
     """``cfg.max_new_tokens`` token ids continuing ``prompt`` (1-D), attending to at most
-    ``max_seq_len`` tokens back; seeded, so the same call gives the same text."""
+    ``max_seq_len`` tokens back; seeded, so the same call gives the same text. Ids at or past
+    ``vocab_size`` (a model's rows beyond its tokenizer's vocabulary) are never drawn."""
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     ids = prompt.to(device).view(1, -1)
     for _ in range(cfg.max_new_tokens):
         logits = model(ids[:, -model.cfg.max_seq_len :])[:, -1, :].float()
+        if vocab_size is not None:
+            logits[:, vocab_size:] = -math.inf
         if cfg.temperature == 0:
             token = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -208,24 +253,30 @@ def generate(model: Transformer, prompt: torch.Tensor, cfg: SampleConfig, device
     return ids[0, prompt.numel() :].cpu()
 
 
+def held_out_tokens(job: JobConfig, trained: JobConfig) -> torch.Tensor:
+    """The held-out ids ``role=eval`` scores: the data's own; or, for a model trained on a prepared
+    corpus scored on text (``data=text`` or ``data=stdlib``), that text's held-out tail encoded with
+    the model's tokenizer, so any text can measure a token model."""
+    held_out = load_corpus(job.data).val
+    if job.data.corpus != "tokens" and (tokenizer := load_tokenizer(trained.data)) is not None:
+        # the split may cut a character: its bytes decode to U+FFFD, as a tokenizer would see a torn file
+        return tokenizer.encode(held_out.numpy().tobytes().decode("utf-8", errors="replace"))
+    check_same_tokenizer(job, trained)
+    return held_out
+
+
 def evaluate_checkpoint(job: JobConfig, weights: Path, trained: JobConfig) -> dict[str, Any]:
     """``role=eval``: the loss of the model in ``weights`` on the held-out windows of ``job``'s data.
 
     The windows a group of a training job with the same data and trainer options evaluated
     on (``batch_size`` sequences per worker), so a finished run's final eval loss reproduces.
     """
-    check(
-        trained.model.vocab_size == job.data.vocab_size,
-        "data.vocab_size",
-        job.data.vocab_size,
-        f"differs from the trained model's vocabulary ({trained.model.vocab_size}); "
-        "evaluate on a corpus of its tokenizer",
-    )
+    held_out = held_out_tokens(job, trained)
     device = select_device(job.cluster.device, 0)
     model = load_model(weights, trained, device)
     t = job.trainer
     batches = eval_batches(
-        load_corpus(job.data).val,
+        held_out,
         seq_len=t.seq_len,
         batch_size=t.batch_size * job.parallel.dp(job.cluster.workers_per_group),
         max_batches=t.eval_batches,
@@ -239,8 +290,10 @@ def evaluate_checkpoint(job: JobConfig, weights: Path, trained: JobConfig) -> di
 
 def sample_text(job: JobConfig, weights: Path, trained: JobConfig) -> str:
     """``role=sample``: ``job.sample.prompt`` followed by the text the model in ``weights`` continues it with."""
-    tokenizer = byte_tokenizer(trained.model)
+    tokenizer = text_tokenizer(trained)
     device = select_device(job.cluster.device, 0)
     model = load_model(weights, trained, device)
-    continuation = generate(model, tokenizer.encode(job.sample.prompt), job.sample, device)
+    prompt = tokenizer.encode(job.sample.prompt)
+    check(prompt.numel() > 0, "sample.prompt", job.sample.prompt, "encodes to no tokens; give some text")
+    continuation = generate(model, prompt, job.sample, device, tokenizer.vocab_size)
     return job.sample.prompt + tokenizer.decode(continuation)

@@ -1,5 +1,6 @@
 """What ``python run.py`` does with a composed job, per ``role``: launch it here (``local``), serve
-its lighthouse, be one worker of a group, summarize a multi-host run, or use a trained model.
+its lighthouse, be one worker of a group, summarize a multi-host run, use a trained model, or
+tokenize a corpus once for ``data=tokens`` (``prepare``).
 
 ``run.py`` hands over plain values only (the composed dict, hydra's output folder, in a ``-m``
 sweep which job this is, and the environment a group's worker reads torchrun's ranks from), so
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from diloco.config.algo import ignore_unread_keys
-from diloco.config.base import ConfigError
+from diloco.config.base import ConfigError, to_dict
 from diloco.config.job import JobConfig, job_config_from_dict
 from diloco.config.redaction import redacted
 from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
@@ -25,6 +26,7 @@ from diloco.ft.lighthouse import serve_forever
 from diloco.ft.manager import JobEndedError, MembershipError
 from diloco.launch.addresses import check_addresses
 from diloco.launch.compose import SweepJobFailed, load_saved_config, to_yaml, write_sweep_table
+from diloco.launch.export import EXPORT_FOLDER, export_checkpoint
 from diloco.launch.inference import evaluate_checkpoint, locate_weights, sample_text
 from diloco.launch.job_token import with_job_token
 from diloco.launch.launcher import JobInterrupted, launch, run_dir_claimed
@@ -33,6 +35,7 @@ from diloco.launch.outcome import group_outcome
 from diloco.launch.progress import say
 from diloco.launch.summary import summarize_after_the_end, summarize_finished_run
 from diloco.launch.wandb_key import check_wandb_key
+from diloco.prepare.pipeline import prepare_corpus
 from diloco.run_paths import RunPaths
 from diloco.train.data import DataError
 from diloco.worker.entry import refuse_finished_group, run_worker
@@ -69,11 +72,14 @@ def run_role(raw: dict[str, Any], output_dir: Path, sweep: SweepJob | None, envi
         if job.role == "group":
             refuse_finished_group(paths, job.group.id)
         if job.role not in ("summary", "local"):  # the summary reads a run; the launcher claims its directory first
-            write_text_atomically(paths.root / "config.yaml", to_yaml(redacted(raw)))
+            write_text_atomically(paths.root / "config.yaml", to_yaml(redacted(as_resolved(raw, job))))
         if job.role == "group":
             run_group(job, paths, env)
-        if job.role in ("eval", "sample"):
+        if job.role in ("eval", "sample", "export"):
             return use_trained_model(job, paths)
+        if job.role == "prepare":  # a corpus into tokens: no lighthouse, no groups
+            prepare_corpus(job.prepare, lambda line: say(line, sys.stdout))
+            return None
         if job.role == "lighthouse":
             try:
                 serve_forever(job.cluster.lighthouse, job.cluster.quorum_rules(), job.name)
@@ -86,7 +92,7 @@ def run_role(raw: dict[str, Any], output_dir: Path, sweep: SweepJob | None, envi
             summary = summarize_finished_run(job, paths)
         else:
             with run_dir_claimed(paths):
-                write_text_atomically(paths.root / "config.yaml", to_yaml(redacted(raw)))
+                write_text_atomically(paths.root / "config.yaml", to_yaml(redacted(as_resolved(raw, job))))
                 summary = launch(job, paths.root)
     except (ConfigError, DataError, OutputError) as error:
         fail(f"error: {error}", sweep)
@@ -135,11 +141,15 @@ def name_sweep_job(raw: dict[str, Any], sweep: SweepJob) -> None:
 
 def use_trained_model(job: JobConfig, paths: RunPaths) -> float | None:
     """``role=eval``: the loss of ``checkpoint``'s model on the data options' held-out windows
-    (also in eval.json); ``role=sample``: text continuing ``sample.prompt``."""
+    (also in eval.json); ``role=sample``: text continuing ``sample.prompt``; ``role=export``: a
+    Hugging Face directory (``diloco.launch.export``)."""
     weights, run_dir = locate_weights(job.checkpoint)
     trained = trained_job_config(run_dir, job)
     if job.role == "sample":
         print(sample_text(job, weights, trained))
+        return None
+    if job.role == "export":
+        say(f"exported {weights} to {export_checkpoint(weights, trained, paths.root / EXPORT_FOLDER)}", sys.stdout)
         return None
     record = evaluate_checkpoint(job, weights, trained)
     write_json_atomically(paths.root / "eval.json", record)
@@ -151,14 +161,25 @@ def use_trained_model(job: JobConfig, paths: RunPaths) -> float | None:
     return record["eval_loss"]
 
 
+def as_resolved(raw: dict[str, Any], job: JobConfig) -> dict[str, Any]:
+    """What a run's config.yaml keeps: the composed keys, with the model's shape and the data's
+    vocabulary as files decided them (``model.init_from``'s config.json, a corpus's tokens.json),
+    so the run's model can be used after those files moved."""
+    return raw | {"model": to_dict(job.model), "data": to_dict(job.data)}
+
+
 def trained_job_config(run_dir: Path, job: JobConfig) -> JobConfig:
     """The job that trained a model (its shape, its algorithm): from the config.yaml its run
-    wrote, else the command line's."""
+    wrote, else the command line's. A checkpoint it started from that is gone since is not
+    needed: the saved shape is the one it gave."""
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         return job
     raw = load_saved_config(saved)
     ignore_unread_keys(raw)  # a run from before such algo.* keys were refused: they did nothing there
+    model = raw.get("model") or {}
+    if model.get("init_from") and not Path(model["init_from"]).is_dir():
+        raw["model"] = model | {"init_from": None}
     return job_config_from_dict(raw)
 
 

@@ -42,16 +42,37 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    device: torch.device | None = None,
+    scaling: ModelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the RoPE angles m·θ_i, each [max_seq_len, head_dim // 2], in fp32.
 
     θ_i = theta^(-2i / head_dim) (Su et al. 2021); Llama 3 raises the base to 500000 so
-    the slowest pairs barely turn over long contexts.
+    the slowest pairs barely turn over long contexts. ``scaling``: a config whose
+    ``rope_scaling`` is "llama3" stretches the slow frequencies (``llama3_frequencies``).
     """
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is not None and scaling.rope_scaling == "llama3":
+        inv_freq = llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling for contexts beyond the pre-training length L = rope_original_max_seq_len.
+
+    A pair whose wavelength 2π/θ_i is longer than L / low_freq_factor never completed a turn
+    in pre-training: its frequency is divided by ``rope_factor`` (position interpolation). One
+    shorter than L / high_freq_factor turned many times and is kept. In between, the two are
+    blended linearly in L / wavelength, so the spectrum has no step.
+    """
+    low, high, factor = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
+    turns = cfg.rope_original_max_seq_len / (2 * math.pi / inv_freq)  # L / wavelength
+    keep = ((turns - low) / (high - low)).clamp(0.0, 1.0)  # 0: interpolate fully, 1: keep as is
+    return (1 - keep) * inv_freq / factor + keep * inv_freq
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -168,7 +189,9 @@ class Transformer(nn.Module):
         if self.rope_cos.is_meta:
             return  # no storage to fill (meta_model): to_empty, then init_weights
         cfg = self.cfg
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
+        cos, sin = rotary_tables(
+            cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device, scaling=cfg
+        )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for module in self.modules():

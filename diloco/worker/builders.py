@@ -26,6 +26,7 @@ from diloco.train.checkpoint import check_compatible, rank_dir, resolve_resume, 
 from diloco.train.data import ShardedBatches, eval_batches, load_corpus, shard_windows
 from diloco.train.device import check_device
 from diloco.train.flops import Utilization, device_peak, flops_per_token
+from diloco.train.hf_weights import check_pretrained, load_pretrained
 from diloco.train.inner_opt import build_inner_optimizer
 from diloco.train.logger import MetricsLogger, rename_wandb_run, start_wandb
 from diloco.train.model import Transformer, count_parameters, meta_model, param_signature
@@ -127,6 +128,8 @@ def preflight(job: JobConfig, paths: RunPaths) -> tuple[int, str]:
         build_data(job, group, 0, job.parallel.dp(job.cluster.workers_per_group))
     model = meta_model(job.model)
     signature = param_signature(job.model, model)
+    if job.model.init_from:  # a tensor missing or misshapen, from the headers, before any worker starts
+        check_pretrained(model, job.model.init_from)
     if job.trainer.resume:
         identity = checkpoint_identity(job, signature, job.cluster.workers_per_group)
         for folder in resume_folders(job, paths).values():
@@ -153,11 +156,13 @@ def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device) -> Rep
 
     torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
     model = Transformer(job.model).to(device)
+    if job.model.init_from:  # whole, before sharding: θ_l and the θ_g copied from it start pretrained
+        load_pretrained(model, job.model)
     n_params, signature = count_parameters(model), param_signature(job.model, model)
     apply_block_wrappers(model.layers, job.trainer, device)  # lazy: traced at the first forward, after sharding
     peak = device_peak(job.cluster.peak_tflops, device)  # measured (if it must be) before a spare takes over
     print(f"peak {peak.tflops:.4g} TFLOP/s per device ({peak.source})", flush=True)
-    sharded = shard_model(model, mesh, device)
+    sharded = shard_model(model, mesh, device, sequence_parallel=job.parallel.sequence_parallel)
     return Replica(device, model, sharded, build_inner(job, model), n_params, signature)
 
 

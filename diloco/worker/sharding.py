@@ -46,7 +46,7 @@ def init_group(
     return init_device_mesh(device.type, (env.world_size // tp, tp), mesh_dim_names=("shard", "tp"))
 
 
-def shard_model(model: Transformer, mesh: DeviceMesh, device: torch.device) -> bool:
+def shard_model(model: Transformer, mesh: DeviceMesh, device: torch.device, *, sequence_parallel: bool = False) -> bool:
     """Tensor parallelism over the mesh's tp dimension (if it has one), then FSDP2 ``fully_shard``
     each transformer block and the root over its dp ("shard") dimension; a group of one stays whole.
 
@@ -54,7 +54,7 @@ def shard_model(model: Transformer, mesh: DeviceMesh, device: torch.device) -> b
     gradients reduced in fp32, which matches the bf16 autocast of the forward pass.
     """
     if "tp" in (mesh.mesh_dim_names or ()):
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
         mesh = mesh["shard"]
     if mesh.size() == 1:
         return False

@@ -8,37 +8,73 @@ of each weight is cut is ``diloco.train.tp_layout``'s table. The norms stay whol
 worker as Replicate DTensors, so every parameter lives on one mesh and FSDP2 shards them all
 over dp. A tied output head (``model.tie_embeddings``) stays tied: both layers cut the one
 [vocab, dim] table by rows.
+
+Sequence parallelism (Korthikanti et al. 2022, ``parallel.sequence_parallel``) also splits what
+lies between the sub-layers: the residual stream and the norms' activations are cut along the
+sequence over the tp workers, each row-wise all-reduce becomes a reduce-scatter to those
+sequence shards and each sub-layer's input an all-gather of them. The same bytes travel; the
+activations the norms and residual adds keep shrink tp-fold. Parameters are cut as without it.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from diloco.train.model import RMSNorm, Transformer
 from diloco.train.tp_layout import BLOCK_SHARD_DIMS
 
 # Column-wise: the outputs (heads, hidden units) split, dim 0 of the weight; row-wise: the inputs, dim 1.
 BLOCK_PLAN = {name: ColwiseParallel() if dim == 0 else RowwiseParallel() for name, dim in BLOCK_SHARD_DIMS.items()}
+SEQUENCE = Shard(1)  # activations are [batch, seq, dim]
 
 
-def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> None:
+def block_plan(sequence_parallel: bool) -> dict:
+    """The block's styles; with sequence parallelism the row-wise layers scatter their sums over the
+    sequence, the norms run on sequence shards and each sub-layer gathers its whole input first
+    (the rotary tables, the attention's other inputs, are whole already)."""
+    if not sequence_parallel:
+        return BLOCK_PLAN
+    gathered = Replicate()
+    plan = {
+        name: ColwiseParallel() if dim == 0 else RowwiseParallel(output_layouts=SEQUENCE)
+        for name, dim in BLOCK_SHARD_DIMS.items()
+    }
+    return plan | {
+        "attention_norm": SequenceParallel(),
+        "ffn_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(SEQUENCE, None, None), desired_input_layouts=(gathered, None, None)
+        ),
+        "feed_forward": PrepareModuleInput(input_layouts=(SEQUENCE,), desired_input_layouts=(gathered,)),
+    }
+
+
+def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
     """Split ``model`` over the 1-D tp ``mesh`` in place; parameter names do not change."""
     tied = model.cfg.tie_embeddings
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        },
-    )
+    between = SEQUENCE if sequence_parallel else Replicate()  # the residual stream's layout between sub-layers
+    top_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        top_plan["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top_plan)
     if tied:
         model.output.weight = model.tok_embeddings.weight  # the same rows, Shard(0), in both
     for block in model.layers:
-        parallelize_module(block, mesh, BLOCK_PLAN)
+        parallelize_module(block, mesh, block_plan(sequence_parallel))
+    if sequence_parallel:
+        return  # SequenceParallel made the norms' weights Replicate DTensors
     for module in model.modules():
         if isinstance(module, RMSNorm):
             distribute_module(module, mesh, _replicate, input_fn=_whole_input, output_fn=_local_output)

@@ -168,7 +168,7 @@ def test_an_unknown_key_is_refused_at_composition():
         (["trainer.seq_len=4096"], r"trainer\.seq_len=4096: exceeds model\.max_seq_len"),
         (["model.n_kv_heads=3"], r"model\.n_kv_heads"),
         (["trainer.max_steps=70"], r"trainer\.max_steps=70: is not a multiple of algo\.sync_every=50"),
-        (["+model.vocab_size=300"], r"model\.vocab_size=300: differs from data\.vocab_size=256"),
+        (["+model.vocab_size=200"], r"model\.vocab_size=200: is smaller than the tokenizer.s .* data\.vocab_size=256"),
         (["group.id=3"], r"group\.id=3: must be in \[0, cluster\.groups=2\)"),
         (
             ["model=small", "algo=streaming", "algo.sync_every=30", "algo.fragments=4"],
@@ -187,6 +187,14 @@ def test_an_unknown_key_is_refused_at_composition():
         (["cluster.peak_tflops=-1"], r"cluster\.peak_tflops=-1\.0: must be >= 0 TFLOP/s per device"),
         (["role=group", "cluster.spares=1"], r"cluster\.spares=1: warm spares are kept by the local launcher"),
         (["parallel.tp=0"], r"parallel\.tp=0: must be a positive integer"),
+        (
+            ["parallel.sequence_parallel=true"],
+            r"parallel\.sequence_parallel=True: splits the sequence .* set parallel\.tp > 1",
+        ),
+        (
+            ["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.seq_len=63"],
+            r"parallel\.tp=2: must divide trainer\.seq_len=63 with parallel\.sequence_parallel=true",
+        ),
         (["parallel.tp=2", "trainer.compile=true"], r"trainer\.compile=True: does not compose with parallel\.tp=2 yet"),
         (["parallel.tp=4"], r"parallel\.tp=4: must divide cluster\.workers_per_group=2 \(dp x tp workers\)"),
         (["parallel.tp=4", "cluster.workers_per_group=4"], r"parallel\.tp=4: must divide model\.n_kv_heads=2"),

@@ -8,7 +8,7 @@ import json
 import pytest
 from auto_tune import link_kinds, link_name, model_seconds_per_byte, numbers, table, verdict_line
 
-from tests.conftest import run_experiment
+from tests.experiments.in_process import run_main
 
 
 def _canned(run_dir, train_s: float, loss: float, delays: list[int] | None) -> None:
@@ -53,11 +53,12 @@ def test_link_kinds_skip_the_kernel_link_with_its_reason(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_auto_tune_quick(tmp_path):
+def test_auto_tune_quick(tmp_path, capsys):
     """Over a 0.5 Mbit/s link the preset's τ=1 cannot hide a fragment's fp4 all-reduce: the auto run
-    ends on a larger τ; both runs end ok with equal digests."""
-    args = ["--quick", "--links", "0.5", "--results", str(tmp_path)]
-    run_experiment("auto_tune.py", args, timeout_s=240)
+    ends on a larger τ; both runs end ok with equal digests. 80 steps: 4 fragment rounds (H=40, P=2),
+    the first on the preset's plan and three re-planned."""
+    args = ["--quick", "--steps", "80", "--links", "0.5", "--results", str(tmp_path)]
+    run_main("auto_tune.py", args, 240, capsys)
     runs = json.loads((tmp_path / "auto_tune.json").read_text())["bucket"]["0.5 Mbit/s"]
     assert all(n["ok"] and n["digests_agree"] for n in runs.values()), runs
     assert runs["fixed"]["plan"] is None

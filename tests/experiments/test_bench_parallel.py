@@ -23,7 +23,7 @@ from bench_parallel import (
 from common import compose_job
 
 from diloco.config.base import ConfigError
-from tests.conftest import run_experiment
+from tests.experiments.in_process import run_main
 
 TIMEOUT_S = 120
 EAGER, COMPILED = Options("none", False), Options("none", True)
@@ -89,8 +89,8 @@ def test_last_error_finds_the_exception_line_of_a_log_tail():
 
 
 @pytest.mark.slow
-def test_bench_parallel_quick(tmp_path):
-    out, _ = run_experiment("bench_parallel.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S)
+def test_bench_parallel_quick(tmp_path, capsys):
+    out, _ = run_main("bench_parallel.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S, capsys)
     for layout in ("FSDP 4", "FSDP 2 x TP 2"):
         row = rf"^\| {layout} \| AC none, eager \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d.]+x \| [\d.]+x \|$"
         assert re.search(row, out, re.MULTILINE), out

@@ -27,7 +27,7 @@ from compare_ddp import (
 from diloco.run_paths import RunPaths
 from diloco.train.model import count_parameters, meta_model
 from tests.conftest import compose_job as compose_like_run_py
-from tests.conftest import run_experiment
+from tests.experiments.in_process import run_main
 
 TIMEOUT_S = 300
 
@@ -147,8 +147,8 @@ def test_runs_kept_by_several_invocations_make_one_table_in_the_tables_order(tmp
 
 
 @pytest.mark.slow
-def test_compare_ddp_quick(tmp_path):
-    out, _ = run_experiment("compare_ddp.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S)
+def test_compare_ddp_quick(tmp_path, capsys):
+    out, _ = run_main("compare_ddp.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S, capsys)
     rows = re.findall(r"^\| (ddp|local|diloco H=50) \| 2 \| ([\d.]+) \| ([-+\d.]+)% \| (-?\d+)% \|", out, re.MULTILINE)
     assert [r[0] for r in rows] == ["ddp", "local", "diloco H=50"], out
     assert all(float(r[1]) < 5.0 for r in rows), f"every run trained below the untrained ln 256 = 5.55:\n{out}"

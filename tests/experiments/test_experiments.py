@@ -15,13 +15,13 @@ import bench_sync
 import pytest
 from common import compose_job
 
-from tests.conftest import run_experiment
+from tests.experiments.in_process import run_main
 
 TIMEOUT_S = 240
 
 
-def run_script(name: str, results: Path, *args: str) -> str:
-    out, _ = run_experiment(name, ["--quick", "--results", str(results), *args], TIMEOUT_S)
+def run_script(name: str, results: Path, capsys, *args: str) -> str:
+    out, _ = run_main(name, ["--quick", "--results", str(results), *args], TIMEOUT_S, capsys)
     return out
 
 
@@ -89,23 +89,23 @@ def test_bench_restart_report_gives_medians_and_the_exec_fork_ratios():
 
 
 @pytest.mark.slow
-def test_bench_sync_quick(tmp_path):
-    out = run_script("bench_sync.py", tmp_path, "--steps", "20")
+def test_bench_sync_quick(tmp_path, capsys):
+    out = run_script("bench_sync.py", tmp_path, capsys, "--steps", "10")  # steps 11-20: one sync per group
     assert re.search(r"^\| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.MULTILINE), out
     assert (tmp_path / "bench_sync.md").read_text().strip() == out.strip()
 
 
 @pytest.mark.slow
-def test_bench_overhead_quick(tmp_path):
-    out = run_script("bench_overhead.py", tmp_path)
+def test_bench_overhead_quick(tmp_path, capsys):
+    out = run_script("bench_overhead.py", tmp_path, capsys)
     ratio = re.search(r"fewer bytes per token than ddp: (PASS|FAIL) \(ratio ([\d.]+)\)$", out, re.MULTILINE)
     assert ratio and float(ratio.group(2)) >= 400, out
     assert (tmp_path / "bench_overhead.md").read_text().strip() == out.strip()
 
 
 @pytest.mark.slow
-def test_bench_restart_quick(tmp_path):
-    out = run_script("bench_restart.py", tmp_path, "--kills", "1")
+def test_bench_restart_quick(tmp_path, capsys):
+    out = run_script("bench_restart.py", tmp_path, capsys, "--kills", "1")
     for spawn in ("exec", "fork"):
         assert re.search(rf"^\| {spawn} \| 1 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \d/1 \|$", out, re.MULTILINE), (
             out

@@ -8,7 +8,7 @@ import json
 import pytest
 from heterogeneous import STEPS, TIME, Run, load_run, numbers, table, targets, time_bounded_steps
 
-from tests.conftest import run_experiment
+from tests.experiments.in_process import run_main
 
 TOKENS_PER_STEP = 1024
 
@@ -63,11 +63,11 @@ def test_a_run_directory_is_read_back(tmp_path):
 
 
 @pytest.mark.slow
-def test_heterogeneous_quick(tmp_path):
+def test_heterogeneous_quick(tmp_path, capsys):
     """A real straggler: with fixed H it runs every step of every window; with time-bounded windows
     it runs fewer and still takes part in every round. (Throughput is reported, not asserted:
     a smoke run on a shared CPU is noisy.)"""
-    run_experiment("heterogeneous.py", ["--quick", "--steps", "60", "--results", str(tmp_path)], timeout_s=240)
+    run_main("heterogeneous.py", ["--quick", "--steps", "40", "--results", str(tmp_path)], 240, capsys)
     figures = json.loads((tmp_path / "heterogeneous.json").read_text())
     fixed, timed = figures[STEPS], figures[TIME]
     for n in (fixed, timed):

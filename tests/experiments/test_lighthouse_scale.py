@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from lighthouse_scale import Ask, percentile, quorum_latencies, report, table_rows, targets
 
-from tests.conftest import run_experiment
+from tests.experiments.in_process import run_main
 
 TIMEOUT_S = 120
 
@@ -85,8 +85,8 @@ def test_table_and_targets_on_canned_numbers():
 
 
 @pytest.mark.slow
-def test_a_hundred_groups_against_a_real_lighthouse(tmp_path):
-    out, _ = run_experiment("lighthouse_scale.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S)
+def test_a_hundred_groups_against_a_real_lighthouse(tmp_path, capsys):
+    out, _ = run_main("lighthouse_scale.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S, capsys)
     assert (tmp_path / "lighthouse_scale.md").read_text().strip() == out.strip()
     [run] = json.loads((tmp_path / "lighthouse_scale.json").read_text())
     assert run["groups"] == 100 and run["rounds"] >= 3, run

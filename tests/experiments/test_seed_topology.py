@@ -1,24 +1,26 @@
 """experiments/seed_topology.py: its presets compose at 30 groups, its figures (efficiencies,
 hang stalls, digest mismatches) are right on canned run directories, and ``--quick`` (8 groups,
-a few kills and a hang) runs end to end with equal digests and every kill recovered.
+a kill or two) runs end to end with equal digests and every kill recovered.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+import soak
 from common import compose_job
 from fault_tolerance import load_run
 from seed_topology import EXPERIMENT, FAULT_FREE, JobMemory, faulty_overrides, numbers, spread, table, targets
 
 from tests.canned_runs import canned_run, commit_record, write_jsonl
-from tests.conftest import run_experiment
+from tests.experiments.in_process import run_main
 
-TIMEOUT_S = 240  # ~75 s on an idle two-core machine
+TIMEOUT_S = 240  # ~45 s on an idle two-core machine
 
 
 def test_seed_topology_presets_compose():
@@ -94,10 +96,13 @@ def test_spread_and_job_memory_count_a_child():
 
 
 @pytest.mark.slow
-def test_seed_topology_quick(tmp_path):
-    # --steps skips the calibration: 8 groups, 100 steps (~20 s a run), kills at ~6 and 14 s, one hang.
-    args = ["--quick", "--steps", "100", "--results", str(tmp_path)]
-    out, _ = run_experiment("seed_topology.py", args, TIMEOUT_S)
+def test_seed_topology_quick(tmp_path, capsys):
+    """8 groups, 60 steps each (--steps skips the calibration), faults from 6 s: a kill lands at
+    ~6 s, before the job ends even on an idle machine. The same run directories are read back
+    with soak.py's figures, table and targets: the soak's machinery is this (Streaming DiLoCo,
+    kills, soak's Progress and digest check), so its own smoke test needs no run."""
+    args = ["--quick", "--steps", "60", "--results", str(tmp_path), "--keep-runs", str(tmp_path / "runs")]
+    out, _ = run_main("seed_topology.py", args, TIMEOUT_S, capsys)
     figures = json.loads((tmp_path / "seed_topology.json").read_text())
     assert list(figures) == [FAULT_FREE, "kill every 8 s"], out
     faulty, clean = figures["kill every 8 s"], figures[FAULT_FREE]
@@ -106,3 +111,20 @@ def test_seed_topology_quick(tmp_path):
     assert faulty["digest_mismatches"] == 0 and clean["digest_mismatches"] == 0 and faulty["rounds_checked"] > 0, out
     assert faulty["memory"]["processes"] >= 9, out  # supervisor, fork server, lighthouse?, 8 workers
     assert "| step / training efficiency |" in out, out
+
+    [kept] = (tmp_path / "runs" / EXPERIMENT).iterdir()
+    runs = {
+        soak.FAULTY: load_run(soak.FAULTY, kept / "kill every 8 s", 20, start=0.0),
+        soak.FAULT_FREE: load_run(soak.FAULT_FREE, kept / FAULT_FREE, 20, start=0.0),
+    }
+    soaked = {name: soak.numbers(run, runs[soak.FAULT_FREE]) for name, run in runs.items()}
+    assert soaked[soak.FAULTY]["kills"] == faulty["kills"] and soaked[soak.FAULTY]["recoveries"] > 0, soaked
+    assert soaked[soak.FAULTY]["digest_mismatches"] == 0 and soaked[soak.FAULTY]["rounds_checked"] > 0, soaked
+    assert soaked[soak.FAULT_FREE]["kills"] == 0 and all(n["ok"] for n in soaked.values()), soaked
+    text = soak.table(soaked)
+    for label, _ in soak.ROWS:
+        assert re.search(rf"^\| {re.escape(label)} \| .+ \| .+ \|$", text, re.MULTILINE), text
+    lines = soak.targets(soaked, quick=True)
+    assert len(lines) == 4 and all(re.search(r": (PASS|FAIL)", line) for line in lines), lines
+    assert lines[1].startswith("0 digest mismatches after every committed round: PASS"), lines
+    assert lines[3].startswith("both runs ok: PASS"), lines

@@ -247,11 +247,14 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
     streaming DiLoCo, until the launcher exits: through the closing rounds and the second after
     the job's end too. The job must still end with one trained model and exit 0; a group may
     only lack a result if the lighthouse saw it end holding the final state (killed after the
-    end, before it wrote its result)."""
+    end, before it wrote its result). A stopped lighthouse is alive, so only its silence tells:
+    the launcher kills it after ``cluster.timeouts.lighthouse`` and starts another on its address
+    before the groups' collectives time out."""
     run_dir = tmp_path / "run"
     launcher, output, reader = _run_py(STREAMING_CHAOS, run_dir)
     rng = random.Random(7)
     done: list[str] = []
+    stopped_lighthouses: list[int] = []
     try:
         lighthouse_url = _lighthouse_url(launcher, output)
         time.sleep(8)  # let every group start and commit
@@ -271,6 +274,8 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
                     scripted.pop(0)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGSTOP if action.startswith("stop") else signal.SIGKILL)
+                if action == "stop lighthouse":
+                    stopped_lighthouses.append(pid)
                 if action == "stop worker":
                     threading.Timer(rng.uniform(1.0, 8.0), _resume, args=(pid,)).start()
             time.sleep(rng.uniform(1.5, 4.0))
@@ -288,36 +293,10 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
     assert set(summary["groups_missing_results"]) <= set(summary["groups_lost_after_end"]), summary
     assert len({r["digest"] for r in summary["per_group"]}) == 1 and summary["final_round"] > 0
     assert summary["lighthouse_restarts"] >= 1 and summary["final_eval_loss"] < math.log(256) - 2.0
-    wait_until(lambda: not _processes_mentioning(str(run_dir)), 10, "the ended job's processes to end")
-
-
-def test_a_lighthouse_that_hangs_is_replaced_and_the_job_ends_ok(tmp_path):
-    """SIGSTOP of the lighthouse for good: its process is alive, so only its silence tells. The
-    launcher kills it after ``cluster.timeouts.lighthouse`` and starts another on its address,
-    before the groups' collectives time out (before, every group crashed again and again)."""
-    run_dir = tmp_path / "run"
-    options = ["logger=none", "cluster.groups=2", "cluster.workers_per_group=2", "algo.sync_every=10"]
-    options += ["trainer.max_steps=150", "trainer.eval_every=0", "cluster.timeouts.lighthouse=2"]
-    launcher, output, reader = _run_py(options, run_dir)
-    try:
-        url = _lighthouse_url(launcher, output)
-        committed = RunPaths(run_dir).commits(0)
-        printed = process_exited(launcher, lambda: "".join(output))
-        wait_until(lambda: '"committed": true' in _text(committed), 120, "a first commit", gone=printed)
-        hung = serving_pid(url)
-        os.kill(hung, signal.SIGSTOP)
-        launcher.wait(timeout=180)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        reader.join(5)
-    log = "".join(output)
-    assert launcher.returncode == 0, log
     kinds = [e["kind"] for e in read_jsonl(run_dir / "events.jsonl")]
-    assert kinds.index("lighthouse_hung") < kinds.index("lighthouse_restart") and "crash" not in kinds, kinds
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["ok"] and summary["lighthouse_restarts"] >= 1 and summary["steps"] == 150, summary
-    assert not Path(f"/proc/{hung}").exists(), "the hung lighthouse was killed, not left stopped"
+    assert "lighthouse_hung" in kinds, kinds
+    assert not any(Path(f"/proc/{pid}").exists() for pid in stopped_lighthouses), "a hung lighthouse was left stopped"
+    wait_until(lambda: not _processes_mentioning(str(run_dir)), 10, "the ended job's processes to end")
 
 
 def _run_py(args: list[str], run_dir: Path) -> tuple[subprocess.Popen, list[str], threading.Thread]:
@@ -340,10 +319,6 @@ def _lighthouse_url(launcher: subprocess.Popen, output: list[str]) -> str:
     printed = process_exited(launcher, lambda: "".join(output))
     wait_until(lambda: any("status page" in line for line in output), 120, "the status page's address", gone=printed)
     return re.search(r"(http://\S+?)/?$", next(line for line in output if "status page" in line).strip()).group(1)
-
-
-def _text(path: Path) -> str:
-    return path.read_text() if path.exists() else ""
 
 
 def _resume(pid: int) -> None:

@@ -116,8 +116,9 @@ ALGOS = {
     "streaming": ["algo=streaming", "algo.fragments=2", "algo.delay=1", "algo.alpha=0.5", "algo.quantize=fp4"],
     "ddp": ["algo=ddp", "algo.sync_every=1"],
 }
-# Tensor parallelism inside each group: either of the two ranks' shards heals from the same rank of a peer.
-STREAMING_TP2 = [*ALGOS["streaming"], "cluster.workers_per_group=2", "parallel.tp=2"]
+# Tensor (and sequence) parallelism inside each group: either of the two ranks' shards heals from the same
+# rank of a peer.
+STREAMING_TP2 = [*ALGOS["streaming"], "cluster.workers_per_group=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
 
 
 @pytest.mark.parametrize("algo", ["diloco", "streaming"])

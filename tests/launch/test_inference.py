@@ -10,17 +10,18 @@ import pytest
 import torch
 
 from diloco.config.base import ConfigError
+from diloco.config.data import DataConfig
 from diloco.config.job import JobConfig
 from diloco.config.model import ModelConfig
 from diloco.config.sample import SampleConfig
 from diloco.launch.inference import (
-    byte_tokenizer,
     evaluate_checkpoint,
     generate,
     load_model,
     locate_weights,
     mean_loss,
     sample_text,
+    text_tokenizer,
 )
 from diloco.launch.summary import model_sha256
 from diloco.run_paths import RunPaths
@@ -164,9 +165,16 @@ def test_a_model_altered_since_its_job_recorded_it_is_refused_and_an_intact_one_
     load_model(path, trained_with(SMALL), CPU)
 
 
-def test_sampling_needs_a_byte_level_model():
-    with pytest.raises(ConfigError, match="model.vocab_size=50304: role=sample needs a byte-level model"):
-        byte_tokenizer(dataclasses.replace(SMALL, vocab_size=50304))
+def test_sampling_a_model_of_a_token_file_without_metadata_is_refused(tmp_path):
+    """No tokens.json beside the ids: no tokenizer to speak text with (a prepared corpus has one:
+    tests/prepare/test_prepare.py samples from it)."""
+    data = DataConfig(corpus="tokens", path=str(tmp_path / "train.bin"), vocab_size=50304)
+    trained = dataclasses.replace(JobConfig(), model=dataclasses.replace(SMALL, vocab_size=50304), data=data)
+    with pytest.raises(
+        ConfigError, match=r"data.path=.*train.bin': the model was trained on this token file, which has no tokens.json"
+    ):
+        text_tokenizer(trained)
+    assert isinstance(text_tokenizer(trained_with(SMALL)), ByteTokenizer)  # stdlib: bytes
 
 
 def test_eval_of_a_saved_model_is_its_mean_loss_on_the_groups_eval_windows(tmp_path):

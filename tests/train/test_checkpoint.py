@@ -181,7 +181,7 @@ RESUMABLE += ["trainer.checkpoint.every=20", "trainer.max_steps=40"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [[], ["parallel.tp=2"]], ids=["fsdp", "tp"])
+@pytest.mark.parametrize("layout", [[], ["parallel.tp=2", "parallel.sequence_parallel=true"]], ids=["fsdp", "tp"])
 def test_a_resumed_job_equals_the_uninterrupted_one_bit_for_bit(tmp_path, layout):
     """2 groups x 2 workers, FSDP2- or tensor-parallel-sharded: each worker saves and restores only its own shard."""
     whole = launch(compose_job([*RESUMABLE, *layout]), tmp_path / "whole")

@@ -1,0 +1,305 @@
+"""role=prepare: a corpus of text, JSONL or Parquet tokenized into the token file data=tokens reads.
+
+The fast tests need neither ``datasets`` nor ``tokenizers``; the slow ones read real files with
+both (the first read in a process costs ~4 s of imports) and one trains and samples end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diloco.config.base import ConfigError
+from diloco.config.prepare import PrepareConfig
+from diloco.config.tokens_meta import metadata_path
+from diloco.launch.inference import evaluate_checkpoint, locate_weights
+from diloco.launch.roles import trained_job_config
+from diloco.prepare.pipeline import prepare_corpus, render_prepare_progress
+from diloco.prepare.shards import encode_chunks, split_runs
+from diloco.prepare.sources import Source, find_sources, format_of
+from diloco.train.corpus_meta import load_tokenizer, read_corpus_meta, tokenizer_folder
+from diloco.train.data import DataError, load_corpus, stdlib_files
+from tests.conftest import REPO, compose_job
+
+
+def test_files_are_split_into_contiguous_runs_of_about_equal_bytes():
+    sources = [Source(Path(f"f{i}"), size, "text") for i, size in enumerate([5, 5, 5, 5, 40, 1, 1])]
+    runs = split_runs(sources, 3)
+    assert [s for run in runs for s in run] == sources  # in order: the runs laid end to end are the corpus
+    assert [len(run) for run in runs] == [4, 1, 2]
+    assert split_runs(sources[:2], 8) == [[sources[0]], [sources[1]]]  # never an empty run
+    assert split_runs(sources, 1) == [sources]
+
+
+def test_documents_are_encoded_in_order_in_chunks_of_bounded_characters():
+    texts = ["aaaa", "bb", "c", "dddddddd", "e"]
+    assert list(encode_chunks(texts, 6)) == [["aaaa", "bb"], ["c"], ["dddddddd"], ["e"]]
+    assert list(encode_chunks([], 6)) == []
+
+
+def test_the_progress_line_shows_the_bar_counts_and_rates():
+    line = render_prepare_progress(41, 100, 3, 10, 12_340, 4_500_000, 10.0)
+    assert line == (
+        "prepare [##########..............] 41% 3/10 files 12,340 docs 4.5M tokens | "
+        "1,234 docs/s 450.0k tok/s 0:10<0:14"
+    )
+    assert "0:00<?" in render_prepare_progress(0, 100, 0, 1, 0, 0, 0.0)
+
+
+def test_formats_come_from_the_suffix_through_compression():
+    names = {"a.jsonl": "jsonl", "b.json.gz": "jsonl", "c.parquet": "parquet", "d.txt": "text", "e.py": "text"}
+    assert {name: format_of(Path(name)) for name in names} == names
+
+
+def test_the_input_is_every_visible_file_in_order_but_the_output_folder(tmp_path):
+    for name in ("b.txt", "a/z.jsonl", "a/y.parquet", ".git/x.txt", "prep/tokens.bin"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    found = find_sources(PrepareConfig(input=str(tmp_path), output=str(tmp_path / "prep")))
+    assert [(s.path.relative_to(tmp_path).as_posix(), s.format) for s in found] == [
+        ("a/y.parquet", "parquet"),
+        ("a/z.jsonl", "jsonl"),
+        ("b.txt", "text"),
+    ]
+
+
+def test_the_benchmark_table_has_a_row_per_run_with_its_rates():
+    from bench_prepare import Measured, table  # experiments/ is on pytest's path
+
+    lines = table(
+        [Measured(workers=2, corpus_mb=300.0, documents=1000, tokens=5_000_000, wall_s=10.0, peak_rss_mb=700.4)]
+    )
+    assert lines.splitlines()[2] == "| 2 | 300 | 1,000 | 5,000,000 | 10.0 | 500,000 | 100 | 30.00 | 700 |"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: d / "nowhere", r"prepare.input=.*nowhere: no such file or folder .*; fix the path"),
+        (lambda d: d, r"prepare.input=.*: the corpus is empty .*; point it at text, JSONL or Parquet files"),
+        (lambda d: (d / "empty.jsonl").touch() or d / "empty.jsonl", r"the corpus is empty"),
+    ],
+    ids=["missing path", "empty folder", "empty file"],
+)
+def test_a_missing_or_empty_input_is_refused_in_one_line(tmp_path, make, message):
+    cfg = PrepareConfig(input=str(make(tmp_path)), output=str(tmp_path / "out"), vocab_size=300)
+    with pytest.raises(DataError, match=message) as refused:
+        prepare_corpus(cfg, print)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (PrepareConfig(output="o", vocab_size=300), r"prepare.input=None: required"),
+        (PrepareConfig(input="i", vocab_size=300), r"prepare.output=None: required"),
+        (PrepareConfig(input="i", output="o"), r"prepare.tokenizer=None: required .* or set prepare.vocab_size=N"),
+    ],
+)
+def test_prepare_needs_an_input_an_output_and_a_tokenizer(cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        prepare_corpus(cfg, print)
+
+
+def test_bad_prepare_values_name_the_key():
+    with pytest.raises(ConfigError, match=r"prepare.vocab_size=100: must be at least 257"):
+        PrepareConfig(vocab_size=100).validate()
+    with pytest.raises(ConfigError, match=r"prepare.vocab_size=300: trains a tokenizer, but prepare.tokenizer=t.json"):
+        PrepareConfig(vocab_size=300, tokenizer="t.json").validate()
+
+
+# --- slow: real files through datasets and tokenizers ---------------------------------------------
+
+
+def small_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE of a few hundred tokens, trained here on a few stdlib files: no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([p.read_text() for p in stdlib_files()[:5]], trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def documents_of(output: Path) -> list[str]:
+    """The prepared ids cut at the end-of-document id and decoded: the documents that went in."""
+    meta = read_corpus_meta(data_cfg(output))
+    tokenizer = load_tokenizer(data_cfg(output))
+    ids = np.fromfile(output / "tokens.bin", dtype="<u2" if meta.token_dtype == "uint16" else "<u4").tolist()
+    assert ids[-1] == meta.tokenizer.eos_id and len(ids) == meta.tokens
+    docs, start = [], 0
+    for i, token in enumerate(ids):
+        if token == meta.tokenizer.eos_id:
+            docs.append(tokenizer.decode(ids[start:i]))
+            start = i + 1
+    return docs
+
+
+def data_cfg(output: Path):
+    return compose_job(["data=tokens", f"data.path={output / 'tokens.bin'}"]).data
+
+
+@pytest.mark.slow
+def test_parquet_and_plain_text_prepare_into_the_documents_they_hold(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tokenizer = small_tokenizer(tmp_path / "tok")
+    texts = ["def f(x):\n    return x\n", "héllo wörld", "", "class A:\n    pass\n"]
+    pq.write_table(pa.table({"content": texts, "n": [1, 2, 3, 4]}), tmp_path / "corpus.parquet")
+    out = tmp_path / "from_parquet"
+    cfg = PrepareConfig(
+        input=str(tmp_path / "corpus.parquet"), output=str(out), tokenizer=str(tokenizer), text_field="content"
+    )
+    meta = prepare_corpus(cfg, lambda line: None)
+    assert documents_of(out) == texts and meta.documents == 4 and meta.text_field == "content"
+    assert meta.tokenizer.eos_token == "</s>" and meta.tokenizer.vocab_size == 300 and meta.token_dtype == "uint16"
+    assert meta.sources[0].bytes == (tmp_path / "corpus.parquet").stat().st_size
+
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_text("second file\nline two\n")
+    (folder / "sub" / "a.md").write_text("third")
+    (folder / ".hidden.txt").write_text("skipped")
+    for unit, expected in (
+        ("file", ["second file\nline two\n", "third"]),
+        ("line", ["second file", "line two", "third"]),
+    ):
+        cfg = PrepareConfig(input=str(folder), output=str(tmp_path / unit), tokenizer=str(tokenizer), text_unit=unit)
+        meta = prepare_corpus(cfg, lambda line: None)
+        assert documents_of(tmp_path / unit) == expected and meta.text_field is None
+        assert [Path(s.path).name for s in meta.sources] == ["b.txt", "a.md"]
+
+
+@pytest.mark.slow
+def test_a_transformers_tokenizer_directory_is_used_with_its_eos_and_files(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    file = small_tokenizer(tmp_path / "tok")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(file)), eos_token="</s>")
+    fast.save_pretrained(tmp_path / "hf")
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a b", "c"]))
+    out = tmp_path / "out"
+    cfg = PrepareConfig(input=str(tmp_path / "c.jsonl"), output=str(out), tokenizer=str(tmp_path / "hf"))
+    meta = prepare_corpus(cfg, lambda line: None)
+    assert meta.tokenizer.eos_token == "</s>" and meta.tokenizer.eos_id == fast.eos_token_id
+    assert meta.tokenizer.source == str((tmp_path / "hf").absolute())
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in tokenizer_folder(data_cfg(out)).iterdir()}
+    assert documents_of(out) == ["a b", "c"]
+    assert load_tokenizer(data_cfg(out)).encode("a b").tolist() == fast.encode("a b", add_special_tokens=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_corpus_without_the_text_field_is_refused_in_one_line(tmp_path, kind):
+    if kind == "jsonl":
+        path = tmp_path / "c.jsonl"
+        path.write_text(json.dumps({"body": "x"}) + "\n")
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "c.parquet"
+        pq.write_table(pa.table({"body": ["x"]}), path)
+    what = "field" if kind == "jsonl" else "column"
+    cfg = PrepareConfig(input=str(path), output=str(tmp_path / "o"), tokenizer=str(small_tokenizer(tmp_path / "t")))
+    with pytest.raises(
+        DataError, match=rf"c.{kind}: its records have no {what} 'text' \(they have: body\); set prepare.text_field"
+    ) as refused:
+        prepare_corpus(cfg, lambda line: None)
+    assert "\n" not in str(refused.value)
+    assert not metadata_path(tmp_path / "o" / "tokens.bin").exists()
+
+
+@pytest.mark.slow
+def test_prepare_a_stdlib_corpus_train_on_it_with_diloco_and_sample_text(tmp_path):
+    """The issue's target: a BPE trained on the standard library's sources, a JSONL corpus of them
+    prepared by two processes (the same ids one process writes), a DiLoCo job (2 groups x 1 worker)
+    that learns (eval loss well below uniform over the vocabulary), and role=sample printing text."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    files = stdlib_files()[:150]
+    for part in range(3):
+        lines = (json.dumps({"text": p.read_text(errors="replace"), "path": p.name}) for p in files[part::3])
+        (corpus / f"part{part}.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "prepared"
+
+    def run(*options: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "run.py", *options], cwd=REPO, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    said = run(
+        "role=prepare",
+        f"prepare.input={corpus}",
+        f"prepare.output={out}",
+        "prepare.vocab_size=512",
+        "prepare.workers=2",
+        f"hydra.run.dir={tmp_path / 'prep_run'}",
+    )
+    assert "prepared: 150 documents" in said and f"data.path={out / 'tokens.bin'}" in said, said
+    meta = json.loads(metadata_path(out / "tokens.bin").read_text())
+    assert meta["tokenizer"]["vocab_size"] == 512 and meta["documents"] == 150
+    assert [Path(s["path"]).name for s in meta["sources"]] == ["part0.jsonl", "part1.jsonl", "part2.jsonl"]
+
+    again = tmp_path / "one_process"  # its saved tokenizer given back, one process: the same ids
+    prepare_corpus(
+        PrepareConfig(input=str(corpus), output=str(again), tokenizer=str(out / "tokenizer" / "tokenizer.json")),
+        lambda line: None,
+    )
+    assert (again / "tokens.bin").read_bytes() == (out / "tokens.bin").read_bytes()
+
+    job = compose_job(["data=tokens", f"data.path={out / 'tokens.bin'}"])
+    assert job.data.vocab_size == job.model.vocab_size == 512 and job.data.token_dtype == "uint16"
+    assert load_corpus(job.data).train.numel() > 500_000
+
+    run_dir = tmp_path / "run"
+    run(
+        "data=tokens",
+        f"data.path={out / 'tokens.bin'}",
+        "cluster.groups=2",
+        "cluster.workers_per_group=1",
+        "logger=none",
+        "trainer.max_steps=80",
+        "algo.sync_every=20",
+        "trainer.eval_every=0",
+        f"hydra.run.dir={run_dir}",
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ok"] and summary["final_eval_loss"] < math.log(512) - 1.0, summary["final_eval_loss"]
+
+    # role=eval on plain text: its held-out tail encoded with the model's tokenizer
+    text = tmp_path / "unseen.py"
+    text.write_text("\n".join(p.read_text(errors="replace") for p in stdlib_files()[300:320]))
+    options = ["data=text", f"data.path={text}", "data.val_fraction=0.2", "cluster.workers_per_group=1"]
+    scored = compose_job([*options, "trainer.batch_size=2", "trainer.eval_batches=4"])
+    weights, trained_dir = locate_weights(str(run_dir))
+    record = evaluate_checkpoint(scored, weights, trained_job_config(trained_dir, scored))
+    assert record["tokens"] == 4 * 2 * 128 and record["eval_loss"] < math.log(512) - 1.0, record
+
+    sampled = run(
+        "role=sample",
+        f"checkpoint={run_dir}",
+        "sample.prompt='def main('",
+        "sample.max_new_tokens=30",
+        f"hydra.run.dir={tmp_path / 'sample'}",
+    )
+    assert sampled.startswith("def main(") and len(sampled) > len("def main(") + 20, sampled
