@@ -35,8 +35,11 @@ def tokenizer_folder(data_cfg: DataConfig) -> Path | None:
     tokenizer_config.json / special_tokens_map.json when it came from one), or None when the corpus
     has no metadata (stdlib and text corpora are byte-tokenized: they have no files)."""
     meta = read_corpus_meta(data_cfg)
-    if meta is None:
-        return None
+    return None if meta is None else _folder_of(data_cfg, meta)
+
+
+def _folder_of(data_cfg: DataConfig, meta: CorpusMeta) -> Path:
+    """The tokenizer folder ``meta`` names, relative to itself; refused when its tokenizer.json is gone."""
     folder = metadata_path(str(data_cfg.path)).parent / meta.tokenizer.folder
     if not (folder / "tokenizer.json").is_file():
         raise DataError(
@@ -68,11 +71,10 @@ def load_tokenizer(data_cfg: DataConfig) -> CorpusTokenizer | None:
     Refused when its tokenizer.json is not the one the metadata records (by sha256): ids decoded
     with another tokenizer read as plausible nonsense.
     """
-    folder = tokenizer_folder(data_cfg)
-    if folder is None:
-        return None
     meta = read_corpus_meta(data_cfg)
-    assert meta is not None, f"{data_cfg.path}: tokenizer folder {folder} found without metadata"
+    if meta is None:
+        return None
+    folder = _folder_of(data_cfg, meta)
     from tokenizers import Tokenizer  # only where text is encoded or decoded
 
     file = folder / "tokenizer.json"

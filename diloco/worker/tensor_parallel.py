@@ -33,21 +33,22 @@ from diloco.train.model import RMSNorm, Transformer
 from diloco.train.tp_layout import BLOCK_SHARD_DIMS
 
 # Column-wise: the outputs (heads, hidden units) split, dim 0 of the weight; row-wise: the inputs, dim 1.
-BLOCK_PLAN = {name: ColwiseParallel() if dim == 0 else RowwiseParallel() for name, dim in BLOCK_SHARD_DIMS.items()}
 SEQUENCE = Shard(1)  # activations are [batch, seq, dim]
 
 
 def block_plan(sequence_parallel: bool) -> dict:
-    """The block's styles; with sequence parallelism the row-wise layers scatter their sums over the
-    sequence, the norms run on sequence shards and each sub-layer gathers its whole input first
-    (the rotary tables, the attention's other inputs, are whole already)."""
-    if not sequence_parallel:
-        return BLOCK_PLAN
-    gathered = Replicate()
+    """The block's styles: each row-wise layer sums its partial outputs whole (an all-reduce) or,
+    with sequence parallelism, scattered over the sequence (a reduce-scatter); then the norms run
+    on sequence shards and each sub-layer gathers its whole input first (the rotary tables, the
+    attention's other inputs, are whole already)."""
+    between = SEQUENCE if sequence_parallel else Replicate()  # the residual stream's layout between sub-layers
     plan = {
-        name: ColwiseParallel() if dim == 0 else RowwiseParallel(output_layouts=SEQUENCE)
+        name: ColwiseParallel() if dim == 0 else RowwiseParallel(output_layouts=between)
         for name, dim in BLOCK_SHARD_DIMS.items()
     }
+    if not sequence_parallel:
+        return plan
+    gathered = Replicate()
     return plan | {
         "attention_norm": SequenceParallel(),
         "ffn_norm": SequenceParallel(),
@@ -71,8 +72,9 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, sequence_para
     parallelize_module(model, mesh, top_plan)
     if tied:
         model.output.weight = model.tok_embeddings.weight  # the same rows, Shard(0), in both
+    plan = block_plan(sequence_parallel)
     for block in model.layers:
-        parallelize_module(block, mesh, block_plan(sequence_parallel))
+        parallelize_module(block, mesh, plan)
     if sequence_parallel:
         return  # SequenceParallel made the norms' weights Replicate DTensors
     for module in model.modules():
