@@ -1,20 +1,28 @@
-"""Intra-group layouts on this machine's CPU: tokens/s and peak memory per worker of FSDP, FSDP x TP
-and TP, each with and without activation checkpointing and torch.compile.
+"""Intra-group layouts on this machine's CPU: tokens/s and peak memory per worker of FSDP, FSDP x TP,
+TP and pipeline stages, each with and without activation checkpointing and torch.compile, and the
+pipeline's measured bubble against its schedule's theory.
 
 Layouts (``conf/experiment/bench_parallel.yaml``'s 3.4M-parameter model, which tp=4 divides):
-one group of 4 workers with ``algo=local`` (FSDP 4, FSDP 2 x TP 2, TP 4), and 2 groups of 2
-workers with DiLoCo, one sync at the last step (FSDP 2, TP 2). Each runs with
+one group of 4 workers with ``algo=local`` (FSDP 4, FSDP 2 x TP 2, TP 4, PP 2 x FSDP 2, PP 4
+with 1F1B and one microbatch per stage), and 2 groups of 2 workers with DiLoCo, one sync at the
+last step (FSDP 2, TP 2). Each runs with
 ``trainer.activation_checkpoint`` none and full and ``trainer.compile`` false and true (a
 combination the config refuses, such as compile with tp > 1 today, is a row with its one-line
 refusal); ratios are against the FSDP layout with the same groups, workers and options.
 ``trainer.batch_size`` is sequences per data-parallel rank (the tp workers of one rank read the
 same batch), so a group step holds batch x dp sequences: TP 4 trains on a quarter of FSDP 4's
-tokens per step.
+tokens per step, and so do PP 2 x FSDP 2 and PP 4 (the pipeline's stages read one batch).
 
 A second table runs the ``small`` preset (19.1M parameters; its 6 heads and 2 KV heads refuse
 tp=4) at seq 512 as FSDP 4 with activation checkpointing none, full and selective, at a batch
 where activations outweigh the model's sharded state: what checkpointing saves is the drop in
 peak memory against ``none``.
+
+A third table measures the pipeline bubble: one worker's step time T1 on a batch (two groups of
+one worker, so each has one core, one thread) against two stages' Tp on the same batch with m
+microbatches, GPipe and 1F1B (one core each); measured bubble = 1 − T1 / (2 x Tp), the share of
+the two workers' time not spent on the one worker's work (idle, the stage-to-stage sends, and
+the smaller matmuls of microbatches), against the schedule's (p − 1)/(m + p − 1).
 
 Measured:
 - tokens/s: per group the median of its per-step ``train/tokens_per_s`` records after the first
@@ -32,6 +40,7 @@ node TP costs far less against FSDP than here.
 
     python experiments/bench_parallel.py            # every row: about 15 minutes on two cores
     python experiments/bench_parallel.py --quick    # FSDP 4 and FSDP 2 x TP 2, eager, small batch: ~40 s
+    python experiments/bench_parallel.py --pipeline # FSDP 4, PP 2 x FSDP 2 and PP 4, and the bubble table
 
 Prints the tables and writes them to experiments/results/bench_parallel.md.
 """
@@ -66,7 +75,7 @@ from diloco.launch.local_cluster import JobFailed
 
 WARMUP = 2  # steps left out of tokens/s: the first compiles (trainer.compile) and allocates
 TIMEOUT_S = 900.0
-REFUSABLE = ("parallel.tp=", "trainer.compile=", "trainer.activation_checkpoint=")  # the keys a row varies
+REFUSABLE = ("parallel.tp=", "parallel.pp=", "trainer.compile=", "trainer.activation_checkpoint=")  # what a row varies
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,9 @@ class Layout:
     groups: int
     workers: int
     tp: int
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int | None = None  # None: one per stage
 
     def overrides(self, steps: int) -> list[str]:
         """One group trains alone (``algo=local``); groups of DiLoCo sync once, at the last step."""
@@ -88,6 +100,9 @@ class Layout:
             f"cluster.groups={self.groups}",
             f"cluster.workers_per_group={self.workers}",
             f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.pp_schedule={self.schedule}",
+            f"trainer.microbatches={'null' if self.microbatches is None else self.microbatches}",
         ]
 
 
@@ -119,6 +134,8 @@ LAYOUTS = [
     Layout("FSDP 4", 1, 4, 1),
     Layout("FSDP 2 x TP 2", 1, 4, 2),
     Layout("TP 4", 1, 4, 4),
+    Layout("PP 2 x FSDP 2", 1, 4, 1, pp=2),
+    Layout("PP 4", 1, 4, 1, pp=4),
     Layout("2 groups x FSDP 2, DiLoCo", 2, 2, 1),
     Layout("2 groups x TP 2, DiLoCo", 2, 2, 2),
 ]
@@ -135,6 +152,12 @@ SMALL = ["model=small", "trainer.seq_len=512", "trainer.batch_size=2", "trainer.
 SMALL_LAYOUT = LAYOUTS[0]
 SMALL_CHECKPOINTS = ["none", "full", "selective"]
 SMALL_STEPS = WARMUP + 2  # the peak comes in the first step; 2 steps time the recompute
+
+# The bubble table: one worker against two stages on the same batch of 8 sequences.
+BUBBLE_SHAPE = ["trainer.batch_size=8", "trainer.activation_checkpoint=none", "trainer.compile=false"]
+BUBBLE_ONE = Layout("1 worker", 2, 1, 1)  # two groups of one: each worker has one core, as each stage has
+BUBBLE_PIPELINES = [Layout(f"PP 2, {s}, m={m}", 1, 2, 1, 2, s, m) for s in ("gpipe", "1f1b") for m in (2, 4, 8)]
+BUBBLE_HEADERS = ["layout", "step ms", "1 worker step ms", "measured bubble", "theory (p - 1)/(m + p - 1)"]
 
 LAYOUT_HEADERS = [
     "layout",
@@ -224,8 +247,10 @@ def last_error(text: str, width: int = 200) -> str:
 
 
 def baseline_of(layout: Layout) -> Layout:
-    """The FSDP layout with the same groups and workers: what a tp > 1 layout is compared with."""
-    return next(b for b in LAYOUTS if b.tp == 1 and (b.groups, b.workers) == (layout.groups, layout.workers))
+    """The FSDP layout with the same groups and workers: what a tp > 1 or pp > 1 layout is compared with."""
+    return next(
+        b for b in LAYOUTS if b.tp == 1 and b.pp == 1 and (b.groups, b.workers) == (layout.groups, layout.workers)
+    )
 
 
 def ratio(value: float, base: float) -> str:
@@ -275,6 +300,19 @@ def memory_table(results: dict[str, Measured]) -> str:
     return markdown_table(MEMORY_HEADERS, rows)
 
 
+def bubble_table(one: Measured, pipelines: dict[Layout, Measured]) -> str:
+    """Each pipeline's step against one worker's on the same batch: 1 − T1 / (p x Tp) beside (p − 1)/(m + p − 1)."""
+    rows = []
+    for layout, m in pipelines.items():
+        theory = f"{(layout.pp - 1) / (layout.microbatches + layout.pp - 1):.2f}"
+        if m.note or one.note:
+            rows.append([layout.name, m.note or "-", one.note or f"{one.step_ms:,.0f}", "-", theory])
+            continue
+        bubble = 1 - one.step_ms / (layout.pp * m.step_ms)
+        rows.append([layout.name, f"{m.step_ms:,.0f}", f"{one.step_ms:,.0f}", f"{bubble:.2f}", theory])
+    return markdown_table(BUBBLE_HEADERS, rows)
+
+
 def compile_speedups(results: dict[tuple[Layout, Options], Measured]) -> str:
     """torch.compile's tokens/s against eager with the same layout and checkpointing, one per row pair."""
     parts = []
@@ -297,17 +335,26 @@ def machine_line() -> str:
 
 
 def report(
-    setup: str, layouts: dict[tuple[Layout, Options], Measured], memory: dict[str, Measured], memory_setup: str
+    setup: str,
+    layouts: dict[tuple[Layout, Options], Measured],
+    memory: dict[str, Measured],
+    memory_setup: str,
+    bubble: str,
 ) -> str:
     lines = [setup, "", layout_table(layouts), "", compile_speedups(layouts), ""]
     if memory:
-        return "\n".join(lines + [memory_setup, "", memory_table(memory)])
-    return "\n".join(lines + ["activation checkpointing on `small`: not measured (--quick)"])
+        lines += [memory_setup, "", memory_table(memory)]
+    else:
+        lines += ["activation checkpointing on `small`: not measured (--quick, --pipeline)"]
+    return "\n".join(lines + ["", bubble])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 eager rows, small batches, no memory table")
+    parser.add_argument(
+        "--pipeline", action="store_true", help="only FSDP 4 and the pipeline layouts, and the bubble table"
+    )
     add_steps_argument(parser)
     add_output_arguments(parser)
     args = parser.parse_args()
@@ -315,19 +362,30 @@ def main() -> None:
     steps = args.steps or (WARMUP + 1 if args.quick else WARMUP + 4)
     if steps <= WARMUP:
         sys.exit(f"--steps={steps}: must exceed the {WARMUP} warm-up steps left out of tokens/s; e.g. {WARMUP + 4}")
-    rows = QUICK_ROWS if args.quick else [(layout, options) for layout in LAYOUTS for options in OPTIONS]
+    layouts = [layout for layout in LAYOUTS if not args.pipeline or layout.pp > 1 or layout is LAYOUTS[0]]
+    rows = QUICK_ROWS if args.quick else [(layout, options) for layout in layouts for options in OPTIONS]
     shape = QUICK_SHAPE if args.quick else []
     load_before, started = load_average(), time.monotonic()
     with runs_root(args.keep_runs, "bench_parallel") as root:
         results = {}
         for layout, options in rows:
             overrides = layout.overrides(steps) + options.overrides() + shape
-            run_dir = root / f"{layout.groups}x{layout.workers}-tp{layout.tp}-{options.checkpoint}-{options.compile}"
+            run_dir = root / (
+                f"{layout.groups}x{layout.workers}-tp{layout.tp}-pp{layout.pp}-{options.checkpoint}-{options.compile}"
+            )
             results[(layout, options)] = run_row(overrides, "bench_parallel", run_dir)
         memory = {}
-        for checkpoint in [] if args.quick else SMALL_CHECKPOINTS:
+        for checkpoint in [] if args.quick or args.pipeline else SMALL_CHECKPOINTS:
             overrides = SMALL_LAYOUT.overrides(SMALL_STEPS) + Options(checkpoint, False).overrides() + SMALL
             memory[checkpoint] = run_row(overrides, None, root / f"small-{checkpoint}")
+        bubble = "pipeline bubble: not measured (--quick)"
+        if not args.quick:
+            one = run_row(BUBBLE_ONE.overrides(steps) + BUBBLE_SHAPE, "bench_parallel", root / "bubble-one")
+            pipelines = {
+                layout: run_row(layout.overrides(steps) + BUBBLE_SHAPE, "bench_parallel", root / f"bubble-{i}")
+                for i, layout in enumerate(BUBBLE_PIPELINES)
+            }
+            bubble = "Pipeline bubble, batch 8 x seq 256, eager:\n\n" + bubble_table(one, pipelines)
     job = compose_job(["algo=local", *shape], "bench_parallel")
     small = compose_job(["algo=local", *SMALL])
     setup = (
@@ -344,7 +402,7 @@ def main() -> None:
         f"{small.trainer.seq_len}, {SMALL_LAYOUT.name}, batch {small.trainer.batch_size} per worker, eager, "
         f"{SMALL_STEPS} steps:"
     )
-    text = report(setup, results, memory, memory_setup)
+    text = report(setup, results, memory, memory_setup, bubble)
     print(text)
     print(f"tables written to {write_result('bench_parallel.md', text, args.results)}", file=sys.stderr)
 

@@ -9,14 +9,16 @@ through the launcher, one after the other on this machine: ``ddp`` (gradients al
 every step: the quality DiLoCo aims for), ``local`` (groups that never communicate: the floor
 DiLoCo must beat), DiLoCo at several H and M, with the mixing α ramped (the default), off,
 from the first round and (at M=4) not scaled down by the number of groups, the paper's exact
-settings, and Streaming DiLoCo (P=4, τ=1, fp4; α on and off). Every group reads its own shard
+settings, Streaming DiLoCo (P=4, τ=1, fp4; α on and off), and SparseLoCo's error-feedback top-k
+(``algo.compress=topk``) at several densities and H. Every group reads its own shard
 and takes the same inner steps, so at M groups every configuration sees the same tokens.
 
 The table gives the final eval loss of the job's global model, its ratio to ddp with as many
 groups, the gap closed, (local − x)/(local − ddp), and bytes sent per token; the PNG draws eval
 loss against the job's tokens (group 0's model at each evaluation: with ``trainer.eval_every`` a
 multiple of H it is evaluated right after a sync, so for DiLoCo it is the global model, or with
-α > 0 the group's mix of it and its own weights; the final loss is always the global model's).
+α > 0 the group's mix of it and its own weights; the final loss is always the global model's);
+a second PNG draws every run's final eval loss against its bytes per token (log scale).
 """
 
 from __future__ import annotations
@@ -66,9 +68,30 @@ class Config:
     def algo(self) -> str:
         return next(o.split("=", 1)[1] for o in self.overrides if o.startswith("algo="))
 
+    @property
+    def family(self) -> str:
+        """The plot's marker: the algorithm, or sparseloco for a compressed DiLoCo."""
+        return "sparseloco" if "algo.compress=topk" in self.overrides else self.algo
+
 
 def _diloco(h: int, groups: int = 2, *extra: str, name: str = "") -> Config:
     return Config(name or f"diloco H={h}", groups, ("algo=diloco", f"algo.sync_every={h}", *extra))
+
+
+SPARSELOCO = {"algo.alpha": "0", "outer_opt": "sgd", "outer_opt.lr": "1", "outer_opt.momentum": "0"}
+DILOCO_OUTER = {"algo.alpha": None, "outer_opt": None, "outer_opt.lr": None, "outer_opt.momentum": None}
+
+
+def _sparse(
+    h: int, density: float, groups: int = 2, bits: int = 2, name: str = "", changes: dict[str, str | None] | None = None
+) -> Config:
+    """SparseLoCo (arXiv 2508.15706): chunked top-k with error feedback. By default its recipe: e is
+    the momentum, so the outer step is plain SGD with lr 1, and α = 0 (what was not sent lives in e,
+    not in θ_l); ``changes`` set other keys (None: the job's default)."""
+    keys = {"algo.compress": "topk", "algo.density": str(density), "algo.value_bits": str(bits)}
+    keys |= SPARSELOCO | (changes or {})
+    overrides = ("algo=diloco", f"algo.sync_every={h}", *(f"{k}={v}" for k, v in keys.items() if v is not None))
+    return Config(f"sparseloco H={h} {100 * density:g}% {bits}-bit{name}", groups, overrides)
 
 
 STREAMING = ("algo=streaming", "algo.sync_every=100", "algo.fragments=4", "algo.delay=1", "algo.quantize=fp4")
@@ -90,6 +113,13 @@ CONFIGS = [
     _diloco(50, 4),
     _diloco(50, 4, "algo.alpha=0", name="diloco H=50, α=0"),
     _diloco(50, 4, "algo.alpha_reference_groups=0", name="diloco H=50, α=0.5 whatever M"),
+    _diloco(50, 2, "algo.quantize=fp4", name="diloco H=50 fp4"),
+    *(_sparse(h, d) for h in (20, 25, 50) for d in (0.01, 0.02, 0.03)),
+    _sparse(50, 0.02, name=", α ramped", changes={"algo.alpha": None}),
+    *(_sparse(20, d, name=", α ramped", changes={"algo.alpha": None}) for d in (0.01, 0.03)),
+    _sparse(50, 0.02, name=", DiLoCo's outer step", changes=DILOCO_OUTER),
+    _sparse(50, 0.02, name=", DiLoCo's outer step, β=0", changes=DILOCO_OUTER | {"algo.error_decay": "0"}),
+    _sparse(50, 0.02, 4),
 ]
 QUICK_STEPS = 100
 QUICK_BATCH = ["trainer.batch_size=4", "trainer.seq_len=64"]  # a smoke run: start-up dominates anyway
@@ -179,14 +209,34 @@ def targets(results: list[RunResult]) -> list[str]:
         lines.append(f"- gap closed by DiLoCo M=2 H=50 with the defaults: {100 * closed:.0f}%")
     if local2:
         worse = [
-            r.config.name for r in results if r.config.algo == "diloco" and r.config.groups == 2 and r.loss > local2
+            r.config.name for r in results if r.config.family == "diloco" and r.config.groups == 2 and r.loss > local2
         ]
         lines.append(f"- DiLoCo worse than local: {', '.join(worse) if worse else 'none'}")
     stream = next((r for r in results if r.config.name == "streaming H=100 P=4 τ=1 fp4"), None)
     same_h = next((r for r in results if r.config == _diloco(100)), None)
     if stream and same_h:
         lines.append(f"- streaming vs DiLoCo at H=100: {100 * (stream.loss / same_h.loss - 1):+.2f}%")
-    return lines
+    lines += [_sparse_target(results, groups) for groups in (2, 4)]
+    return [line for line in lines if line]
+
+
+def _sparse_target(results: list[RunResult], groups: int) -> str:
+    """Issue 38's target: the sparse row with the lowest loss among those sending >= 3,000x fewer bytes
+    per token than ddp, against DiLoCo H=50 with the defaults, at M groups ("" without those runs)."""
+    ddp = next((r for r in results if r.config.algo == "ddp" and r.config.groups == groups), None)
+    default = next((r for r in results if r.config == _diloco(50, groups)), None)
+    sparse = [r for r in results if r.config.family == "sparseloco" and r.config.groups == groups]
+    if not (ddp and default and sparse):
+        return ""
+    ratio = {r.config.name: ddp.summary["bytes_per_token"] / r.summary["bytes_per_token"] for r in sparse}
+    frugal = [r for r in sparse if ratio[r.config.name] >= 3000 and math.isfinite(r.loss)]
+    if not frugal:
+        return f"- M={groups}: no sparse row sends 3,000x fewer bytes per token than ddp"
+    best = min(frugal, key=lambda r: r.loss)
+    return (
+        f"- M={groups}: {best.config.name} sends {ratio[best.config.name]:,.0f}x fewer bytes per token than ddp, "
+        f"loss {100 * (best.loss / default.loss - 1):+.2f}% against DiLoCo H=50"
+    )
 
 
 def plot(results: list[RunResult], path: Path, title: str) -> str:
@@ -213,6 +263,33 @@ def plot(results: list[RunResult], path: Path, title: str) -> str:
         ax.legend(fontsize=8)
     fig.suptitle(textwrap.fill(title, 60 * len(group_counts)), fontsize=9)
     return save_figure(fig, path)
+
+
+def plot_bytes(results: list[RunResult], path: Path, title: str) -> str:
+    """Final eval loss against bytes sent per token (log scale), one panel per M; local (no bytes) is a line."""
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    group_counts = sorted({r.config.groups for r in results})
+    fig, axes = plt.subplots(1, len(group_counts), figsize=(6.5 * len(group_counts), 4.8), squeeze=False)
+    for ax, groups in zip(axes[0], group_counts):
+        for r in (r for r in results if r.config.groups == groups and math.isfinite(r.loss)):
+            if r.summary["bytes_per_token"] > 0:
+                ax.scatter(r.summary["bytes_per_token"], r.loss, s=18, marker=_MARKERS.get(r.config.family, "o"))
+                ax.annotate(r.config.name, (r.summary["bytes_per_token"], r.loss), fontsize=6, alpha=0.8)
+            else:
+                ax.axhline(r.loss, ls="--", color="grey", lw=1, label=r.config.name)
+        ax.set_xscale("log")
+        ax.set_title(f"M={groups} groups", loc="left")
+        ax.set_xlabel("bytes sent per token (log)")
+        ax.set_ylabel("final eval loss (nats/byte)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle(textwrap.fill(title, 60 * len(group_counts)), fontsize=9)
+    return save_figure(fig, path)
+
+
+_MARKERS = {"ddp": "s", "diloco": "o", "streaming": "^", "sparseloco": "*"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -283,7 +360,8 @@ def main() -> None:
     folder = Path(args.results) if args.results else RESULTS
     stem = f"compare_ddp_{model}_{steps}"
     drawn = plot(results, folder / f"{stem}.png", setup)
-    text = "\n".join([setup, "", table(results), "", *targets(results), "", drawn])
+    drawn_bytes = plot_bytes(results, folder / f"{stem}_bytes.png", setup)
+    text = "\n".join([setup, "", table(results), "", *targets(results), "", drawn, drawn_bytes])
     print(text)
     print(f"table written to {write_result(f'{stem}.md', text, args.results)}", file=sys.stderr)
     curves = {f"{r.config.name} M={r.config.groups}": r.curve for r in results}

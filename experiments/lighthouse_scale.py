@@ -16,11 +16,13 @@ rounds after the start; p50/p99), heartbeat round trips the same way, the lighth
 resident memory (peak), and how long ``/status`` and the page take. Targets at 1,000 groups:
 quorum p99 within 100 ms, the lighthouse under half a core, the page under 1 s.
 
-The sender processes use raw HTTP/1.1 requests (one connection per request, as the real
-client's urllib makes them) from one asyncio loop each, not ``LighthouseClient``: 1,000
-groups of blocking clients would be 2,000 threads and about twice the CPU on two cores
-that the lighthouse needs for itself. The bodies are the protocol's own messages
-(``diloco.ft.protocol``), and answers are parsed with its functions.
+The sender processes use raw HTTP/1.1 requests from one asyncio loop each, not
+``LighthouseClient``: 1,000 groups of blocking clients would be 2,000 threads and about twice
+the CPU on two cores that the lighthouse needs for itself. Like the real client
+(``diloco.ft.keep_alive``), each group keeps its connections alive: a request takes one of
+the group's idle connections or opens one, so a group holds about one per request it has in
+flight at once (heartbeat, quorum ask or commit, lane watch). The bodies are the protocol's
+own messages (``diloco.ft.protocol``), and answers are parsed with its functions.
 
     python experiments/lighthouse_scale.py            # 100, 300 and 1,000 groups: ~5 min on two cores
     python experiments/lighthouse_scale.py --quick    # 100 groups, 4 rounds 2 s apart: ~20 s
@@ -39,6 +41,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -122,8 +125,8 @@ class Answer(NamedTuple):
     received: float  # when the answer's last byte came in
 
 
-class _Exchange(asyncio.Protocol):
-    """Sends one request and collects its answer until the lighthouse closes the connection.
+class _Channel(asyncio.Protocol):
+    """One kept-alive connection: one request at a time, its answer whole once its Content-Length came.
 
     A bare protocol, not asyncio's streams, and the times are taken here, as the bytes go out
     and come in: the senders share two cores with the lighthouse, and a sender busy parsing
@@ -131,22 +134,47 @@ class _Exchange(asyncio.Protocol):
     to a few hundred ms after they had come.
     """
 
-    def __init__(self, request: bytes) -> None:
-        self.request = request
-        self.chunks: list[bytes] = []
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.buffer = bytearray()
+        self.whole_at = -1  # the answer's length in bytes, once its head is read
         self.sent = 0.0
-        self.whole: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.waiter: asyncio.Future[tuple[bytes, float]] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(self.request)  # type: ignore[attr-defined]
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, request: bytes) -> asyncio.Future[tuple[bytes, float]]:
+        """The answer's bytes and when its last byte came in."""
+        assert self.transport is not None and not self.closed, "send on a closed channel"
+        self.buffer.clear()
+        self.whole_at = -1
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
         self.sent = time.monotonic()
+        return self.waiter
 
     def data_received(self, data: bytes) -> None:
-        self.chunks.append(data)
+        self.buffer += data
+        if self.whole_at < 0 and (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+            length = _CONTENT_LENGTH.search(self.buffer, 0, end)
+            self.whole_at = end + 4 + (int(length.group(1)) if length else 0)
+        if 0 <= self.whole_at <= len(self.buffer) and self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result((bytes(self.buffer[: self.whole_at]), time.monotonic()))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self.whole.done():
-            self.whole.set_result(time.monotonic())
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionResetError("closed without an answer"))
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+_CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")
 
 
 class Senders:
@@ -161,27 +189,56 @@ class Senders:
         self.asks: list[Ask] = []
         self.beats: list[float] = []  # heartbeat round trips (s)
         self.errors: dict[str, int] = {}
-        self.counts = {"lane watches answered": 0, "commits allowed": 0, "commits refused": 0}
+        self.counts = {"lane watches answered": 0, "commits allowed": 0, "commits refused": 0, "connections": 0}
         self.rng = random.Random(hash(tuple(groups)) & 0xFFFF)
+        self.idle: dict[str, list[_Channel]] = {}  # each group's kept-alive connections with no request in them
+        self._grant: tuple[bytes, Any] = (b"", None)
 
-    async def post(self, path: str, payload: dict[str, Any]) -> Answer:
-        """One POST on its own connection, as urllib sends it."""
+    async def post(self, group: str, path: str, payload: dict[str, Any]) -> Answer:
+        """One POST on one of ``group``'s idle connections, or a new one (see the module docstring)."""
         body = json.dumps(payload).encode()
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-            f"{self.headers}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            f"{self.headers}Content-Length: {len(body)}\r\n\r\n"
         )
-        loop = asyncio.get_running_loop()
         request = head.encode() + body
-        transport, exchange = await loop.create_connection(lambda: _Exchange(request), self.host, self.port)
+        idle = self.idle.setdefault(group, [])
+        while idle:
+            channel = idle.pop()
+            if not channel.closed:
+                try:
+                    return await self.exchange(group, channel, request)
+                except ConnectionResetError:  # closed by the lighthouse as the request went out: once more
+                    break
+        _, channel = await asyncio.get_running_loop().create_connection(_Channel, self.host, self.port)
+        self.counts["connections"] += 1
+        return await self.exchange(group, channel, request)
+
+    async def exchange(self, group: str, channel: _Channel, request: bytes) -> Answer:
         try:
-            received = await exchange.whole
-        finally:
-            transport.close()
-        status_line, _, rest = b"".join(exchange.chunks).partition(b"\r\n")
-        if not status_line.startswith(b"HTTP/"):
-            raise ConnectionResetError("closed without an answer")
-        return Answer(int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2], exchange.sent, received)
+            raw, received = await channel.send(request)
+        except BaseException:  # cancelled (the group died), or the connection failed: it carries nothing more
+            channel.close()
+            raise
+        head, _, body = raw.partition(b"\r\n\r\n")
+        if b"connection: close" in head.lower():
+            channel.close()
+        else:
+            self.idle.setdefault(group, []).append(channel)
+        return Answer(int(head.split(b" ", 2)[1]), body, channel.sent, received)
+
+    def close(self, group: str) -> None:
+        """A group's process died: its connections close with it."""
+        for channel in self.idle.pop(group, []):
+            channel.close()
+
+    def grant(self, body: bytes) -> Any:
+        """The quorum of a grant's bytes, parsed once per round: every participant gets the same bytes,
+        and parsing each of 500 grants naming 1,000 groups held the sender's loop for half a second a
+        round, its answers' arrival times noted that much late (real groups each parse their own)."""
+        if body != self._grant[0]:
+            self._grant = (body, quorum_answer_from_json(json.loads(body)).quorum)
+        return self._grant[1]
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -197,7 +254,7 @@ class Senders:
                 self.plan.job, SIGNATURE, group, step=state["step"], quorum_id=state["qid"], progress=progress.to_json()
             )
             try:
-                answer = await asyncio.wait_for(self.post(Heartbeat.path, beat.to_json()), 10.0)
+                answer = await asyncio.wait_for(self.post(group, Heartbeat.path, beat.to_json()), 10.0)
                 if answer.status == 200:
                     self.beats.append(answer.received - answer.sent)
                 else:
@@ -222,12 +279,12 @@ class Senders:
             config=plan.config,
         )
         try:
-            answer = await self.post(QuorumAsk.path, ask.to_json())
+            answer = await self.post(group, QuorumAsk.path, ask.to_json())
         except OSError as e:
             return self.error(f"quorum {type(e).__name__}")
         if answer.status != 200:
             return self.error(f"quorum {answer.status}")
-        quorum = quorum_answer_from_json(json.loads(answer.body)).quorum
+        quorum = self.grant(answer.body)
         self.asks.append(
             Ask(group, answer.sent, answer.received, quorum.quorum_id, quorum.max_step, len(quorum.participants))
         )
@@ -240,7 +297,7 @@ class Senders:
         round_id = getattr(quorum, "round_id", 0)
         if watch is not None:
             request = watch(self.plan.job, SIGNATURE, group, round_id=round_id, timeout_s=self.plan.quorum_timeout_s)
-            task = asyncio.create_task(self.lane_watch(request.to_json()))
+            task = asyncio.create_task(self.lane_watch(group, request.to_json()))
             watches.add(task)
             task.add_done_callback(watches.discard)
         await asyncio.sleep(ALL_REDUCE_S)
@@ -248,7 +305,7 @@ class Senders:
         if commit is not None:
             request = commit(self.plan.job, SIGNATURE, group, round_id=round_id, step=step)
             try:
-                answer = await self.post(COMMIT_PATH, request.to_json())
+                answer = await self.post(group, COMMIT_PATH, request.to_json())
             except OSError as e:
                 return self.error(f"commit {type(e).__name__}")
             if answer.status != 200:
@@ -259,9 +316,9 @@ class Senders:
             self.counts["commits allowed"] += 1
         state["step"] = step
 
-    async def lane_watch(self, payload: dict[str, Any]) -> None:
+    async def lane_watch(self, group: str, payload: dict[str, Any]) -> None:
         try:
-            answer = await self.post(LANE_WATCH_PATH, payload)
+            answer = await self.post(group, LANE_WATCH_PATH, payload)
         except OSError as e:
             return self.error(f"lane watch {type(e).__name__}")
         if answer.status == 200:
@@ -300,8 +357,9 @@ class Senders:
             await asyncio.wait_for(self.group(group, fresh=False), dies - time.monotonic())
         except asyncio.TimeoutError:
             pass
+        self.close(group)
         notice = RecoveryNotice(self.plan.job, SIGNATURE, group, wait_ms=0)  # the launcher: go on without it
-        answer = await self.post(RecoveryNotice.path, notice.to_json())
+        answer = await self.post("launcher", RecoveryNotice.path, notice.to_json())
         if answer.status != 200:
             self.error(f"recovery {answer.status}")
         await asyncio.sleep(REJOIN_S)

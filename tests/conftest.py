@@ -86,10 +86,15 @@ def compose_job(overrides: list[str]) -> JobConfig:
 
 @functools.cache  # frozen, so tests may share it
 def _composed(overrides: tuple[str, ...]) -> JobConfig:
-    """Hydra's composition in its two steps: the defaults list with the group selections (about
-    90 ms: done once per distinct selection), then the key=value overrides applied to a copy by
-    OmegaConf's public API under hydra's rules (a few ms each). Plain ``hydra.compose`` for each
-    distinct list would add about 5 s to the fast tests (133 lists, 60 selections among them).
+    return job_config_from_dict(compose_raw_quickly(list(overrides)))
+
+
+def compose_raw_quickly(overrides: list[str]) -> dict:
+    """``diloco.launch.compose.compose_raw`` in hydra's two steps: the defaults list with the group
+    selections (about 90 ms: done once per distinct selection), then the key=value overrides applied
+    to a copy by OmegaConf's public API under hydra's rules (a few ms each). Plain ``hydra.compose``
+    for each distinct list would add about 5 s to the fast tests (133 lists, 60 selections among
+    them), and as much again to the experiments' (``tests/experiments/conftest.py``).
     ``test_the_shortcut_composes_as_hydra_does`` holds it to hydra's composition in one go."""
     parsed = _override_parser().parse_overrides(list(overrides))
     selections = tuple(o.input_line for o in parsed if _selects_a_group(o))
@@ -97,7 +102,7 @@ def _composed(overrides: tuple[str, ...]) -> JobConfig:
     for override in parsed:
         if not _selects_a_group(override):
             _apply(override, cfg)
-    return job_config_from_dict(plain_config(cfg))
+    return plain_config(cfg)
 
 
 def _apply(override: Override, cfg: DictConfig) -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from diloco.launch.inference import locate_weights, read_weights
-from diloco.launch.launcher import launch
 from diloco.train.checkpoint import step_dir
+from tests.layouts import assert_close, trained
 
 pytestmark = pytest.mark.slow
 
@@ -19,28 +19,20 @@ TOLERANCE = 1e-6
 DP2_TP2_SP = ("cluster.workers_per_group=4", "parallel.tp=2", "parallel.sequence_parallel=true")
 
 
-def trained(fast_job, tmp_path, name: str, *overrides: str) -> dict[str, torch.Tensor]:
-    summary = launch(fast_job("trainer.checkpoint.every=20", *overrides), tmp_path / name)
-    assert summary["ok"], summary["failure"]
-    return torch.load(tmp_path / name / "model.pt", weights_only=True)
-
-
-def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst < TOLERANCE, f"weights differ by {worst}"
+def run(fast_job, tmp_path, name: str, *overrides: str) -> dict[str, torch.Tensor]:
+    return trained(fast_job("trainer.checkpoint.every=20", *overrides), tmp_path / name)
 
 
 def test_tp2_equals_one_worker_and_dp2_x_tp2_sequence_parallel_equals_fsdp2_with_a_tied_head(fast_job, tmp_path):
     """dp 2 x tp 2 reads the same batches as FSDP over 2 workers (data is split over dp only);
     sequence parallelism moves activations, never what is computed."""
     tied = "model.tie_embeddings=true"
-    one = trained(fast_job, tmp_path, "one", "cluster.workers_per_group=1", tied)
-    tp2 = trained(fast_job, tmp_path, "tp2", "cluster.workers_per_group=2", "parallel.tp=2", tied)
-    assert_close(tp2, one)
-    fsdp2 = trained(fast_job, tmp_path, "fsdp2", "cluster.workers_per_group=2")
-    dp2_tp2 = trained(fast_job, tmp_path, "dp2_tp2", *DP2_TP2_SP)
-    assert_close(dp2_tp2, fsdp2)
+    one = run(fast_job, tmp_path, "one", "cluster.workers_per_group=1", tied)
+    tp2 = run(fast_job, tmp_path, "tp2", "cluster.workers_per_group=2", "parallel.tp=2", tied)
+    assert_close(tp2, one, TOLERANCE)
+    fsdp2 = run(fast_job, tmp_path, "fsdp2", "cluster.workers_per_group=2")
+    dp2_tp2 = run(fast_job, tmp_path, "dp2_tp2", *DP2_TP2_SP)
+    assert_close(dp2_tp2, fsdp2, TOLERANCE)
     # role=eval from a checkpoint: the 4 workers' shards of θ_g joined by the tensor-parallel layout
     job = fast_job(*DP2_TP2_SP)
     weights, _ = locate_weights(str(step_dir(tmp_path / "dp2_tp2", 20)))  # role=eval checkpoint=...

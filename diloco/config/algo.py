@@ -18,6 +18,8 @@ from diloco.config.base import ConfigError, check, from_dict
 #   alpha, alpha_warmup_steps,
 #   alpha_reference_groups    .     .      x        x
 #   quantize                  .     .      x        x
+#   compress, density,
+#   value_bits, error_decay   .     .      x        x
 #   weighting, window         .     .      x        x
 #   fragments (P), pattern    .     .      .        x       diloco runs with 1 fragment
 #   delay (τ), auto           .     .      .        x       diloco runs with no overlap
@@ -25,7 +27,20 @@ from diloco.config.base import ConfigError, check, from_dict
 # A key an algorithm does not read, set to another value than the one it runs with (RUNS_WITH, else the
 # default below; so a conf/algo preset's own values pass), is refused in a single run, and in a -m sweep
 # (``algo=ddp,diloco algo.alpha=0.3``) said at start and reset (ignore_unread_keys, diloco/launch/roles.py).
-_OUTER_KEYS = ("sync_every", "alpha", "alpha_warmup_steps", "alpha_reference_groups", "quantize", "weighting", "window")
+_OUTER_KEYS = (
+    "sync_every",
+    "alpha",
+    "alpha_warmup_steps",
+    "alpha_reference_groups",
+    "quantize",
+    "compress",
+    "density",
+    "value_bits",
+    "error_decay",
+    "weighting",
+    "window",
+)
+VALUE_BITS = (1, 2, 4, 8, 32)  # as diloco/outer/sparse.py offers them (config imports no runtime code)
 READS: dict[str, tuple[str, ...]] = {
     "ddp": (),
     "local": (),
@@ -66,6 +81,14 @@ class AlgoConfig:
     alpha_warmup_steps: int = 1000
     alpha_reference_groups: int = 2
     quantize: Literal["none", "bf16", "fp8", "int8", "fp4"] = "none"
+    # SparseLoCo (arXiv 2508.15706, diloco/outer/sparse.py): send each 4096-entry chunk's top
+    # ``density`` of β·e + Δ by magnitude, values in ``value_bits``, and keep the rest in the group's
+    # error-feedback buffer e, decayed by β = ``error_decay`` each round (0: no feedback). density 1,
+    # 32 bits and β 0 is plain DiLoCo. The paper pairs it with outer_opt=sgd (lr 1, no momentum: e is the momentum).
+    compress: Literal["none", "topk"] = "none"
+    density: float = 0.02
+    value_bits: int = 2
+    error_decay: float = 0.95
     weighting: Literal["uniform", "tokens"] = "uniform"
     # steps: every group runs H inner steps per window. time: a window lasts as long as the
     # fastest group takes for its steps; a group more than one inner step behind when the round
@@ -86,6 +109,7 @@ class AlgoConfig:
                 self.weighting,
                 "must be tokens with algo.window=time: a group that ran fewer inner steps must count for less",
             )
+        self._validate_compress()
         check(
             _is_int(self.alpha_warmup_steps) and self.alpha_warmup_steps >= 0,
             "algo.alpha_warmup_steps",
@@ -97,6 +121,34 @@ class AlgoConfig:
             "algo.alpha_reference_groups",
             self.alpha_reference_groups,
             "must be an integer >= 0 (0: α is algo.alpha whatever the number of groups in a round)",
+        )
+
+    def _validate_compress(self) -> None:
+        check(self.compress in ("none", "topk"), "algo.compress", self.compress, "must be none or topk")
+        check(
+            _is_number(self.density) and 0 < self.density <= 1,
+            "algo.density",
+            self.density,
+            "must be in (0, 1]: the fraction of each chunk of the pseudo-gradient sent (SparseLoCo: 0.01 to 0.03)",
+        )
+        check(
+            _is_int(self.value_bits) and self.value_bits in VALUE_BITS,
+            "algo.value_bits",
+            self.value_bits,
+            f"must be one of {', '.join(map(str, VALUE_BITS))} (bits per kept value; 32 sends them unquantized)",
+        )
+        check(
+            _is_number(self.error_decay) and 0 <= self.error_decay <= 1,
+            "algo.error_decay",
+            self.error_decay,
+            "must be in [0, 1] (β: e ← β·e + Δ before each round; 0 turns error feedback off)",
+        )
+        check(
+            self.compress == "none" or self.quantize == "none",
+            "algo.quantize",
+            self.quantize,
+            "cannot be combined with algo.compress=topk, which sets its own value precision: "
+            "use algo.quantize=none with algo.value_bits",
         )
 
     def unread(self) -> dict[str, tuple[object, object]]:
@@ -165,6 +217,10 @@ def ignore_unread_keys(raw: dict[str, Any]) -> str | None:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_int(value: object) -> bool:

@@ -80,6 +80,9 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         allowed = get_args(tp)
         check(value in allowed, key, value, f"must be one of {', '.join(map(str, allowed))}")
         return value
+    if origin is tuple and len(get_args(tp)) == 2 and get_args(tp)[1] is Ellipsis:
+        check(isinstance(value, (list, tuple)), key, value, "must be a list")
+        return tuple(_convert(get_args(tp)[0], v, f"{key}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         args = get_args(tp)
         check(

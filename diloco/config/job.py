@@ -68,6 +68,7 @@ class JobConfig:
             part.validate()
         self.algo.check_fits(n_blocks=self.model.n_layers, max_steps=self.trainer.max_steps)
         self.parallel.check_fits(self.model, self.cluster.workers_per_group, self.trainer.seq_len)
+        self.parallel.check_microbatches(self.trainer.microbatches, self.trainer.batch_size)
         check(
             not (self.trainer.compile and self.parallel.tp > 1),
             "trainer.compile",

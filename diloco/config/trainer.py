@@ -38,6 +38,9 @@ class TrainerConfig:
     cheap elementwise ops).
     ``compile``: torch.compile each block (on CPU inductor needs a C++ compiler).
     Neither changes the parameters' names or values (diloco/train/block_wrappers.py).
+
+    ``microbatches``: with pipeline stages (``parallel.pp`` > 1), how many pieces each micro-batch
+    of ``batch_size`` sequences is cut into to fill the pipeline (null: one per stage).
     """
 
     max_steps: int = 500
@@ -51,11 +54,18 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     compile: bool = False
+    microbatches: int | None = None
     resume: str = ""  # a checkpoint, a run directory or "latest" (see diloco/train/checkpoint.resolve_resume)
 
     def validate(self) -> None:
         for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every"):
             value = getattr(self, key)
             check(value >= 1, f"trainer.{key}", value, "must be a positive integer")
+        check(
+            self.microbatches is None or self.microbatches >= 1,
+            "trainer.microbatches",
+            self.microbatches,
+            "must be a positive integer (or null: one per pipeline stage)",
+        )
         check(self.eval_every >= 0, "trainer.eval_every", self.eval_every, "must be >= 0 (0: evaluate only at the end)")
         self.checkpoint.validate()

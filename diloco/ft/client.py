@@ -2,7 +2,8 @@
 (and round) requests and commits; every worker's lane watch.
 
 It speaks only ``protocol``'s typed messages, so it needs nothing of the server module; an
-error answer becomes the exception its code names (``ErrorAnswer.exception``).
+error answer becomes the exception its code names (``ErrorAnswer.exception``). Requests go
+over kept-alive connections (``keep_alive``), each still bounded by its own timeout.
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-import urllib.error
-import urllib.request
 from typing import Any
 
 from diloco.config.base import check
+from diloco.ft.keep_alive import Answer, ConnectionPool
 from diloco.ft.protocol import (
     ErrorAnswer,
     ErrorCode,
@@ -61,7 +61,7 @@ class LighthouseClient:
         self.config = config or {}  # the group's flat training configuration; the lighthouse compares it
         self._last_quorum_id = 0  # sent with quorum requests, so a restarted lighthouse never reuses an id
         self._lock = threading.Lock()  # the id is updated by a heartbeat thread and the long poll alike
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy from the env
+        self._connections = ConnectionPool(self.url)  # direct, never through a proxy from the environment
 
     def heartbeat(
         self, step: int, quorum_id: int, finished: bool = False, progress: GroupProgress | None = None
@@ -162,28 +162,27 @@ class LighthouseClient:
         path = message.path
         headers = {"Content-Type": "application/json", **authorization_header(self.token)}
         body = json.dumps(message.to_json()).encode()
-        request = urllib.request.Request(self.url + path, data=body, headers=headers, method="POST")
         try:
-            with self._opener.open(request, timeout=timeout_s) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            raise self._error(path, e) from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
-            reason = getattr(e, "reason", e)
-            raise LighthouseUnavailable(f"lighthouse at {self.url} unreachable for {path}: {reason!r}") from None
+            answer = self._connections.post(path, body, headers, timeout_s)
+            if answer.status == 200:
+                return json.loads(answer.body)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise LighthouseUnavailable(f"lighthouse at {self.url} unreachable for {path}: {e!r}") from None
+        raise self._error(path, answer) from None
 
-    def _error(self, path: str, e: urllib.error.HTTPError) -> Exception:
+    def _error(self, path: str, got: Answer) -> Exception:
         """The exception for an error answer, by its code. An answer without one is not the
         lighthouse's: a 4xx there is refused (asking again reaches the same wrong server: fix
-        cluster.lighthouse.host/port), a 5xx is a proxy or server failing, worth retrying."""
+        cluster.lighthouse.host/port), anything else is a proxy or server failing, worth retrying."""
         try:
-            answer = ErrorAnswer.from_json(json.loads(e.read()))
-        except (OSError, ValueError) as bad:
-            message = f"{self.url} answered HTTP {e.code} {e.reason} to {path} without a lighthouse error code ({bad})"
-            if 400 <= e.code < 500:
+            answer = ErrorAnswer.from_json(json.loads(got.body))
+        except ValueError as bad:
+            code = f"HTTP {got.status} {got.reason}"
+            message = f"{self.url} answered {code} to {path} without a lighthouse error code ({bad})"
+            if 400 <= got.status < 500:
                 return LighthouseRefused(ErrorCode.NOT_FOUND, f"{message}: is the lighthouse at this address?")
             return LighthouseUnavailable(message)
         error = answer.exception()
         if isinstance(error, LighthouseUnavailable):
-            return LighthouseUnavailable(f"lighthouse at {self.url} answered {e.code} to {path}: {error}")
+            return LighthouseUnavailable(f"lighthouse at {self.url} answered {got.status} to {path}: {error}")
         return error

@@ -11,9 +11,15 @@ Replies are queued, and this thread writes them: no thread waits per open reques
 per long poll cost every round at 1,000 groups 2,000 thread starts and their wake-ups fighting
 for the GIL, and the last ask's grant came 1.4 s late (issue 33,
 experiments/lighthouse_scale.py). Only the status page and /status, slow to render, get a
-thread, which queues its answer the same way. Every answer is HTTP/1.0 with its length, and
-the connection closes after it, as the clients expect; an answer that does not fit the socket
-at once is finished when the socket can take more.
+thread, which queues its answer the same way. An answer that does not fit the socket at once
+is finished when the socket can take more.
+
+Connections are kept alive: an HTTP/1.1 request without ``Connection: close`` gets its answer
+with ``Connection: keep-alive``, and the connection waits for the client's next request, at
+most ``KEEP_ALIVE_S``, then is closed (``LighthouseClient`` reuses one well within that). One
+connection per request had cost every round at 1,000 groups 3,000 connection set-ups and
+teardowns on the loop (the asks, lane watches and commits) besides the heartbeats' (issue 33).
+Anything malformed or refused before its body was read closes the connection after the answer.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import functools
 import ipaddress
 import json
 import logging
+import resource
 import selectors
 import socket
 import threading
@@ -41,6 +48,7 @@ SERVER = "diloco-lighthouse/1"
 # connections reset some of 30 groups' requests on a busy machine (issue 33).
 LISTEN_BACKLOG = 4096
 REQUEST_TIMEOUT_S = 30.0  # a client stalling mid-request, or not reading its answer, cannot hold a connection forever
+KEEP_ALIVE_S = 30.0  # an idle kept-alive connection is closed after this (clients reuse one idle far less long)
 SWEEP_EVERY_S = 0.5  # stalled connections are looked for this often, not at every event
 MAX_HEAD_BYTES = 64 * 1024
 DRAIN_BYTES = 16 * MAX_BODY_BYTES  # an over-long body is read up to this, so its sender reads the refusal
@@ -50,7 +58,8 @@ Reply = Callable[[int, dict | bytes], None]
 
 
 class _Connection:
-    """One connection: its request's bytes until it is whole, then its answer's until they are sent."""
+    """One connection: a request's bytes until it is whole, then its answer's until they are sent,
+    then (kept alive) the next request's."""
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock, self.peer = sock, peer
@@ -58,8 +67,15 @@ class _Connection:
         self.deadline = time.monotonic() + REQUEST_TIMEOUT_S
         self.head: tuple[str, str, dict[str, str]] | None = None  # method, path, headers (lower-case names)
         self.needed = 0  # bytes of the whole request once the head is parsed
+        self.body = b""  # the whole request's body
+        self.keep = False  # whether the connection stays open for another request after this answer
         self.post = False  # counted in ``posts_in_flight`` until its answer is written
         self.answer = memoryview(b"")  # what is left to write
+
+    def next_request(self) -> None:
+        """Forget the answered request; bytes already read beyond it stay in ``buffer``."""
+        self.head, self.needed, self.body, self.keep = None, 0, b"", False
+        self.deadline = time.monotonic() + (REQUEST_TIMEOUT_S if self.buffer else KEEP_ALIVE_S)
 
 
 class LighthouseHTTPServer:
@@ -78,6 +94,7 @@ class LighthouseHTTPServer:
             raise
         self.socket.setblocking(False)
         self.server_address = self.socket.getsockname()
+        _allow_open_files()
         # A connection's own address is the listening one, unless that is a wildcard (one system call per request).
         bound = self.server_address[0]
         self._local_host = None if ipaddress.ip_address(bound).is_unspecified else bound
@@ -115,6 +132,10 @@ class LighthouseHTTPServer:
                         self._write(self._open[key.fileobj])  # type: ignore[index]
                     else:
                         self._read(self._open[key.fileobj])  # type: ignore[index]
+                    # Decided answers go out between two events, not after the whole batch: a round's
+                    # grants otherwise waited behind up to 1,000 heartbeats and asks read in one batch.
+                    while self._queued:
+                        self._write(self._queued.popleft())
                 while self._queued:
                     self._write(self._queued.popleft())
                 now = time.monotonic()
@@ -145,7 +166,7 @@ class LighthouseHTTPServer:
     def queue_answer(self, connection: _Connection, status: int, payload: dict | bytes, content_type: str) -> None:
         """Have the loop write this answer (from any thread); the encoding happens here, off the loop."""
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        connection.answer = memoryview(_response(status, data, content_type))
+        connection.answer = memoryview(_response(status, data, content_type, connection.keep))
         self._queued.append(connection)
         if not self._wake_sent:  # cleared by the loop after it read the wake-ups and before it takes the queue
             self._wake_sent = True
@@ -164,6 +185,8 @@ class LighthouseHTTPServer:
                 log.warning("lighthouse cannot accept a connection: %s", error)
                 return
             sock.setblocking(False)
+            # A kept-alive connection's answers go out as they are decided, not held back for an ACK (Nagle).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             connection = _Connection(sock, str(address[0]))
             # A client sends its request as it connects: read at once, and most connections never
             # enter the selector (two system calls and a loop round less per request).
@@ -179,10 +202,16 @@ class LighthouseHTTPServer:
             return True
         except OSError:
             data = b""
-        if not data:  # the client left before its request was whole
+        if not data:  # the client left (before its request was whole, or between two of them)
             self._close(connection)
             return False
+        if connection.head is None and not connection.buffer:  # a kept-alive connection's next request begins
+            connection.deadline = time.monotonic() + REQUEST_TIMEOUT_S
         connection.buffer += data
+        return self._parse(connection)
+
+    def _parse(self, connection: _Connection) -> bool:
+        """Take the request in ``buffer`` once it is whole; whether it still needs more."""
         if connection.head is None:
             end = connection.buffer.find(b"\r\n\r\n")
             if end < 0:
@@ -203,6 +232,8 @@ class LighthouseHTTPServer:
             connection.needed = min(int(length), DRAIN_BYTES) if length.isdigit() else 0
         if len(connection.buffer) < connection.needed:
             return True
+        connection.body = bytes(connection.buffer[: connection.needed])
+        del connection.buffer[: connection.needed]
         self._dispatch(connection)
         return False
 
@@ -211,10 +242,12 @@ class LighthouseHTTPServer:
         assert connection.head is not None, "dispatched only once the head is parsed"
         method, path, headers = connection.head
         self._forget(connection)
+        connection.keep = headers.get("connection", "").lower() != "close"
         if method == "POST":
             connection.post = True
             self._posts += 1
             if (error := unreadable_post(path, headers.get("content-length", ""))) is not None:
+                connection.keep = False  # its body was not read (or drained only in part)
                 return self._answer(connection, *_error(error))
             return self._guarded(self._post, connection)
         if method == "GET" and path in ("/", "/status"):
@@ -238,11 +271,10 @@ class LighthouseHTTPServer:
     def _post(self, connection: _Connection) -> None:
         assert connection.head is not None, "dispatched only once the head is parsed"
         _, path, headers = connection.head
-        body = bytes(connection.buffer[: int(headers["content-length"])])
         answer = self.lighthouse.handle_post(
             path,
             headers.get("authorization"),
-            body,
+            connection.body,
             self._local_host or connection.sock.getsockname()[0],
             connection.peer,
             functools.partial(self.queue_answer, connection, content_type="application/json"),
@@ -264,7 +296,7 @@ class LighthouseHTTPServer:
         self, connection: _Connection, status: int, data: bytes, content_type: str = "application/json"
     ) -> None:
         """Answer from the loop itself."""
-        connection.answer = memoryview(_response(status, data, content_type))
+        connection.answer = memoryview(_response(status, data, content_type, connection.keep))
         self._write(connection)
 
     def _woken(self) -> None:
@@ -288,6 +320,8 @@ class LighthouseHTTPServer:
             return self._close(connection)
         connection.answer = connection.answer[sent:]
         if not connection.answer:
+            if connection.keep and not self._stop.is_set():
+                return self._keep(connection)
             try:
                 connection.sock.shutdown(socket.SHUT_WR)
             except OSError:
@@ -297,6 +331,20 @@ class LighthouseHTTPServer:
             connection.deadline = time.monotonic() + REQUEST_TIMEOUT_S
             self._open[connection.sock] = connection
             self._selector.register(connection.sock, selectors.EVENT_WRITE)
+
+    def _keep(self, connection: _Connection) -> None:
+        """The answer is out: wait for the connection's next request (or take one already read)."""
+        if connection.post:
+            connection.post = False
+            self._posts -= 1
+        connection.next_request()
+        if connection.buffer and not self._parse(connection):
+            return
+        if connection.sock in self._open:  # it was waiting to write
+            self._selector.modify(connection.sock, selectors.EVENT_READ)
+        else:
+            self._open[connection.sock] = connection
+            self._selector.register(connection.sock, selectors.EVENT_READ)
 
     def _forget(self, connection: _Connection) -> None:
         """Stop reading ``connection``: its request is whole (or refused)."""
@@ -313,16 +361,32 @@ class LighthouseHTTPServer:
             self._posts -= 1
 
 
-def _response(status: int, data: bytes, content_type: str) -> bytes:
+def _response(status: int, data: bytes, content_type: str, keep: bool) -> bytes:
+    connection = f"keep-alive\r\nKeep-Alive: timeout={KEEP_ALIVE_S:.0f}" if keep else "close"
     head = (
-        f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\nServer: {SERVER}\r\nContent-Type: {content_type}\r\n"
-        f"Content-Length: {len(data)}\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n"
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nServer: {SERVER}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(data)}\r\nCache-Control: no-store\r\nConnection: {connection}\r\n\r\n"
     )
     return head.encode() + data
 
 
+def _allow_open_files() -> None:
+    """Raise this process's open-file limit to its hard limit: every group keeps a few connections
+    alive (heartbeats, its quorum ask, the lane watch), and a soft limit of 1,024 would turn
+    groups away past a few hundred."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as error:
+            log.debug("open-file limit stays at %d: %s", soft, error)
+
+
 def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
-    """(method, path without the query, headers by lower-case name); ``ValueError`` if malformed."""
+    """(method, path without the query, headers by lower-case name); ``ValueError`` if malformed.
+
+    HTTP/1.0 requests are kept alive only if they ask to be, HTTP/1.1 ones unless they ask not to
+    be: the ``connection`` header is set accordingly."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/"):
@@ -333,6 +397,8 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
         if not colon:
             raise ValueError(f"malformed header line {line[:100]!r}")
         headers[name.strip().lower()] = value.strip()
+    if parts[2] != "HTTP/1.1" and headers.get("connection", "").lower() != "keep-alive":
+        headers["connection"] = "close"
     return parts[0], parts[1].split("?", 1)[0], headers
 
 

@@ -6,7 +6,8 @@ interrupt an operation in flight (neither ``abort`` nor ``shutdown`` wakes a wai
 peer, and destroying the group blocks until the operation times out), so a wait on a lane
 ends either when its work completes or when the lane's ``LaneCancel`` is set (the lane was
 dropped, or the lighthouse said the round lost a member), and a dropped lane is kept alive
-until whatever it had in flight has timed out.
+until whatever it had in flight has timed out. A lane's rendezvous is waited on the same
+way: it runs on a helper thread (``rendezvous.abandonable``) that a cancel walks away from.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from diloco.ft.rendezvous import abandonable
 
 log = logging.getLogger(__name__)
 
@@ -137,27 +141,61 @@ class Lanes:
         self._store: dist.Store | None = None
         self._store_address: tuple[str, int] | None = None
 
-    def ensure(self, quorum_id: int, rank: int, size: int, store_address: tuple[str, int]) -> dist.ProcessGroup:
-        """The lane for ``quorum_id``: reused while the quorum holds, rebuilt when it changes."""
+    def ensure(
+        self,
+        quorum_id: int,
+        rank: int,
+        size: int,
+        store_address: tuple[str, int],
+        follow: Callable[[LaneCancel], None] | None = None,
+    ) -> dist.ProcessGroup:
+        """The lane for ``quorum_id``: reused while the quorum holds, rebuilt when it changes.
+
+        ``follow`` gets the lane's cancel before anything waits, so whoever watches the round
+        ends a rendezvous that a hung member holds up as it ends the lane's collectives.
+        """
         if (
             self.pg is not None
             and self.quorum_id == quorum_id
             and self._store_address == store_address
             and not self.cancel.is_set()
         ):
+            if follow is not None:
+                follow(self.cancel)
             return self.pg
         self.drop()
         self.cancel = LaneCancel()
-        store = self._connect_store(store_address)
+        if follow is not None:
+            follow(self.cancel)
+        self.pg = self._rendezvous(quorum_id, rank, size, self._connect_store(store_address))
+        self.quorum_id = quorum_id
+        return self.pg
+
+    def _rendezvous(self, quorum_id: int, rank: int, size: int, store: dist.Store) -> dist.ProcessGroup:
+        """Gloo's rendezvous on a helper thread, given up when the lane's cancel hits a collective.
+
+        Bounded by the rendezvous's own limits (the store's connect timeout, then the
+        collective timeout for the connections). A rendezvous given up keeps the store
+        client it waits on (a TCPStore client runs one operation at a time), so the next
+        lane connects a fresh one; a group it still forms is aborted, never used.
+        """
         prefix = f"diloco/quorum{quorum_id}/lane{self.local_rank}"
+        collective = timedelta(seconds=self.collective_timeout_s)
         try:
-            self.pg = dist.ProcessGroupGloo(
-                dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=self.collective_timeout_s)
+            pg = abandonable(
+                lambda: dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, collective),
+                CancelScope(self.cancel).hit,
+                self.connect_timeout_s + self.collective_timeout_s,
+                _abort_unused,
+                f"lane{self.local_rank}-rendezvous",
             )
         except RuntimeError as error:  # Gloo's rendezvous failures (DistStoreError and others) are RuntimeErrors
             raise LaneError(f"lane {self.local_rank} of quorum {quorum_id} could not form: {error}") from error
-        self.quorum_id = quorum_id
-        return self.pg
+        if pg is None:
+            self._store, self._store_address = None, None
+            why = self.cancel.reason or "its rendezvous outlived the connect and collective timeouts"
+            raise LaneError(f"lane {self.local_rank} of quorum {quorum_id} given up while forming: {why}")
+        return pg
 
     def drop(self) -> None:
         """Abort the current lane and forget it: waits on it end at once (``cancel``), and
@@ -187,3 +225,11 @@ class Lanes:
                 raise LaneError(f"lighthouse store {address[0]}:{address[1]} unreachable: {error}") from error
             self._store_address = address
         return self._store
+
+
+def _abort_unused(pg: dist.ProcessGroup) -> None:
+    """A lane whose rendezvous was given up but completed after all: nobody will use it."""
+    try:
+        pg.abort()
+    except RuntimeError as error:
+        log.debug("aborting a lane formed after it was given up: %s", error)

@@ -12,6 +12,7 @@ that resumes after the others gave the round up does not commit it alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -202,7 +203,8 @@ class Manager:
         groups at the same one, and heals the others to it.
 
         Returns ``None`` when there is no quorum this time (lighthouse down, timeout, lane
-        could not form): the group then keeps training and tries again at its next sync.
+        could not form, or was given up as a member hung in its rendezvous): the group then
+        keeps training and tries again at its next sync.
         Raises ``MembershipError`` when the lighthouse refused the group (wrong token, job,
         model or configuration; the job already ended).
         """
@@ -249,8 +251,12 @@ class Manager:
         self._no_quorum_since = None
         quorum = Quorum.from_json(answer["quorum"])
         lane_rank = quorum.rank_of(self.group)
+        # Followed before the lane forms: a member that hangs in the rendezvous ends it too.
+        watch = self._lane_watch
+        follow = None if watch is None else functools.partial(watch.follow, quorum.round_id)
         try:
-            lane = self.lanes.ensure(quorum.quorum_id, lane_rank, len(quorum.participants), tuple(answer["store"]))
+            store = tuple(answer["store"])
+            lane = self.lanes.ensure(quorum.quorum_id, lane_rank, len(quorum.participants), store, follow)
             ok = True
         except LaneError as error:
             log.warning("group %s: %s", self.group, error)
@@ -259,8 +265,6 @@ class Manager:
             self.lanes.drop()
             self.last_commit_failed = True
             return None
-        if self._lane_watch is not None:
-            self._lane_watch.follow(quorum.round_id, self.lanes.cancel)
         return Round(quorum=quorum, group=self.group, lane=lane, lane_rank=lane_rank, cancel=self.lanes.cancel)
 
     def commit(self, round_: Round, local_ok: bool) -> bool:

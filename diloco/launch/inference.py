@@ -27,6 +27,7 @@ from diloco.train.data import ByteTokenizer, eval_batches, load_corpus
 from diloco.train.device import select_device
 from diloco.train.logger import perplexity
 from diloco.train.model import Transformer, meta_model
+from diloco.train.pipeline import stage_parameter_names
 from diloco.train.tp_layout import join_shards, tp_shard_dim
 from diloco.train.trainer import Batch, next_token_loss
 
@@ -130,22 +131,35 @@ def check_unaltered(weights: Path) -> None:
 def checkpoint_global_weights(group_folder: Path, trained: JobConfig) -> dict[str, torch.Tensor]:
     """θ_g of a group's checkpoint by parameter name (θ_l for algo=local, which has no θ_g).
 
-    Each worker saved its shard (FSDP2's run of dim 0 of its tensor-parallel piece); they are
-    joined in rank order (``tp_layout.join_shards``).
+    Each worker saved its shard (FSDP2's run of dim 0 of its tensor-parallel piece of its pipeline
+    stages' parameters); the shards of each pipeline position are joined in rank order
+    (``tp_layout.join_shards``).
     """
-    names = [name for name, _ in meta_model(trained.model).named_parameters()]
+    info = complete_info(group_folder) or {}
+    tp, parallel = info.get("tp", 1), trained.parallel
+    per_position = info.get("workers", 1) // parallel.pp
+    weights = {}
+    for position in range(parallel.pp):
+        if parallel.pp > 1:
+            names = stage_parameter_names(trained.model, parallel, position)
+        else:
+            names = [name for name, _ in meta_model(trained.model).named_parameters()]
+        ranks = range(position * per_position, (position + 1) * per_position)
+        shards = [read_rank(rank_dir(group_folder, rank)) for rank in ranks]
+        for name, key in _saved_keys(names, trained).items():
+            weights[name] = join_shards([s[key] for s in shards], tp_shard_dim(name), tp)
+    return weights
+
+
+def _saved_keys(names: list[str], trained: JobConfig) -> dict[str, str]:
+    """Under which key a worker holding parameters ``names`` saved each one's θ_g (``WorkerState``)."""
     algo = trained.algo
     if algo.name == "local":
-        key_of = {name: f"model.{name}" for name in names}
-    elif algo.name == "ddp":
-        key_of = {name: f"global.0.{i}" for i, name in enumerate(names)}
-    else:
-        parts = fragment_parameter_names(names, trained.model.n_layers, algo.fragments, algo.pattern)
-        key_of = {name: f"global.{p}.{i}" for p, part in enumerate(parts) for i, name in enumerate(part)}
-    info = complete_info(group_folder) or {}
-    shards = [read_rank(rank_dir(group_folder, rank)) for rank in range(info.get("workers", 1))]
-    tp = info.get("tp", 1)
-    return {name: join_shards([s[key] for s in shards], tp_shard_dim(name), tp) for name, key in key_of.items()}
+        return {name: f"model.{name}" for name in names}
+    if algo.name == "ddp":
+        return {name: f"global.0.{i}" for i, name in enumerate(names)}
+    parts = fragment_parameter_names(names, trained.model.n_layers, algo.fragments, algo.pattern)
+    return {name: f"global.{p}.{i}" for p, part in enumerate(parts) for i, name in enumerate(part)}
 
 
 def load_model(weights: Path, trained: JobConfig, device: torch.device) -> Transformer:

@@ -19,6 +19,7 @@ import torch
 from diloco.config.algo import AlgoConfig
 from diloco.outer.overlap_plan import OverlapPlan, choose_overlap
 from diloco.outer.quantize import FORMATS
+from diloco.outer.sparse import TopK
 
 N_MEASUREMENTS = 3  # what each group adds to a round's sum: [known, inner step s, link s per byte]
 
@@ -30,6 +31,7 @@ class AutoOverlap:
         self.plan = torch.tensor([algo.delay, FORMATS.index(algo.quantize)], dtype=torch.int64)
         self.window_steps = algo.sync_every // algo.fragments
         self.fragment_numel = fragment_numel  # the largest fragment of this worker's shard
+        self.sparse = TopK(algo.density, algo.value_bits) if algo.compress == "topk" else None
         self._step_times: list[float] = []
         self._step_began: float | None = None
         self._seconds_per_byte: float | None = None
@@ -73,6 +75,7 @@ class AutoOverlap:
             step_s=float(summed[1]) / known,
             seconds_per_byte=float(summed[2]) / known,
             current=(int(self.plan[0]), FORMATS[int(self.plan[1])]),
+            sparse=self.sparse,
         )
 
     def encode(self, plan: OverlapPlan | None) -> list[int]:

@@ -6,6 +6,9 @@ pseudo-gradient Δ_p = θ_g,p − θ_l,p is all-reduced over the lane (launch); 
 average over contributing groups is the outer gradient, the group commits only if every
 rank succeeded, and θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p (apply). A failed round resets
 θ_l,p ← θ_g,p and leaves θ_g and the committed count as they were (DESIGN invariant 2).
+With ``algo.compress=topk`` each group sends a sparse payload of β·e + Δ_p instead and keeps
+the rest in its error-feedback buffer e (``sparse.feedback``), which only a commit updates:
+a failed round's Δ_p is dropped with the θ_l reset, and its residual with it.
 The arithmetic of each step is ``update``'s; this module decides when and with whom.
 """
 
@@ -30,7 +33,8 @@ from diloco.ft.lanes import LaneError, wait_work
 from diloco.ft.manager import Round
 from diloco.outer.auto_overlap import N_MEASUREMENTS, AutoOverlap
 from diloco.outer.fragments import fragments_to_apply, fragments_to_launch, skip_target
-from diloco.outer.reduce import launch_reduce
+from diloco.outer.reduce import PendingReduce, launch_reduce, launch_sparse_reduce
+from diloco.outer.sparse import TopK, outgoing
 from diloco.outer.synchronizer import Synchronizer
 from diloco.outer.update import contribution_weight, outer_update, pseudo_gradient, reset_local
 from diloco.train.sync_hooks import OuterOutcome
@@ -49,6 +53,9 @@ class Fragment:
     optimizer: torch.optim.Optimizer
     momentum_warmup: MomentumWarmup | None = None  # None: the optimizer's own constant momentum
     tokens_since_sync: int = 0
+    # algo.compress=topk: this group's error-feedback buffer e (flat fp32, CPU). Local state
+    # (DESIGN invariant 10): checkpointed, never healed from a peer nor in the digest.
+    error: torch.Tensor | None = None
 
 
 @dataclass
@@ -67,6 +74,7 @@ class Flight:
     round: Round | None = None
     averages: list[torch.Tensor | None] | None = None
     bytes_sent: list[int] = field(default_factory=list)
+    errors: list[torch.Tensor | None] = field(default_factory=list)  # topk: each fragment's e if it commits
     held_ms: float = 0.0  # time the training thread spent on this round
     done: Future | None = None
     measured: torch.Tensor | None = None  # algo.auto: this group's measurements, sent with the first fragment
@@ -100,6 +108,10 @@ class OuterSync(Synchronizer):
         self.codec_device = codec_device
         self.fragments = fragments
         self.auto = auto
+        self.sparse = TopK(algo.density, algo.value_bits) if algo.compress == "topk" else None
+        if self.sparse is not None:
+            for f in fragments:
+                f.error = torch.zeros(sum(g.numel() for g in f.global_), dtype=torch.float32)
         self._flight: Flight | None = None
 
     def join(self) -> OuterOutcome:
@@ -164,10 +176,24 @@ class OuterSync(Synchronizer):
         for f in self.fragments:
             reset_local(f.global_, f.local)
 
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        errors = {f"error.{f.index}": f.error for f in self.fragments if f.error is not None}
+        return super().checkpoint_tensors() | errors
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_checkpoint_tensors({k: v for k, v in tensors.items() if not k.startswith("error.")})
+        for f in self.fragments:
+            if f.error is not None:
+                f.error.copy_(tensors[f"error.{f.index}"])
+
     def _after_heal(self) -> None:
+        """Take up the peer's state. e starts at zero: it was this group's residual of rounds it did
+        not contribute to, made against a θ_g it no longer holds, and a peer's e is the peer's own."""
         self.load_global_into_local()
         for f in self.fragments:
             f.tokens_since_sync = 0
+            if f.error is not None:
+                f.error.zero_()
         self._follow_plan()
 
     def _follow_plan(self) -> None:
@@ -246,18 +272,8 @@ class OuterSync(Synchronizer):
                 delta.zero_()
             # Not guarded: Gloo reports a broken lane when the collective is waited on (a
             # failed round); an error here is a bug, and it stops the worker with its traceback.
-            pending.append(
-                launch_reduce(
-                    round_.lane,
-                    delta,
-                    weight if finite else 0.0,
-                    self.algo.quantize,
-                    round_.size,
-                    extras=self._measurements_to_send(flight) if i == 0 else None,
-                    bucket=self.bucket,
-                    codec_device=self.codec_device,
-                )
-            )
+            extras = self._measurements_to_send(flight) if i == 0 else None
+            pending.append(self._launch_one(flight, i, delta, weight if finite else 0.0, extras))
             local_ok.append(finite)
         if self._injects("break_lane"):
             self.manager.abandon_round()  # mid all-reduce: this round fails everywhere
@@ -276,6 +292,37 @@ class OuterSync(Synchronizer):
             flight.shared = pending[0].extras
             if all(a is not None for a in flight.averages):
                 self.auto.transferred(time.perf_counter() - started, sum(flight.bytes_sent))
+
+    def _launch_one(
+        self, flight: Flight, i: int, delta: torch.Tensor, weight: float, extras: torch.Tensor | None
+    ) -> PendingReduce:
+        """Start fragment i's reduce; with topk, encode β·e + Δ and note the e it leaves (none at weight 0)."""
+        round_ = flight.round
+        if self.sparse is None:
+            return launch_reduce(
+                round_.lane,
+                delta,
+                weight,
+                self.algo.quantize,
+                round_.size,
+                extras=extras,
+                bucket=self.bucket,
+                codec_device=self.codec_device,
+            )
+        device = self.codec_device or delta.device
+        payload, error = outgoing(self.sparse, delta, flight.fragments[i].error, self.algo.error_decay, weight, device)
+        flight.errors.append(error)
+        return launch_sparse_reduce(
+            round_.lane,
+            payload,
+            delta.numel(),
+            weight,
+            self.sparse,
+            round_.size,
+            extras=extras,
+            bucket=self.bucket,
+            codec_device=self.codec_device,
+        )
 
     def _measurements_to_send(self, flight: Flight) -> torch.Tensor | None:
         """algo.auto: every member adds the same number of values to the sum (zeros: nothing measured)."""
@@ -361,6 +408,8 @@ class OuterSync(Synchronizer):
         tokens = 0.0
         if committed:
             self._outer_step(fragment, average, flight.launch_step, flight.round.size)
+            if flight.errors and flight.errors[i] is not None:
+                fragment.error.copy_(flight.errors[i])
             self.bytes_sent += flight.bytes_sent[i]
             if flight.weights[i] > 0:  # each fragment carries 1/P of the window's inner work
                 tokens = fragment.tokens_since_sync / self.algo.fragments

@@ -7,7 +7,8 @@ fewer bits round them. So the plan takes the smallest τ at which some format's 
 fits in τ inner steps, and at that τ the most precise format that fits. A transfer "fits"
 when what it leaves unhidden is at most ``STALL_SLACK`` of the fragment's window, so a fast
 link keeps τ = 0 and full precision. When nothing fits (a link too slow even for 4 bits
-within the window), the plan that stalls least: the largest τ, 4 bits.
+within the window), the plan that stalls least: the largest τ, 4 bits. With ``algo.compress=topk``
+the payload is the sparse one, whose precision the job fixes: the plan picks τ alone.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diloco.outer.reduce import bytes_sent_for
+from diloco.outer.sparse import TopK
 
 FORMATS_BY_PRECISION = ("none", "bf16", "fp8", "fp4")
 STALL_SLACK = 0.02  # of a fragment's window (H/P inner steps): a stall this short counts as hidden
@@ -43,12 +45,14 @@ def choose_overlap(
     step_s: float,
     seconds_per_byte: float,
     current: tuple[int, str] | None = None,
+    sparse: TopK | None = None,
 ) -> OverlapPlan:
     """The plan for fragments of ``fragment_numel`` values reduced over ``groups`` groups every
     ``window_steps`` (H/P) inner steps of ``step_s``, on a link that carries a byte in ``seconds_per_byte``.
 
     ``current`` (τ, format) is kept while it still fits and the better plan fits by less than
     ``HYSTERESIS``: measurements on a busy machine jitter, and the plan should not follow them.
+    ``sparse``: the job's topk codec; the format stays none (fp32 values are the codec's business).
     """
     if fragment_numel < 1 or groups < 1 or window_steps < 1 or step_s < 0 or seconds_per_byte < 0:
         raise ValueError(
@@ -58,14 +62,15 @@ def choose_overlap(
     slack = STALL_SLACK * window_steps * step_s
 
     def plan(delay: int, fmt: str) -> OverlapPlan:
-        seconds = bytes_sent_for(fragment_numel, fmt, groups) * seconds_per_byte
+        seconds = bytes_sent_for(fragment_numel, fmt, groups, sparse=sparse) * seconds_per_byte
         return OverlapPlan(delay, fmt, seconds, delay * step_s)
 
     def fits(p: OverlapPlan, margin: float = 0.0) -> bool:
         return p.transfer_s <= (p.hidden_s + slack) * (1 - margin)
 
-    order = [(d, f) for d in range(window_steps) for f in FORMATS_BY_PRECISION]
-    best = next((plan(*key) for key in order if fits(plan(*key))), plan(window_steps - 1, FORMATS_BY_PRECISION[-1]))
+    formats = ("none",) if sparse is not None else FORMATS_BY_PRECISION
+    order = [(d, f) for d in range(window_steps) for f in formats]
+    best = next((plan(*key) for key in order if fits(plan(*key))), plan(window_steps - 1, formats[-1]))
     if current in order and current != (best.delay, best.quantize):
         kept = plan(*current)
         if fits(kept) and not fits(best, HYSTERESIS):

@@ -12,13 +12,17 @@ the payload over a ring of the M groups (each sends and receives 2(M−1)/M of i
 latency-bound hops); a fragment's all-reduce hides behind the ``overlap_steps`` inner steps
 that follow its launch (Streaming DiLoCo's τ) and behind ``overlap_backward`` of a step (a
 data-parallel gradient all-reduce overlapping the backward pass); whatever is not hidden
-stalls every group.
+stalls every group. A gathered payload (quantized or sparse: Gloo cannot sum packed bytes)
+goes to each of the M−1 peers instead (``SyncPlan.gathered``); ``topk_bits_per_param`` is the
+size of ``algo.compress=topk``'s payload per parameter.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from diloco.outer.sparse import TopK
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class SyncPlan:
     overlap_steps: int = 0
     bits_per_param: float = 32.0
     overlap_backward: float = 0.0  # fraction of a step the all-reduce hides behind (the backward pass)
+    gathered: bool = False  # the payload is all-gathered (each group sends M−1 copies), not ring-reduced
 
     def __post_init__(self) -> None:
         if self.sync_every < 1 or self.fragments < 1 or self.sync_every % self.fragments:
@@ -60,6 +65,18 @@ def allreduce_seconds(payload_bytes: float, groups: int, link: Link) -> float:
     return ring_factor(groups) * payload_bytes * 8 / link.bandwidth_bps + 2 * (groups - 1) * link.latency_s
 
 
+def gather_seconds(payload_bytes: float, groups: int, link: Link) -> float:
+    """One all-gather of every group's ``payload_bytes``: each group sends its payload to the M−1 others."""
+    if groups <= 1:
+        return 0.0
+    return (groups - 1) * payload_bytes * 8 / link.bandwidth_bps + (groups - 1) * link.latency_s
+
+
+def topk_bits_per_param(codec: TopK, params: int) -> float:
+    """Bits on the wire per parameter of a topk payload of ``params`` values (indices, values, scales)."""
+    return 8 * codec.nbytes(params) / params
+
+
 def fragment_bytes(plan: SyncPlan, params: float) -> float:
     return params * plan.bits_per_param / 8 / plan.fragments
 
@@ -71,7 +88,8 @@ def hidden_seconds(plan: SyncPlan, step_s: float) -> float:
 
 def window_seconds(plan: SyncPlan, params: float, step_s: float, groups: int, link: Link) -> float:
     """Wall time of one window of H inner steps: their compute, plus each fragment's unhidden transfer."""
-    stall = max(0.0, allreduce_seconds(fragment_bytes(plan, params), groups, link) - hidden_seconds(plan, step_s))
+    transfer = gather_seconds if plan.gathered else allreduce_seconds
+    stall = max(0.0, transfer(fragment_bytes(plan, params), groups, link) - hidden_seconds(plan, step_s))
     return plan.sync_every * step_s + plan.fragments * stall
 
 
@@ -91,10 +109,11 @@ def bandwidth_for(
         return 0.0
     # window <= H·step/target  <=>  each fragment's transfer <= hidden + H·step·(1/target − 1)/P
     budget = hidden_seconds(plan, step_s) + plan.sync_every * step_s * (1 / target - 1) / plan.fragments
-    budget -= 2 * (groups - 1) * latency_s
+    hops, share = (groups - 1, groups - 1) if plan.gathered else (2 * (groups - 1), ring_factor(groups))
+    budget -= hops * latency_s
     if budget <= 0:
         return math.inf
-    return ring_factor(groups) * fragment_bytes(plan, params) * 8 / budget
+    return share * fragment_bytes(plan, params) * 8 / budget
 
 
 def time_window_speedup(step_s: list[float]) -> float:

@@ -1,8 +1,10 @@
-"""The outer all-reduce of one fragment's pseudo-gradient over a lane, optionally quantized.
+"""The outer all-reduce of one fragment's pseudo-gradient over a lane, optionally quantized or sparse.
 
 ``none`` sums fp32 ``w·Δ`` with a Gloo all-reduce. Quantized formats all-gather every
 group's packed ``w·Δ`` (Gloo has no reduction for packed bytes) and each worker dequantizes
-and sums in fp32 in rank order, so every group gets the same bits. The weight w (1, or the
+and sums in fp32 in rank order, so every group gets the same bits. Sparse payloads
+(``algo.compress=topk``) are gathered the same way, as encoded (unweighted: the group's error
+feedback is on its own Δ), and each worker sums w·decode in rank order. The weight w (1, or the
 tokens a group processed; 0 for a group that only heals) rides along, so the average is
 over the groups that contributed, and so may a few extra numbers each member adds to the
 sum (``algo.auto``'s measurements).
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from diloco.outer.bandwidth import TokenBucket
 from diloco.outer.quantize import packed_nbytes, quantize, reduce_quantized
+from diloco.outer.sparse import TopK, reduce_sparse
 from diloco.outer.update import weighted_mean
 
 
@@ -50,9 +53,12 @@ def ring_allreduce_bytes(nbytes: int, size: int) -> int:
     return 2 * (size - 1) * nbytes // size
 
 
-def bytes_sent_for(numel: int, fmt: str, size: int, n_extras: int = 0) -> int:
-    """Bytes one member sends to reduce ``numel`` values in ``fmt`` over ``size`` members, as ``launch_reduce`` does."""
+def bytes_sent_for(numel: int, fmt: str, size: int, n_extras: int = 0, sparse: TopK | None = None) -> int:
+    """Bytes one member sends to reduce ``numel`` values in ``fmt`` (or ``sparse``'s payload, as
+    ``launch_sparse_reduce`` does) over ``size`` members, as ``launch_reduce`` does."""
     tail = 4 * (1 + n_extras)  # the weight and the extras, float32
+    if sparse is not None:
+        return (size - 1) * (sparse.nbytes(numel) + tail)
     if fmt == "none":
         return ring_allreduce_bytes(4 * numel + tail, size)
     return (size - 1) * (packed_nbytes(numel, fmt) + tail)
@@ -88,19 +94,66 @@ def launch_reduce(
     else:
         codec = codec_device or delta.device
         payload = quantize((delta * weight).to(codec), fmt).cpu()
-        tail = torch.cat([torch.tensor([weight], dtype=torch.float32), extras]).view(torch.uint8)
-        packed = torch.cat([payload, tail])
-        gathered = [torch.empty_like(packed) for _ in range(size)]
-        work = lane.allgather([gathered], [packed])
-        cut = payload.numel()
 
-        def finish() -> tuple[torch.Tensor | None, torch.Tensor]:
-            tails = [g[cut:].view(torch.float32) for g in gathered]  # in rank order: the same sums everywhere
-            total = sum(float(t[0]) for t in tails)
-            summed = reduce_quantized([g[:cut].to(codec) for g in gathered], fmt, delta.numel()).to(delta.device)
-            return weighted_mean(summed, total), sum((t[1:] for t in tails), torch.zeros_like(extras))
+        def decode_sum(payloads: list[torch.Tensor], _: list[float]) -> torch.Tensor:
+            return reduce_quantized([p.to(codec) for p in payloads], fmt, delta.numel()).to(delta.device)
 
-        pending = PendingReduce(work, finish, (size - 1) * packed.nbytes)
+        pending = _gather_and_sum(lane, payload, weight, extras, size, decode_sum)
     if bucket is not None:
         pending.bucket, pending.ready_at = bucket, bucket.reserve(pending.bytes_sent)
     return pending
+
+
+def launch_sparse_reduce(
+    lane: dist.ProcessGroup,
+    payload: torch.Tensor,
+    numel: int,
+    weight: float,
+    codec: TopK,
+    size: int,
+    extras: torch.Tensor | None = None,
+    bucket: TokenBucket | None = None,
+    codec_device: torch.device | None = None,
+) -> PendingReduce:
+    """Start gathering every member's ``codec`` payload of ``numel`` values, its weight and extras.
+
+    Every member sends a payload of the same size whatever it holds (a healing group: zeros, weight
+    0), so the gather has one shape. ``result`` is Σ w_m·ŝ_m / Σ w_m on the CPU, in fp32.
+    """
+    extras = torch.zeros(0, dtype=torch.float32) if extras is None else extras.to(torch.float32)
+    device = codec_device or payload.device
+
+    def decode_sum(payloads: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        return reduce_sparse([p.to(device) for p in payloads], weights, codec, numel).cpu()
+
+    pending = _gather_and_sum(lane, payload.cpu(), weight, extras, size, decode_sum)
+    if bucket is not None:
+        pending.bucket, pending.ready_at = bucket, bucket.reserve(pending.bytes_sent)
+    return pending
+
+
+def _gather_and_sum(
+    lane: dist.ProcessGroup,
+    payload: torch.Tensor,
+    weight: float,
+    extras: torch.Tensor,
+    size: int,
+    decode_sum: Callable[[list[torch.Tensor], list[float]], torch.Tensor],
+) -> PendingReduce:
+    """All-gather ``payload`` behind the weight and extras; ``finish`` sums ``decode_sum`` over members.
+
+    The float32 head first, so it and the payload start 4-byte aligned in every received buffer.
+    """
+    head = torch.cat([torch.tensor([weight], dtype=torch.float32), extras]).view(torch.uint8)
+    packed = torch.cat([head, payload])
+    gathered = [torch.empty_like(packed) for _ in range(size)]
+    work = lane.allgather([gathered], [packed])
+    cut = head.numel()
+
+    def finish() -> tuple[torch.Tensor | None, torch.Tensor]:
+        heads = [g[:cut].view(torch.float32) for g in gathered]  # in rank order: the same sums everywhere
+        weights = [float(h[0]) for h in heads]
+        summed = decode_sum([g[cut:] for g in gathered], weights)
+        return weighted_mean(summed, sum(weights)), sum((h[1:] for h in heads), torch.zeros_like(extras))
+
+    return PendingReduce(work, finish, (size - 1) * packed.nbytes)

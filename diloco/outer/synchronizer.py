@@ -116,6 +116,14 @@ class Synchronizer:
         self._recoveries_recorded = self.recoveries
         self._state_changed()
 
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this synchronizer's tensors: the heal state, and any per-group state."""
+        return self.heal_state.tensors()
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore ``checkpoint_tensors`` (named as it names them) into the live state."""
+        self.heal_state.load_tensors(tensors)
+
     def load_global_into_local(self) -> None:
         """Make the model hold the job's result (θ_g for DiLoCo) before the final eval and save."""
 

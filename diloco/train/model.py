@@ -164,7 +164,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        # Keyed by the block's index, so a pipeline stage that keeps some blocks keeps their names.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -200,23 +201,28 @@ class Transformer(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
         residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        for block in self.layers:
+        for block in self.layers.values():
             nn.init.normal_(block.attention.wo.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.feed_forward.w2.weight, mean=0.0, std=residual_std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.dim() != 2:
+        """Token ids [batch, seq] in, logits out; a pipeline stage (``diloco.train.pipeline``) without
+        the embedding takes the previous stage's hidden states [batch, seq, dim] instead, and one
+        without the head returns its hidden states."""
+        if self.tok_embeddings is not None and tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
-        seq = tokens.shape[1]
+        seq = tokens.shape[1]  # the whole sequence (sequence parallelism splits the embedding's output)
         if seq > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}; "
                 "raise model.max_seq_len or shorten the data's sequences"
             )
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        for layer in self.layers.values():
             h = layer(h, cos, sin)
+        if self.output is None:
+            return h
         return self.output(self.norm(h))
 
 

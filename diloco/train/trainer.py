@@ -8,7 +8,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ from diloco.train.data import ShardedBatches
 from diloco.train.flops import Utilization
 from diloco.train.logger import perplexity
 from diloco.train.sync_hooks import OuterOutcome, SyncHooks
+
+if TYPE_CHECKING:
+    from diloco.train.pipeline import PipelineRunner
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,15 @@ class Trainer:
         stop_requested: Callable[[], bool] | None = None,
         pace: Callable[[float], None] | None = None,
         utilization: Utilization | None = None,
+        pipeline: PipelineRunner | None = None,
     ) -> None:
         """``on_checkpoint(trainer)`` saves the worker's state (every ``cfg.checkpoint.every`` steps,
         at a planned stop and at the end); ``stop_requested`` says a planned stop was asked for
         (a signal): training then stops after the next round, with every group at that round.
         ``pace(seconds)`` runs after each inner step (an injected straggler's delay); ``utilization``
-        adds the achieved TFLOP/s and MFU beside tokens/s."""
+        adds the achieved TFLOP/s and MFU beside tokens/s. With ``pipeline`` (this worker's stages of
+        a pipeline-parallel group) micro-batches run through its schedule, and the losses the group
+        reports are its last stage's."""
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -88,6 +94,7 @@ class Trainer:
         self.stop_requested = stop_requested
         self.pace = pace
         self.utilization = utilization
+        self.pipeline = pipeline
         self.step = 0
         self.resumed_tokens = 0  # tokens this group trained before the checkpoint it resumed from
         self.trained_steps = 0
@@ -99,6 +106,10 @@ class Trainer:
         micro_batches = self.batches.next_step()
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
+            if self.pipeline is not None:  # the loss exists on the last stage only
+                loss = self.pipeline.forward_backward(batch, 1 / len(micro_batches))
+                total += 0.0 if loss is None else loss
+                continue
             if self.sharded:
                 # Reduce-scatter gradients once per step, not once per micro-batch.
                 self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
@@ -111,7 +122,10 @@ class Trainer:
             self.sync_metrics.update(self._follow(outcome))
             skip = outcome.skip_step
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.pipeline is not None:
+            grad_norm = self.pipeline.clip_grad_norm(list(self.model.parameters()), max_norm)
+        else:
+            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if is_dtensor(grad_norm):
             grad_norm = grad_norm.full_tensor()
         if not skip:
@@ -127,8 +141,10 @@ class Trainer:
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64)
         for batch in self.eval_set:
-            sums[0] += self._loss(batch).item() * batch[1].numel()
-            sums[1] += batch[1].numel()
+            loss = self._loss(batch) if self.pipeline is None else self.pipeline.eval_loss(batch)
+            if loss is not None:  # pipeline stages before the last count nothing
+                sums[0] += loss.item() * batch[1].numel()
+                sums[1] += batch[1].numel()
         self.model.train()
         return _group_mean(sums)
 
@@ -159,8 +175,9 @@ class Trainer:
             if self.step % cfg.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start
                 steps = window_steps
+                counted = steps if self.pipeline is None or self.pipeline.has_last else 0
                 train_loss = _group_mean(
-                    torch.stack([window_loss.cpu(), torch.tensor(float(steps), dtype=torch.float64)])
+                    torch.stack([window_loss.cpu(), torch.tensor(float(counted), dtype=torch.float64)])
                 )
                 metrics.update(
                     {

@@ -30,6 +30,7 @@ from diloco.train.hf_weights import check_pretrained, load_pretrained
 from diloco.train.inner_opt import build_inner_optimizer
 from diloco.train.logger import MetricsLogger, rename_wandb_run, start_wandb
 from diloco.train.model import Transformer, count_parameters, meta_model, param_signature
+from diloco.train.pipeline import PipelineRunner, split_for_worker
 from diloco.train.trainer import CheckpointCallback, MetricsCallback, Trainer
 from diloco.worker.outer_builder import group_name
 
@@ -82,12 +83,13 @@ def build_trainer(
     on_metrics: MetricsCallback | None = None,
     on_checkpoint: CheckpointCallback | None = None,
     stop_requested: Callable[[], bool] | None = None,
+    pipeline: PipelineRunner | None = None,
 ) -> Trainer:
     """The inner loop of one worker, complete: optimizer, schedule and data for its place in the job.
 
     ``worker`` and ``num_workers`` are its data-parallel index and the group's dp degree (the tp
-    workers of one dp index read the same batches). ``inner`` is the optimizer ``outer`` was
-    built with (``build_inner``); a new one otherwise.
+    workers and pipeline stages of one dp index read the same batches). ``inner`` is the optimizer
+    ``outer`` was built with (``build_inner``); a new one otherwise.
     ``outer`` is not started here: its owner starts and closes it around ``fit``.
     """
     optimizer, scheduler = inner if inner is not None else build_inner(job, model)
@@ -109,8 +111,12 @@ def build_trainer(
         pace=straggler_pace(job.faults, group),
         utilization=Utilization(
             flops_per_token(job.model, job.trainer.seq_len),
-            device_peak(job.cluster.peak_tflops, device).tflops * num_workers * job.parallel.tp,  # the group's devices
+            device_peak(job.cluster.peak_tflops, device).tflops
+            * num_workers
+            * job.parallel.tp
+            * job.parallel.pp,  # devices
         ),
+        pipeline=pipeline,
     )
 
 
@@ -149,21 +155,32 @@ class Replica:
     inner: InnerOptimizer
     n_params: int
     signature: str
+    pipeline: PipelineRunner | None = None  # with parallel.pp > 1: the schedule that runs this worker's stages
 
 
-def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device) -> Replica:
+def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device, rank: int) -> Replica:
+    """Worker ``rank``'s part of the model, sharded, with its inner optimizer (and pipeline schedule)."""
     from diloco.worker.sharding import shard_model  # lazily: the launcher imports this module for preflight
 
     torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
-    model = Transformer(job.model).to(device)
+    model = Transformer(job.model)  # on the host: with pipeline stages, only the worker's own go to the device
     if job.model.init_from:  # whole, before sharding: θ_l and the θ_g copied from it start pretrained
         load_pretrained(model, job.model)
     n_params, signature = count_parameters(model), param_signature(job.model, model)
-    apply_block_wrappers(model.layers, job.trainer, device)  # lazy: traced at the first forward, after sharding
+    apply_block_wrappers(model.layers.values(), job.trainer, device)  # lazy: traced at the first forward
     peak = device_peak(job.cluster.peak_tflops, device)  # measured (if it must be) before a spare takes over
     print(f"peak {peak.tflops:.4g} TFLOP/s per device ({peak.source})", flush=True)
-    sharded = shard_model(model, mesh, device, sequence_parallel=job.parallel.sequence_parallel)
-    return Replica(device, model, sharded, build_inner(job, model), n_params, signature)
+    parallel = job.parallel
+    position = parallel.pp_index(rank, job.cluster.workers_per_group)
+    if parallel.pp > 1:
+        model = split_for_worker(model, parallel, position)
+    model = model.to(device)
+    sharded = shard_model(model, mesh, device, sequence_parallel=parallel.sequence_parallel)
+    pipeline = None
+    if parallel.pp > 1:
+        microbatches = parallel.microbatches(job.trainer.microbatches)
+        pipeline = PipelineRunner(model, parallel, position, mesh["pp"].get_group(), device, microbatches)
+    return Replica(device, model, sharded, build_inner(job, model), n_params, signature, pipeline)
 
 
 def resume_folders(job: JobConfig, paths: RunPaths) -> dict[int, Path]:
@@ -182,6 +199,8 @@ def checkpoint_identity(job: JobConfig, signature: str, workers: int) -> dict[st
         "groups": job.cluster.groups,
         "workers": workers,
         "tp": job.parallel.tp,  # each rank's shards are cut by the mesh
+        "pp": job.parallel.pp,
+        "pp_blocks": job.parallel.blocks_per_stage(job.model.n_layers),  # and which blocks each stage holds
         "algo": job.algo.name,
         "fragments": job.algo.fragments,
         "windows_per_group": shard_windows(train_tokens, job.cluster.groups, job.trainer.seq_len),

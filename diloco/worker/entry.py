@@ -34,6 +34,7 @@ from diloco.run_paths import RunPaths
 from diloco.train.checkpoint import check_compatible
 from diloco.train.device import select_device
 from diloco.train.logger import start_wandb
+from diloco.train.pipeline import StageChunks, gather_stages
 from diloco.train.trainer import TrainResult
 from diloco.worker.builders import (
     Replica,
@@ -84,12 +85,12 @@ def run_worker(
     mesh = init_group(
         env,
         device,
-        tp=job.parallel.tp,
+        parallel=job.parallel,
         connect_timeout_s=job.cluster.timeouts.connect,
         collective_timeout_s=job.cluster.timeouts.collective,
     )
     try:
-        replica = build_replica(job, mesh, device)
+        replica = build_replica(job, mesh, device, env.rank)
         wandb_run = None
         if spare is not None:
             if env.rank == 0:
@@ -158,7 +159,7 @@ def _train_group(
         job,
         model,
         group=group,
-        worker=env.rank // job.parallel.tp,  # tp workers read the same batch: data splits over dp only
+        worker=job.parallel.dp_index(env.rank, env.world_size),  # data splits over dp only
         num_workers=job.parallel.dp(env.world_size),
         device=replica.device,
         inner=inner,
@@ -167,6 +168,7 @@ def _train_group(
         on_metrics=None if logger is None else logger.log,
         on_checkpoint=(lambda t: state.save(t, paths.root, group)) if job.trainer.checkpoint.enabled else None,
         stop_requested=stop.is_set,
+        pipeline=replica.pipeline,
     )
     if job.trainer.resume:
         folder = resume_folders(job, paths)[group]
@@ -181,7 +183,7 @@ def _train_group(
             outer.close()
     if result.interrupted and outer is not None:
         outer.load_global_into_local()  # what a planned stop keeps is the last committed global model
-    weights = _full_state_dict(model)
+    weights = _full_state_dict(model, job, env.rank)
     report = _result_record(group, result, replica.n_params, job.model.vocab_size)
     if outer is not None:
         report |= outer.report()
@@ -220,14 +222,25 @@ def saves_final_model(job: JobConfig, report: dict[str, Any]) -> bool:
     return end is not None and group_name(job.group.id) in end["holders"]
 
 
-def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Whole CPU weights on rank 0 (a collective where FSDP2 or tensor parallelism split them:
-    every worker must call it)."""
-    if not any(is_dtensor(p) for p in model.parameters()):
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def _full_state_dict(model: torch.nn.Module, job: JobConfig, rank: int) -> dict[str, torch.Tensor]:
+    """Whole CPU weights on rank 0 (a collective where FSDP2, tensor or pipeline parallelism split
+    them: every worker must call it)."""
+    roots = list(model.chunks) if isinstance(model, StageChunks) else [model]
+    weights: dict[str, torch.Tensor] = {}
+    for root in roots:
+        if not any(is_dtensor(p) for p in root.parameters()):
+            weights |= {k: v.detach().cpu() for k, v in root.state_dict().items()}
+            continue
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # With stages, each position's first worker sends its part to rank 0, so it needs it whole
+        # too (offloaded, only rank 0 would get it).
+        offload = job.parallel.pp == 1
+        whole = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+        weights |= {k: v.detach().cpu() for k, v in whole.items()}
+    if job.parallel.pp == 1:
+        return weights
+    return gather_stages(weights, job.model, job.parallel, rank, job.cluster.workers_per_group)
 
 
 def _result_record(group: int, result: TrainResult, n_params: int, vocab_size: int) -> dict[str, Any]:

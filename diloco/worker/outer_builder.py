@@ -41,12 +41,16 @@ def lighthouse_url(job: JobConfig) -> str:
 
 
 def build_fragments(job: JobConfig, model: nn.Module, device: torch.device) -> list[Fragment]:
-    """Split this worker's shard of θ_l into P fragments, each with an fp32 CPU θ_g and an outer optimizer."""
+    """Split this worker's shard of θ_l into P fragments, each with an fp32 CPU θ_g and an outer optimizer.
+
+    A pipeline stage may hold no block of a fragment: it still takes part in that fragment's
+    rounds (every stage of a group commits a round or none does) with an empty tensor in its place.
+    """
     params = dict(model.named_parameters())
     names = fragment_parameter_names(list(params), job.model.n_layers, job.algo.fragments, job.algo.pattern)
     fragments = []
     for index, fragment_names in enumerate(names):
-        local = [local_tensor(params[n]).detach() for n in fragment_names]
+        local = [local_tensor(params[n]).detach() for n in fragment_names] or [torch.zeros(0, device=device)]
         global_ = global_copy(local, pin_memory=device.type == "cuda")
         optimizer = build_outer_optimizer(global_, job.outer_opt)
         warmup_steps = job.outer_opt.momentum_warmup_steps

@@ -2,8 +2,9 @@
 
 Tensors (this worker's shard, by reference): θ_l (``model.*``), the inner optimizer's state
 (``inner.*``) and, with a synchronizer, θ_g and the outer optimizers' state (``global.*``,
-``outer.*``, named as a heal names them). Progress (JSON): the trainer's step and data
-position, the synchronizer's committed round and counters.
+``outer.*``, named as a heal names them) plus the group's own outer state (``error.*``:
+algo.compress's e). Progress (JSON): the trainer's step and data position, the
+synchronizer's committed round and counters.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class WorkerState:
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {f"model.{name}": local_tensor(p).detach() for name, p in self.model.named_parameters()}
         if self.outer is not None:
-            return named | self.outer.heal_state.tensors()
+            return named | self.outer.checkpoint_tensors()
         return named | inner_optimizer_tensors(self.inner_optimizer)
 
     def progress(self, trainer: Trainer) -> dict[str, Any]:
@@ -77,7 +78,7 @@ class WorkerState:
             live[name].copy_(tensor)
         rest = {k: v for k, v in loaded.items() if not k.startswith("model.")}
         if self.outer is not None:
-            self.outer.heal_state.load_tensors(rest)
+            self.outer.load_checkpoint_tensors(rest)
             self.outer.load_progress_state(progress["outer"])
         else:
             for name, tensor in rest.items():

@@ -69,11 +69,13 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, sequence_para
     }
     if sequence_parallel:
         top_plan["norm"] = SequenceParallel()
+    # A pipeline stage holds the embedding only if it is the first, the norm and head only if the last.
+    top_plan = {name: style for name, style in top_plan.items() if getattr(model, name) is not None}
     parallelize_module(model, mesh, top_plan)
     if tied:
         model.output.weight = model.tok_embeddings.weight  # the same rows, Shard(0), in both
     plan = block_plan(sequence_parallel)
-    for block in model.layers:
+    for block in model.layers.values():
         parallelize_module(block, mesh, plan)
     if sequence_parallel:
         return  # SequenceParallel made the norms' weights Replicate DTensors

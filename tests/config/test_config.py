@@ -206,6 +206,35 @@ def test_an_unknown_key_is_refused_at_composition():
             ["parallel.tp=2", "model.ffn_hidden_dim=171"],
             r"parallel\.tp=2: must divide the MLP width \(model\.ffn_hidden_dim\)=171",
         ),
+        (["parallel.pp=3"], r"parallel\.pp=3: pp x tp = 3 must divide cluster\.workers_per_group=2"),
+        (["parallel.pp=2", "parallel.tp=2"], r"parallel\.pp=2: pp x tp = 4 must divide cluster\.workers_per_group=2"),
+        (
+            ["parallel.pp=4", "cluster.workers_per_group=4"],
+            r"parallel\.pp=4: 4 stages .* for model\.n_layers=2 blocks: every stage needs at least one",
+        ),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
+            r"parallel\.pp=2: 4 stages \(pp x pp_stages_per_rank=2\) for model\.n_layers=2 blocks",
+        ),
+        (["parallel.pp=2", "trainer.microbatches=3"], r"trainer\.microbatches=3: must divide trainer\.batch_size=8"),
+        (["parallel.pp=2", "trainer.microbatches=1"], r"trainer\.microbatches=1: must be >= parallel\.pp=2 for .*1f1b"),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "model.n_layers=4"]
+            + ["trainer.batch_size=6", "trainer.microbatches=3"],
+            r"trainer\.microbatches=3: must be a multiple of parallel\.pp=2 for pp_schedule=interleaved_1f1b",
+        ),
+        (["trainer.microbatches=2"], r"trainer\.microbatches=2: cuts batches for pipeline stages only"),
+        (["parallel.pp=2", "model.tie_embeddings=true"], r"parallel\.pp=2: cannot split a model with tied embeddings"),
+        (["parallel.pp=2", "parallel.pp_split=[1]"], r"parallel\.pp_split=\[1\]: must give a positive block count"),
+        (
+            ["parallel.pp=2", "parallel.pp_split=[1,2]"],
+            r"parallel\.pp_split=\[1, 2\]: must add up to model\.n_layers=2",
+        ),
+        (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], r"pp_stages_per_rank=2: must be 1 for pp_schedule=1f1b"),
+        (
+            ["parallel.pp=2", "parallel.sequence_parallel=true", "parallel.tp=2", "cluster.workers_per_group=4"],
+            r"parallel\.sequence_parallel=True: does not compose with parallel\.pp=2",
+        ),
     ],
 )
 def test_invalid_values_name_the_key(overrides, message):

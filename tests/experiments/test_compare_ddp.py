@@ -20,6 +20,7 @@ from compare_ddp import (
     collect,
     collect_kept,
     parse_args,
+    plot_bytes,
     table,
     targets,
 )
@@ -168,3 +169,33 @@ def test_a_failed_baseline_gives_no_ratio_instead_of_nan(tmp_path):
     ]
     assert table(results).splitlines()[4] == "| diloco H=50 | 2 | 1.3500 | – | – | 0.0 | 1.5 |"
     assert targets(results) == ["- DiLoCo worse than local: none"]
+
+
+def test_sparse_rows_are_their_own_family_and_the_target_line_picks_the_best_frugal_one(tmp_path):
+    sparse, dense = by_name("sparseloco H=50 2% 2-bit"), by_name("diloco H=50")
+    assert sparse.family == "sparseloco" and dense.family == "diloco" and sparse.algo == "diloco"
+    results = [
+        collect(by_name("ddp"), canned_run(tmp_path / "a", 1.30, [1.30], bytes_per_token=3140.0)),
+        collect(by_name("local"), canned_run(tmp_path / "b", 1.50, [1.50])),
+        collect(dense, canned_run(tmp_path / "c", 1.35, [1.35], bytes_per_token=62.8)),
+        collect(sparse, canned_run(tmp_path / "d", 1.36, [1.36], bytes_per_token=0.6)),
+        collect(by_name("sparseloco H=20 3% 2-bit"), canned_run(tmp_path / "e", 1.55, [1.55], bytes_per_token=2.0)),
+    ]
+    lines = targets(results)
+    assert "- DiLoCo worse than local: none" in lines, "a sparse row is not DiLoCo in that line"
+    assert lines[-1] == (
+        "- M=2: sparseloco H=50 2% 2-bit sends 5,233x fewer bytes per token than ddp, loss +0.74% against DiLoCo H=50"
+    )
+
+
+def test_the_bytes_plot_is_drawn_or_says_why_not(tmp_path):
+    results = [
+        collect(by_name("ddp"), canned_run(tmp_path / "a", 1.30, [1.30], bytes_per_token=3140.0)),
+        collect(by_name("local"), canned_run(tmp_path / "b", 1.50, [1.50])),
+        collect(by_name("sparseloco H=50 2% 2-bit"), canned_run(tmp_path / "c", 1.36, [1.36], bytes_per_token=0.6)),
+    ]
+    drawn = plot_bytes(results, tmp_path / "bytes.png", "title")
+    if importlib.util.find_spec("matplotlib") is None:
+        assert drawn == NO_MATPLOTLIB
+    else:
+        assert (tmp_path / "bytes.png").stat().st_size > 0

@@ -93,3 +93,6 @@ def test_a_hundred_groups_against_a_real_lighthouse(tmp_path, capsys):
     assert run["answers"] >= 100 * run["rounds"] - 10, "nearly every group answered in every round"
     assert run["heartbeats_per_s"] > 50 and 0 < run["cpu_load"] and run["peak_rss_mb"] > 0, run
     assert math.isfinite(run["quorum_p99_ms"]) and math.isfinite(run["page_s"]), run
+    # Kept alive, as the real client keeps them: a few connections a group (one per request it has
+    # in flight at once), not one per request (some 30 heartbeats, asks, lane watches and commits each).
+    assert run["round_calls"]["connections"] <= 5 * run["groups"], run["round_calls"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.launch.local_cluster import LocalCluster, log_tail
+from diloco.launch.local_cluster import LocalCluster, log_tail, wait_until
 from diloco.launch.summary import state_losses
 from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
@@ -119,6 +119,10 @@ ALGOS = {
 # Tensor (and sequence) parallelism inside each group: either of the two ranks' shards heals from the same
 # rank of a peer.
 STREAMING_TP2 = [*ALGOS["streaming"], "cluster.workers_per_group=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
+# Two pipeline stages: only the last stage's worker is killed; the first stage's fails out of the
+# pipeline (it does not wait forever), and the restarted group heals each stage from the same rank of a peer.
+STREAMING_PP2 = [*ALGOS["streaming"], "cluster.workers_per_group=2", "parallel.pp=2", "trainer.batch_size=2"]
+LAYOUTS = {"streaming, tp 2": STREAMING_TP2, "streaming, pp 2": STREAMING_PP2}
 
 
 @pytest.mark.parametrize("algo", ["diloco", "streaming"])
@@ -134,19 +138,23 @@ def test_three_groups_hold_identical_state_after_every_commit(job_factory, algo)
     assert len({r["rounds"] for r in results}) == 1
 
 
-@pytest.mark.parametrize("algo", [*sorted(ALGOS), "streaming, tp 2"])
+@pytest.mark.parametrize("algo", [*sorted(ALGOS), *LAYOUTS])
 def test_killed_group_is_left_out_then_heals_when_restarted(job_factory, algo):
-    job = job_factory("trainer.max_steps=100000", *ALGOS.get(algo, STREAMING_TP2))
+    job = job_factory("trainer.max_steps=100000", *ALGOS.get(algo, LAYOUTS.get(algo)))
     job.start(range(3))
     job.cluster.wait_for(
         lambda: all(job.committed_with(g, ALL3) for g in range(3)), 120, "a round committed by all three"
     )
+    timeouts = job.job.cluster.timeouts
+    if algo == "streaming, pp 2":
+        first, last = sorted(job.cluster.groups[2], key=lambda w: w.rank)
+        last.process.send_signal(signal.SIGKILL)
+        wait_until(lambda: first.process.poll() is not None, timeouts.collective + 30, "stage 0 to fail out")
     job.cluster.signal_group(2, signal.SIGKILL)
     killed_at_round = job.rounds_of(0)
     stall = job.cluster.wait_for(
         lambda: job.committed_with(0, ["group0", "group1"], killed_at_round), 60, "survivors to commit without group2"
     )
-    timeouts = job.job.cluster.timeouts
     assert stall < timeouts.heartbeat + timeouts.join + timeouts.collective + 5
     job.cluster.start_group(2)
     before = job.rounds_of(0)

@@ -45,3 +45,8 @@ def test_the_training_config_holds_what_groups_must_share_and_nothing_per_group(
     other = training_config(compose_job(["cluster.groups=3", "algo.sync_every=25", "trainer.max_steps=500"]))
     assert config_differences(one, other) == ["algo.sync_every: job 50, this group 25"]
     assert one["inner_opt.betas"] == [0.9, 0.95]  # JSON-friendly: what the lighthouse receives compares equal
+    staged = training_config(compose_job(["cluster.groups=3", "parallel.pp=2", "parallel.pp_split=[1,1]"]))
+    assert config_differences(one, staged) == [
+        "parallel.pp: job 1, this group 2",
+        "parallel.pp_split: job [], this group [1, 1]",
+    ], "groups of other meshes are refused: their lanes would reduce other stages' parameters"

@@ -49,6 +49,7 @@ from diloco.ft.protocol import (
 )
 from diloco.ft.quorum import JobEnd
 from tests.conftest import NO_PROXY, REPO
+from tests.hang_guard import in_thread
 
 JOB, SIG, TOKEN = "job-1", "sig-abc", "s3cret"
 FAST = QuorumRules(min_groups=1, join_timeout_s=0.3, heartbeat_timeout_s=1.0)
@@ -166,29 +167,6 @@ class ManualClock:
 def waiting(lh: Lighthouse) -> set[str]:
     """The groups whose quorum request is open, as /status shows them."""
     return {g["id"] for g in status(lh)["groups"] if g["waiting_for_quorum"]}
-
-
-def in_thread(call: Callable[[], object]) -> Callable[..., object]:
-    """Start ``call`` in a thread; the function returned waits for it and gives what it returned,
-    or the exception it raised. Its ``guard_s`` is a hang guard, not a time bound: a call still
-    running then fails the test instead of hanging it."""
-    box: list = []
-
-    def run() -> None:
-        try:
-            box.append(call())
-        except Exception as e:  # noqa: BLE001 (the test inspects it)
-            box.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-
-    def result(guard_s: float = 60.0) -> object:
-        thread.join(guard_s)
-        assert not thread.is_alive(), f"the call did not return within the {guard_s:g} s hang guard"
-        return box[0]
-
-    return result
 
 
 def outcome(call: Callable[[], object]) -> object:

@@ -132,7 +132,7 @@ def test_a_diloco_job_from_a_llama_checkpoint_exports_to_transformers_with_equal
     with torch.no_grad():
         torch.testing.assert_close(theirs(TOKENS).logits, ours.eval()(TOKENS), rtol=0, atol=1e-5)
     source = imported(tmp_path / "moved")
-    assert not torch.equal(source.layers[0].attention.wq.weight, ours.layers[0].attention.wq.weight)  # it trained
+    assert not torch.equal(source.layers["0"].attention.wq.weight, ours.layers["0"].attention.wq.weight)  # it trained
 
 
 @pytest.mark.slow

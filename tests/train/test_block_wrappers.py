@@ -24,7 +24,9 @@ TINY = ModelConfig()
 def _model(activation_checkpoint: str = "none", compile: bool = False) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(TINY)
-    apply_block_wrappers(model.layers, TrainerConfig(activation_checkpoint=activation_checkpoint, compile=compile), CPU)
+    apply_block_wrappers(
+        model.layers.values(), TrainerConfig(activation_checkpoint=activation_checkpoint, compile=compile), CPU
+    )
     return model
 
 

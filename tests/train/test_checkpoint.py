@@ -181,9 +181,14 @@ RESUMABLE += ["trainer.checkpoint.every=20", "trainer.max_steps=40"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [[], ["parallel.tp=2", "parallel.sequence_parallel=true"]], ids=["fsdp", "tp"])
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.pp=2"]],
+    ids=["fsdp", "tp", "pp"],
+)
 def test_a_resumed_job_equals_the_uninterrupted_one_bit_for_bit(tmp_path, layout):
-    """2 groups x 2 workers, FSDP2- or tensor-parallel-sharded: each worker saves and restores only its own shard."""
+    """2 groups x 2 workers, FSDP2-sharded, tensor-parallel or in two pipeline stages: each worker
+    saves and restores only its own shard."""
     whole = launch(compose_job([*RESUMABLE, *layout]), tmp_path / "whole")
     assert whole["ok"], whole["failure"]
     halfway = step_dir(tmp_path / "whole", 20)
@@ -203,7 +208,8 @@ def test_a_resumed_job_equals_the_uninterrupted_one_bit_for_bit(tmp_path, layout
     with pytest.raises(ConfigError, match="written with workers=2, this job has 1"):
         launch(compose_job([*RESUMABLE, "cluster.workers_per_group=1", f"trainer.resume={halfway}"]), tmp_path / "x")
     if layout:  # the same workers cut another way hold other shards
-        with pytest.raises(ConfigError, match="written with tp=2, this job has 1"):
+        key = layout[0].split("=")[0].removeprefix("parallel.")
+        with pytest.raises(ConfigError, match=f"written with {key}=2, this job has 1"):
             launch(compose_job([*RESUMABLE, f"trainer.resume={halfway}"]), tmp_path / "y")
 
 

@@ -112,7 +112,7 @@ def test_tied_embeddings_share_one_parameter() -> None:
 def test_init_weights_scales_residual_projections_and_resets_norms() -> None:
     cfg = dataclasses.replace(TINY, dim=256, n_layers=8, n_heads=4, n_kv_heads=4)
     model = build(cfg)
-    block = model.layers[0]
+    block = model.layers["0"]
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     assert block.attention.wq.weight.std().item() == pytest.approx(cfg.init_std, rel=0.05)
     assert block.attention.wo.weight.std().item() == pytest.approx(residual_std, rel=0.05)
@@ -139,7 +139,7 @@ def test_meta_materialisation_then_init_weights_matches_eager() -> None:
 def test_rotary_buffers_stay_out_of_blocks_and_state_dict() -> None:
     model = build()
     assert "rope_cos" not in model.state_dict()
-    assert all(not list(block.buffers()) for block in model.layers)
+    assert all(not list(block.buffers()) for block in model.layers.values())
 
 
 @pytest.mark.parametrize(
@@ -215,9 +215,9 @@ def test_llama3_1b_preset_structure() -> None:
     cfg = load_preset("llama3_1b")
     model = meta_model(cfg)
     assert len(model.layers) == 16
-    attn = model.layers[0].attention
+    attn = model.layers["0"].attention
     assert (attn.n_heads, attn.n_kv_heads) == (32, 8)
     assert attn.wk.weight.shape == (8 * 64, 2048)
-    assert model.layers[0].feed_forward.w1.weight.shape == (8192, 2048)
+    assert model.layers["0"].feed_forward.w1.weight.shape == (8192, 2048)
     assert model.output.weight is model.tok_embeddings.weight
     assert 0.9e9 <= count_parameters(model) <= 1.0e9

@@ -1,0 +1,216 @@
+"""Chunked top-k payloads with low-bit values and error feedback: pure functions, no network.
+
+SparseLoCo (arXiv 2508.15706) sends, per outer round, only the k largest-magnitude entries of
+each fixed-size chunk of the flattened pseudo-gradient, their values in a few bits, and keeps
+what it did not send in a per-group error-feedback buffer e (DeMo, arXiv 2411.19870, does the
+same on DCT chunks):
+
+    a = β·e + Δ        ŝ = decode(encode(a))        e ← a − ŝ
+
+so nothing is lost, only delayed: ŝ + e_new = a (up to the rounding of the one subtraction,
+none for 32-bit values or values whose difference is exact). The decayed e plays the part of DiLoCo's
+outer momentum (the paper steps θ_g with plain SGD on the average of the ŝ).
+
+Payload of ``numel`` values in C = ceil(numel / chunk) chunks of k kept entries each, one flat
+uint8 tensor of fixed size (``nbytes``), so every group's payload gathers in one all_gather:
+
+    [fp32 section | indices: C·k codes of log2(chunk) bits | values: C·k codes of b bits]
+
+With b = 32 bits the fp32 section is the kept values themselves and there is no value
+section; with b < 32 it holds two scales (lo, hi) per chunk: the smallest and largest kept
+magnitude. A b-bit code is a sign bit and one of L = 2^(b−1) magnitudes evenly spaced on
+[lo, hi] (L = 1: the chunk's mean kept magnitude), nearest level. The last chunk is
+zero-padded; an index into the padding decodes to nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from diloco.config.algo import VALUE_BITS
+
+CHUNK = 4096  # the paper's chunk: 64 x 64 entries, as DeMo's DCT blocks
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The codec of ``algo.compress=topk``: keep ``density`` of each ``chunk``, values in ``value_bits``."""
+
+    density: float
+    value_bits: int = 2
+    chunk: int = CHUNK
+
+    def __post_init__(self) -> None:
+        if not 0 < self.density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {self.density!r}")
+        if self.value_bits not in VALUE_BITS:
+            raise ValueError(f"value_bits must be one of {VALUE_BITS}, got {self.value_bits!r}")
+        if self.chunk < 2:
+            raise ValueError(f"chunk must be >= 2, got {self.chunk!r}")
+
+    def width(self, numel: int) -> int:
+        """The chunk length for ``numel`` values: a tensor smaller than a chunk is one chunk of its own size."""
+        return max(1, min(self.chunk, numel))
+
+    def kept(self, numel: int) -> int:
+        """k, entries kept per chunk: density of the chunk, at least one."""
+        return max(1, round(self.density * self.width(numel)))
+
+    def chunks(self, numel: int) -> int:
+        return math.ceil(numel / self.width(numel))
+
+    def index_bits(self, numel: int) -> int:
+        return max(1, math.ceil(math.log2(self.width(numel))))
+
+    def nbytes(self, numel: int) -> int:
+        """Exact size of ``encode`` for ``numel`` values: what one group sends to each peer."""
+        n = self.chunks(numel) * self.kept(numel)
+        if self.value_bits == 32:
+            return 4 * n + _packed_len(n, self.index_bits(numel))
+        return 8 * self.chunks(numel) + _packed_len(n, self.index_bits(numel)) + _packed_len(n, self.value_bits)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The payload of a 1-D fp32 tensor: each chunk's k largest magnitudes, indices and values."""
+        if x.dim() != 1 or x.dtype != torch.float32:
+            raise ValueError(f"encode takes a 1-D fp32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
+        numel, width, k = x.numel(), self.width(x.numel()), self.kept(x.numel())
+        rows = torch.zeros(self.chunks(numel) * width, dtype=torch.float32, device=x.device)
+        rows[:numel] = x.detach()
+        rows = rows.view(-1, width)
+        index = rows.abs().topk(k, dim=1, sorted=False).indices
+        values = rows.gather(1, index)
+        packed_index = _pack(index.reshape(-1), self.index_bits(numel))
+        if self.value_bits == 32:
+            return torch.cat([_as_bytes(values), packed_index])
+        scales, codes = _quantize(values, self.value_bits)
+        return torch.cat([_as_bytes(scales), packed_index, _pack(codes.reshape(-1), self.value_bits)])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """The fp32 tensor of ``numel`` values ``payload`` stands for: zeros but at the kept entries."""
+        expected = self.nbytes(numel)
+        if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != expected:
+            raise ValueError(
+                f"a topk payload of {numel} values must be a 1-D uint8 tensor of {expected} bytes, "
+                f"got {payload.dtype} of shape {tuple(payload.shape)}"
+            )
+        c, width, k = self.chunks(numel), self.width(numel), self.kept(numel)
+        n = c * k
+        head = 4 * n if self.value_bits == 32 else 8 * c
+        index_end = head + _packed_len(n, self.index_bits(numel))
+        index = _unpack(payload[head:index_end], self.index_bits(numel), n).view(c, k)
+        fp32 = _as_float(payload[:head])
+        if self.value_bits == 32:
+            values = fp32.view(c, k)
+        else:
+            codes = _unpack(payload[index_end:], self.value_bits, n).view(c, k)
+            values = _dequantize(fp32.view(c, 2), codes, self.value_bits)
+        out = torch.zeros(c, width, dtype=torch.float32, device=payload.device)
+        out.scatter_(1, index, values)
+        return out.view(-1)[:numel]
+
+
+def feedback(
+    codec: TopK, delta: torch.Tensor, error: torch.Tensor, decay: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One round of error feedback: (payload, ŝ = what it decodes to, the new e = a − ŝ), a = β·e + Δ.
+
+    β = 0 is no feedback: a = Δ (0·e is exact for a finite e).
+    """
+    accumulated = delta + decay * error if decay else delta.clone()
+    payload = codec.encode(accumulated)
+    sent = codec.decode(payload, accumulated.numel())
+    return payload, sent, accumulated - sent
+
+
+def outgoing(
+    codec: TopK, delta: torch.Tensor, error: torch.Tensor, decay: float, weight: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a group sends this round (on the CPU) and the e it keeps if the round commits, encoded on ``device``.
+
+    At weight 0 (a healing group, or a non-finite Δ) Δ is not the group's work: a blank payload
+    of the same size, so the gather keeps its shape, and no new e (None: e stays as it was).
+    """
+    if weight <= 0:
+        return torch.zeros(codec.nbytes(delta.numel()), dtype=torch.uint8), None
+    payload, _, new_error = feedback(codec, delta.to(device), error.to(device), decay)
+    return payload.cpu(), new_error.cpu()
+
+
+def reduce_sparse(gathered: list[torch.Tensor], weights: list[float], codec: TopK, numel: int) -> torch.Tensor:
+    """Σ_m w_m·ŝ_m in fp32, in list (rank) order, so every group gets the same bits; a w_m = 0 adds nothing."""
+    if len(gathered) != len(weights) or not gathered:
+        raise ValueError(f"need one weight per payload, got {len(gathered)} payloads and {len(weights)} weights")
+    total = torch.zeros(numel, dtype=torch.float32, device=gathered[0].device)
+    for payload, weight in zip(gathered, weights):
+        if weight:
+            total += codec.decode(payload, numel) * weight
+    return total
+
+
+def _quantize(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk (row): scales [lo, hi] of the kept magnitudes and each value's b-bit code, sign bit on top."""
+    levels = 1 << (bits - 1)
+    magnitude = values.abs()
+    if levels == 1:
+        mean = magnitude.mean(dim=1)
+        scales = torch.stack([mean, mean], dim=1)
+        level = torch.zeros_like(magnitude, dtype=torch.int64)
+    else:
+        scales = torch.stack([magnitude.amin(dim=1), magnitude.amax(dim=1)], dim=1)
+        step = _step(scales, levels)
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        level = ((magnitude - scales[:, :1]) / safe).round().clamp(0, levels - 1).to(torch.int64)
+    sign = (values < 0).to(torch.int64) << (bits - 1)
+    return scales, sign | level
+
+
+def _dequantize(scales: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The values the codes stand for: ±(lo + level·(hi − lo)/(L − 1)); the inverse of ``_quantize``."""
+    levels = 1 << (bits - 1)
+    magnitude = scales[:, :1] + (codes & (levels - 1)).to(torch.float32) * _step(scales, levels)
+    return torch.where((codes >> (bits - 1)).bool(), -magnitude, magnitude)
+
+
+def _step(scales: torch.Tensor, levels: int) -> torch.Tensor:
+    """(hi − lo) / (L − 1) per chunk as a column; 0 for L = 1. A 0-d tensor divisor, as quantize.py's."""
+    if levels == 1:
+        return torch.zeros_like(scales[:, :1])
+    return (scales[:, 1:] - scales[:, :1]) / torch.tensor(float(levels - 1), device=scales.device)
+
+
+def _packed_len(n: int, bits: int) -> int:
+    return math.ceil(n * bits / 8)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Non-negative int codes < 2^bits, ``bits`` each, little-endian bit order, into ceil(n·bits/8) bytes."""
+    shifts = torch.arange(bits, device=codes.device)
+    bits_flat = ((codes[:, None] >> shifts) & 1).to(torch.uint8).reshape(-1)
+    pad = (-bits_flat.numel()) % 8
+    if pad:
+        bits_flat = torch.cat([bits_flat, bits_flat.new_zeros(pad)])
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=codes.device)
+    return (bits_flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The ``n`` int64 codes ``_pack`` wrote into ``packed``."""
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    flat = ((packed[:, None] >> shifts) & 1).reshape(-1)[: n * bits].view(n, bits).to(torch.int64)
+    weights = torch.tensor([1 << i for i in range(bits)], dtype=torch.int64, device=packed.device)
+    return (flat * weights).sum(dim=1)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def _as_float(u8: torch.Tensor) -> torch.Tensor:
+    """View bytes as fp32; copy first when the slice is not 4-byte aligned."""
+    try:
+        return u8.view(torch.float32)
+    except RuntimeError:
+        return u8.clone().view(torch.float32)
