@@ -81,7 +81,7 @@ def launch_reduce(
     takes seconds on the CPU). Every step is elementwise IEEE arithmetic, so the bits equal the
     CPU's and groups on different devices still agree.
     """
-    extras = torch.zeros(0, dtype=torch.float32) if extras is None else extras.to(torch.float32)
+    extras = _as_float32(extras)
     if fmt == "none":
         n = delta.numel()
         buffer = torch.cat([delta * weight, torch.tensor([weight], dtype=torch.float32), extras])
@@ -99,9 +99,7 @@ def launch_reduce(
             return reduce_quantized([p.to(codec) for p in payloads], fmt, delta.numel()).to(delta.device)
 
         pending = _gather_and_sum(lane, payload, weight, extras, size, decode_sum)
-    if bucket is not None:
-        pending.bucket, pending.ready_at = bucket, bucket.reserve(pending.bytes_sent)
-    return pending
+    return _held_back(pending, bucket)
 
 
 def launch_sparse_reduce(
@@ -120,16 +118,14 @@ def launch_sparse_reduce(
     Every member sends a payload of the same size whatever it holds (a healing group: zeros, weight
     0), so the gather has one shape. ``result`` is Σ w_m·ŝ_m / Σ w_m on the CPU, in fp32.
     """
-    extras = torch.zeros(0, dtype=torch.float32) if extras is None else extras.to(torch.float32)
+    extras = _as_float32(extras)
     device = codec_device or payload.device
 
     def decode_sum(payloads: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
         return reduce_sparse([p.to(device) for p in payloads], weights, codec, numel).cpu()
 
     pending = _gather_and_sum(lane, payload.cpu(), weight, extras, size, decode_sum)
-    if bucket is not None:
-        pending.bucket, pending.ready_at = bucket, bucket.reserve(pending.bytes_sent)
-    return pending
+    return _held_back(pending, bucket)
 
 
 def _gather_and_sum(
@@ -157,3 +153,14 @@ def _gather_and_sum(
         return weighted_mean(summed, sum(weights)), sum((h[1:] for h in heads), torch.zeros_like(extras))
 
     return PendingReduce(work, finish, (size - 1) * packed.nbytes)
+
+
+def _as_float32(extras: torch.Tensor | None) -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.float32) if extras is None else extras.to(torch.float32)
+
+
+def _held_back(pending: PendingReduce, bucket: TokenBucket | None) -> PendingReduce:
+    """With a ``bucket``, the result waits until the link has carried the bytes this member sends."""
+    if bucket is not None:
+        pending.bucket, pending.ready_at = bucket, bucket.reserve(pending.bytes_sent)
+    return pending
