@@ -16,7 +16,7 @@ class OuterOptConfig:
     Each optimizer reads only the fields it uses (its builder's docstring lists them); the
     others are ignored. The defaults are DiLoCo's: SGD with Nesterov momentum, lr 0.7,
     momentum 0.9 (arXiv 2311.08105, section 3), with the momentum warmed up over the first
-    1,000 inner steps (this project's recipe for training from scratch). ``nesterov`` is read
+    500 inner steps (this project's recipe for training from scratch). ``nesterov`` is read
     by ``sgd`` (the yaml preset sets it false: heavy-ball momentum) and must stay true for
     ``nesterov``. ``eps``
     defaults to 0.1, the value the DiLoCo paper found stable for an outer Adam.
@@ -31,7 +31,7 @@ class OuterOptConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 0.1
     weight_decay: float = 0.0
-    momentum_warmup_steps: int = 1000
+    momentum_warmup_steps: int = 500
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first ``outer_opt.*`` key that cannot build an optimizer."""

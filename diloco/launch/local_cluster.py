@@ -84,8 +84,9 @@ def free_port(host: str) -> int:
 
 
 def threads_per_worker(total_workers: int) -> int:
-    """Split this machine's cores between its workers so they do not oversubscribe them."""
-    return max(1, (os.cpu_count() or 1) // total_workers)
+    """Split the cores this process may run on (its affinity: a Slurm or taskset share, not the
+    whole machine) between its workers so they do not oversubscribe them."""
+    return max(1, len(os.sched_getaffinity(0)) // total_workers)
 
 
 def resolve_lighthouse(job: JobConfig) -> JobConfig:

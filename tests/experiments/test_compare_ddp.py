@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import multiprocessing
 import re
 from pathlib import Path
 
@@ -16,11 +17,17 @@ from compare_ddp import (
     CONFIGS,
     EXPERIMENT,
     Config,
+    CorePool,
+    RunResult,
+    band,
+    by_config,
     chosen,
     collect,
     collect_kept,
     parse_args,
+    plan,
     plot_bytes,
+    seed_table,
     table,
     targets,
 )
@@ -69,6 +76,21 @@ def test_configurations_are_chosen_by_name_and_group_count():
         names("--only", "diloco H=7")
 
 
+def test_the_grid_runs_seed_by_seed_and_set_applies_to_every_row_that_does_not_name_its_own(tmp_path):
+    rows = ["diloco H=50", "diloco H=50, μ warm-up 500 steps"]
+    argv = ["--only", *rows, "--groups", "2", "--seeds", "2", "--first-seed", "4"]
+    args = parse_args([*argv, "--set", "outer_opt.momentum_warmup_steps=700"])
+    planned = plan(args, tmp_path, ["model=tiny"], "tiny", 1000)
+    assert [(p.config.name, p.seed, p.job.trainer.seed) for p in planned] == [
+        (rows[0], 4, 4),
+        (rows[1], 4, 4),
+        (rows[0], 5, 5),
+        (rows[1], 5, 5),
+    ]
+    assert [p.job.outer_opt.momentum_warmup_steps for p in planned] == [700, 500, 700, 500]
+    assert planned[3].marker["seed"] == 5 and len({p.run_dir for p in planned}) == 4
+
+
 def test_the_paper_preset_is_the_published_outer_step_and_reset():
     job = compose_like_run_py(["+experiment=diloco_paper"])
     opt = job.outer_opt
@@ -111,16 +133,21 @@ def test_table_gives_ratio_to_ddp_and_gap_closed_against_the_same_group_count(tm
         collect(by_name("diloco H=50", 4), canned_run(tmp_path / "f", 9.99, [2.3], ok=False)),
     ]
     lines = table(results).splitlines()
-    assert lines[0] == "| config | M | final eval loss | vs ddp | gap closed | bytes/token | wall min |"
-    assert lines[2] == "| ddp | 2 | 1.3000 | +0.0% | 100% | 0.0 | 1.5 |"
-    assert lines[3] == "| local | 2 | 1.5000 | +15.4% | 0% | 0.0 | 1.5 |"
-    assert lines[4] == "| diloco H=50 | 2 | 1.3500 | +3.8% | 75% | 12.5 | 1.5 |"
-    assert lines[5] == "| diloco H=10 | 2 | 1.5500 | +19.2% | -25% | 0.0 | 1.5 |"
-    assert lines[6] == "| ddp | 4 | 1.2000 | +0.0% | – | 0.0 | 1.5 |", "no local run at M=4: no gap"
-    assert lines[7].startswith("| diloco H=50 (failed: group 1 never committed a round) | 4 | nan | – | – |")
+    assert lines[0] == (
+        "| config | M | seeds | eval loss, mean | worst | spread | vs ddp | gap closed, mean | worst | bytes/token"
+        " | wall min |"
+    )
+    assert lines[2] == "| ddp | 2 | 1 | 1.3000 | 1.3000 | 0.0000 | +0.0% | 100% | 100% | 0.0 | 1.5 |"
+    assert lines[3] == "| local | 2 | 1 | 1.5000 | 1.5000 | 0.0000 | +15.4% | 0% | 0% | 0.0 | 1.5 |"
+    assert lines[4] == "| diloco H=50 | 2 | 1 | 1.3500 | 1.3500 | 0.0000 | +3.8% | 75% | 75% | 12.5 | 1.5 |"
+    assert lines[5] == "| diloco H=10 | 2 | 1 | 1.5500 | 1.5500 | 0.0000 | +19.2% | -25% | -25% | 0.0 | 1.5 |"
+    assert lines[6] == "| ddp | 4 | 1 | 1.2000 | 1.2000 | 0.0000 | +0.0% | – | – | 0.0 | 1.5 |", "no local at M=4"
+    assert lines[7].startswith(
+        "| diloco H=50 (failed: seed 0: group 1 never committed a round) | 4 | 1 | nan | nan | nan | – | – | – |"
+    )
     assert targets(results) == [
-        "- gap closed by DiLoCo M=2 H=50 with the defaults: 75%",
-        "- DiLoCo worse than local: diloco H=10",
+        "- gap closed by DiLoCo M=2 H=50 with the defaults: mean 75%, worst 75% (1 seeds)",
+        "- DiLoCo worse than local: diloco H=10 M=2 seed 0",
     ]
     # the curve: job tokens at each evaluation; the last point is the final (global) model's loss
     assert results[2].curve == [(100 * 2048, 2.2), (200 * 2048, 1.35)]
@@ -129,30 +156,42 @@ def test_table_gives_ratio_to_ddp_and_gap_closed_against_the_same_group_count(tm
 
 
 def test_runs_kept_by_several_invocations_make_one_table_in_the_tables_order(tmp_path):
-    def kept(where: Path, config: Config, loss: float, steps: int = 5000) -> None:
+    def kept(where: Path, config: Config, loss: float, steps: int = 5000, seed: int | None = None) -> None:
         canned_run(where, loss, [2.0, loss])
         row = {"name": config.name, "groups": config.groups, "overrides": list(config.overrides)}
-        (where / CONFIG_FILE).write_text(json.dumps(row | {"model": "mini", "steps": steps}))
+        row |= {"model": "mini", "steps": steps} | ({} if seed is None else {"seed": seed})  # none: an older run
+        (where / CONFIG_FILE).write_text(json.dumps(row))
 
     kept(tmp_path / "session2" / "run0", by_name("diloco H=50", 4), 1.10)
     kept(tmp_path / "session1" / "run1", by_name("diloco H=50"), 1.07)
     kept(tmp_path / "session1" / "run0", by_name("ddp"), 1.06)
     (tmp_path / "session2" / "unfinished").mkdir()
     (tmp_path / "session2" / "unfinished" / CONFIG_FILE).write_text("{}")  # no summary yet: left out
-    results, model, steps = collect_kept([tmp_path / "session1", tmp_path / "session2"])
+    results, model, steps, device = collect_kept([tmp_path / "session1", tmp_path / "session2"])
     assert [(r.config.name, r.config.groups) for r in results] == [("ddp", 2), ("diloco H=50", 2), ("diloco H=50", 4)]
-    assert (model, steps) == ("mini", 5000) and results[1].loss == 1.07
+    assert (model, steps, device) == ("mini", 5000, "cpu") and results[1].loss == 1.07
+    kept(tmp_path / "session2" / "run1", by_name("diloco H=50"), 1.05, seed=1)
+    results, *_ = collect_kept([tmp_path / "session1", tmp_path / "session2"])
+    assert [(r.config.name, r.seed, r.loss) for r in results][1:3] == [
+        ("diloco H=50", 0, 1.07),
+        ("diloco H=50", 1, 1.05),
+    ]
     kept(tmp_path / "session3" / "run0", by_name("local"), 1.2, steps=1000)
-    with pytest.raises(SystemExit, match="need finished runs of one model and length"):
+    with pytest.raises(SystemExit, match="need finished runs of one model, length and device"):
         collect_kept([tmp_path])
 
 
 @pytest.mark.slow
-def test_compare_ddp_quick(tmp_path, capsys):
-    out, _ = run_main("compare_ddp.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S, capsys)
-    rows = re.findall(r"^\| (ddp|local|diloco H=50) \| 2 \| ([\d.]+) \| ([-+\d.]+)% \| (-?\d+)% \|", out, re.MULTILINE)
+def test_compare_ddp_quick_at_two_seeds_two_jobs_at_a_time(tmp_path, capsys):
+    args = ["--quick", "--seeds", "2", "--first-seed", "1", "--jobs", "2", "--results", str(tmp_path)]
+    out, _ = run_main("compare_ddp.py", args, TIMEOUT_S, capsys)
+    rows = re.findall(
+        r"^\| (ddp|local|diloco H=50) \| 2 \| 2 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", out, re.MULTILINE
+    )
     assert [r[0] for r in rows] == ["ddp", "local", "diloco H=50"], out
-    assert all(float(r[1]) < 5.0 for r in rows), f"every run trained below the untrained ln 256 = 5.55:\n{out}"
+    assert all(float(r[2]) < 5.0 for r in rows), f"every run trained below the untrained ln 256 = 5.55:\n{out}"
+    assert all(float(r[3]) > 0 for r in rows), f"the seeds are different runs:\n{out}"
+    assert "| config | M | seed 1 | seed 2 |" in out and "trainer.seed 1, 2." in out
     assert "gap closed by DiLoCo M=2 H=50 with the defaults" in out
     assert (tmp_path / "compare_ddp_tiny_100.md").read_text().strip() == out.strip()
     if importlib.util.find_spec("matplotlib") is None:  # CI installs .[dev] only
@@ -167,7 +206,9 @@ def test_a_failed_baseline_gives_no_ratio_instead_of_nan(tmp_path):
         collect(by_name("local"), canned_run(tmp_path / "b", 1.50, [1.50])),
         collect(by_name("diloco H=50"), canned_run(tmp_path / "c", 1.35, [1.35])),
     ]
-    assert table(results).splitlines()[4] == "| diloco H=50 | 2 | 1.3500 | – | – | 0.0 | 1.5 |"
+    assert (
+        table(results).splitlines()[4] == "| diloco H=50 | 2 | 1 | 1.3500 | 1.3500 | 0.0000 | – | – | – | 0.0 | 1.5 |"
+    )
     assert targets(results) == ["- DiLoCo worse than local: none"]
 
 
@@ -199,3 +240,42 @@ def test_the_bytes_plot_is_drawn_or_says_why_not(tmp_path):
         assert drawn == NO_MATPLOTLIB
     else:
         assert (tmp_path / "bytes.png").stat().st_size > 0
+
+
+def test_seeds_give_mean_worst_and_spread_each_seed_against_its_own_baselines(tmp_path):
+    def run(name: str, seed: int, loss: float, groups: int = 2, curve: tuple[float, ...] = ()) -> RunResult:
+        where = canned_run(tmp_path / f"{name}-{groups}-{seed}", loss, [*curve, loss])
+        return collect(by_name(name, groups), where, seed)
+
+    results = [
+        *(run("ddp", s, loss) for s, loss in ((1, 1.30), (2, 1.34))),
+        *(run("local", s, loss) for s, loss in ((1, 1.50), (2, 1.50))),
+        run("diloco H=50", 1, 1.35, curve=(2.0,)),
+        run("diloco H=50", 2, 1.46, curve=(2.4,)),  # 25% of its own seed's gap: ddp 1.34 there
+        *(run("diloco H=100", s, loss) for s, loss in ((1, 1.40), (2, 1.52))),
+        *(run("streaming H=100 P=4 τ=1 fp4", s, loss) for s, loss in ((1, 1.386), (2, 1.52))),
+        *(run("ddp", s, loss, groups=4) for s, loss in ((1, 1.20), (2, 1.00))),
+        *(run("diloco H=50", s, loss, groups=4) for s, loss in ((1, 1.26), (2, 1.01))),
+    ]
+    lines = table(results).splitlines()
+    assert lines[4] == "| diloco H=50 | 2 | 2 | 1.4050 | 1.4600 | 0.1100 | +6.4% | 50% | 25% | 0.0 | 1.5 |"
+    assert seed_table(results).splitlines()[4] == "| diloco H=50 | 2 | 1.3500 (75%) | 1.4600 (25%) |"
+    assert targets(results) == [
+        "- gap closed by DiLoCo M=2 H=50 with the defaults: mean 50%, worst 25% (2 seeds)",
+        "- DiLoCo worse than local: diloco H=100 M=2 seed 2, streaming H=100 P=4 τ=1 fp4 M=2 seed 2",
+        "- DiLoCo M=4 H=50 against ddp: mean +3.0%, worst +5.0%",
+        "- streaming vs DiLoCo at H=100: mean -0.50%, worst +0.00%",
+    ]
+    # the plot's band: at each evaluation the mean, the best and the worst seed
+    (default,) = [row for row in by_config(results) if row.config == by_name("diloco H=50")]
+    tokens, mean, best, worst = band(default)
+    assert len(tokens) == 2 and mean == pytest.approx([2.2, 1.405]) and (best, worst) == ([2.0, 1.35], [2.4, 1.46])
+
+
+def test_concurrent_jobs_borrow_a_core_per_worker_and_give_them_back():
+    pool = CorePool(multiprocessing.get_context("spawn"))
+    with pool.lend(1) as one:
+        with pool.lend(len(pool.cores) - 1) as rest:
+            assert len(one) == 1 and one.isdisjoint(rest) and one | rest == set(pool.cores)
+    with pool.lend(len(pool.cores) + 3) as everything:  # more workers than cores: they share all of them
+        assert everything == set(pool.cores)
