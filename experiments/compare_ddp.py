@@ -507,7 +507,8 @@ def plan(args: argparse.Namespace, root: Path, shared: list[str], model: str, st
         for config in chosen(args):
             overrides = [*shared, *args.set, f"cluster.groups={config.groups}", f"trainer.seed={seed}"]
             overrides += config.overrides  # last: a row's own setting beats --set
-            marker = dataclasses.asdict(config) | {"model": model, "steps": steps, "seed": seed, "device": args.device}
+            marker = dataclasses.asdict(config) | {"model": model, "steps": steps, "seed": seed}
+            marker |= {"device": args.device, "set": args.set}  # --set is recorded, not part of the row's name
             job = compose_job(overrides, EXPERIMENT)
             out.append(Planned(config, seed, job, root / f"run{len(out)}", marker))
     return out

@@ -89,6 +89,7 @@ def test_the_grid_runs_seed_by_seed_and_set_applies_to_every_row_that_does_not_n
     ]
     assert [p.job.outer_opt.momentum_warmup_steps for p in planned] == [700, 500, 700, 500]
     assert planned[3].marker["seed"] == 5 and len({p.run_dir for p in planned}) == 4
+    assert planned[0].marker["set"] == ["outer_opt.momentum_warmup_steps=700"], "what --collect can tell"
 
 
 def test_the_paper_preset_is_the_published_outer_step_and_reset():
