@@ -14,7 +14,7 @@ import torch
 
 from diloco.launch.inference import locate_weights, read_weights
 from diloco.train.checkpoint import step_dir
-from tests.layouts import assert_close, trained
+from tests.layouts import assert_close, assert_same_norms, trained
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +46,8 @@ def test_every_schedule_equals_the_run_without_stages(fast_job, tmp_path):
     fsdp2 = run(fast_job, tmp_path, "fsdp2", "cluster.workers_per_group=2")
     pp2_dp2 = run(fast_job, tmp_path, "pp2_dp2", *PP2_DP2)
     assert_close(pp2_dp2, fsdp2, TOLERANCE)
+    for layout, reference in (("gpipe", "one"), ("interleaved_tp2", "one"), ("pp2_dp2", "fsdp2")):
+        assert_same_norms(tmp_path / layout, tmp_path / reference)  # each entry counted once, whatever its stage
     # role=eval from a checkpoint: each pipeline position's shards of θ_g joined, the positions put together
     weights, _ = locate_weights(str(step_dir(tmp_path / "pp2_dp2", 20)))
     joined = read_weights(weights, fast_job(*FOUR_BLOCKS, *PP2_DP2))

@@ -11,7 +11,7 @@ import torch
 
 from diloco.launch.inference import locate_weights, read_weights
 from diloco.train.checkpoint import step_dir
-from tests.layouts import assert_close, trained
+from tests.layouts import assert_close, assert_same_norms, trained
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +33,8 @@ def test_tp2_equals_one_worker_and_dp2_x_tp2_sequence_parallel_equals_fsdp2_with
     fsdp2 = run(fast_job, tmp_path, "fsdp2", "cluster.workers_per_group=2")
     dp2_tp2 = run(fast_job, tmp_path, "dp2_tp2", *DP2_TP2_SP)
     assert_close(dp2_tp2, fsdp2, TOLERANCE)
+    assert_same_norms(tmp_path / "tp2", tmp_path / "one")  # tensor parallelism's replicated norms counted once
+    assert_same_norms(tmp_path / "dp2_tp2", tmp_path / "fsdp2")
     # role=eval from a checkpoint: the 4 workers' shards of θ_g joined by the tensor-parallel layout
     job = fast_job(*DP2_TP2_SP)
     weights, _ = locate_weights(str(step_dir(tmp_path / "dp2_tp2", 20)))  # role=eval checkpoint=...

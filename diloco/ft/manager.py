@@ -306,6 +306,14 @@ class Manager:
             self.lanes.drop()
         self.last_commit_failed = not ok
 
+    def sum_over_ranks(self, value: float) -> float:
+        """``value`` summed over every rank of the group (a collective: call it on all of them)."""
+        if self.inner_pg is None:
+            return value
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total, group=self.inner_pg)
+        return float(total.item())
+
     def all_ranks(self, ok: bool) -> bool:
         """True only if ``ok`` holds on every rank of the group (a MIN all-reduce)."""
         if self.inner_pg is None:

@@ -34,6 +34,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def counted_here(t: torch.Tensor) -> bool:
+    """Whether this worker counts its shard of ``t`` in a sum over the group's workers: a tensor
+    replicated over a mesh dimension (tensor parallelism's norms) is counted by that dimension's
+    rank 0 only, so each entry of the model is counted once."""
+    if not is_dtensor(t):
+        return True
+    coordinate = t.device_mesh.get_coordinate()
+    return all(c == 0 for placement, c in zip(t.placements, coordinate, strict=True) if placement.is_replicate())
+
+
 @dataclasses.dataclass(frozen=True)
 class Position:
     """Where a group stands when it sends its state: what the receiver takes over.

@@ -15,6 +15,7 @@ The arithmetic of each step is ``update``'s; this module decides when and with w
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -52,6 +53,9 @@ class Fragment:
     global_: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
     momentum_warmup: MomentumWarmup | None = None  # None: the optimizer's own constant momentum
+    # Per tensor of ``local``: whether this rank counts it in the group's ‖Δ̄‖. A tensor replicated
+    # over a mesh dimension (tensor parallelism's norms) is counted by that dimension's rank 0 only.
+    owned: list[bool] | None = None  # None: every tensor (a worker that holds them alone)
     tokens_since_sync: int = 0
     # algo.compress=topk: this group's error-feedback buffer e (flat fp32, CPU). Local state
     # (DESIGN invariant 10): checkpointed, never healed from a peer nor in the digest.
@@ -406,8 +410,9 @@ class OuterSync(Synchronizer):
             average = None
         committed = self.manager.commit(flight.round, average is not None)
         tokens = 0.0
+        schedule = {}
         if committed:
-            self._outer_step(fragment, average, flight.launch_step, flight.round.size)
+            schedule = self._outer_step(fragment, average, flight.launch_step, flight.round.size)
             if flight.errors and flight.errors[i] is not None:
                 fragment.error.copy_(flight.errors[i])
             self.bytes_sent += flight.bytes_sent[i]
@@ -417,19 +422,37 @@ class OuterSync(Synchronizer):
             reset_local(fragment.global_, fragment.local)
         fragment.tokens_since_sync = 0
         sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
-        return self._record(flight.round, committed, step, sync_ms, tokens)
+        return self._record(flight.round, committed, step, sync_ms, tokens) | schedule
 
-    def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int, groups: int) -> None:
+    def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int, groups: int) -> dict[str, float]:
         """``outer_update`` with this round's schedules: μ warmed up to the launch step, α(s, M).
 
         Both read only the round's launch step and group count, which every group of the
         round shares (a healing group joins its peers' round), so all groups step alike.
+        Returns them with the fragment's ‖Δ̄‖ over the whole group (a collective), as metrics.
         """
         if fragment.momentum_warmup is not None:
             fragment.momentum_warmup.apply(launch_step)
         alpha = self.algo.mixing_alpha(launch_step, groups)
+        squares = self.manager.sum_over_ranks(owned_square_sum(average, fragment))
         outer_update(fragment.global_, fragment.local, average, fragment.optimizer, alpha)
         self._state_changed(fragment.index)
+        schedule = {"outer/pseudo_grad_norm": math.sqrt(squares), "outer/alpha": alpha}
+        momentum = fragment.optimizer.param_groups[0].get("momentum")
+        return schedule | ({"outer/momentum": float(momentum)} if momentum is not None else {})
+
+
+def owned_square_sum(average: torch.Tensor, fragment: Fragment) -> float:
+    """Σ Δ̄² over the entries of this rank's shard that it alone counts (``Fragment.owned``):
+    summed over the group's ranks, the square of the whole fragment's ‖Δ̄‖ whatever the layout."""
+    owned = fragment.owned or [True] * len(fragment.local)
+    total, offset = 0.0, 0
+    for tensor, counted in zip(fragment.local, owned, strict=True):
+        if counted:
+            values = average[offset : offset + tensor.numel()]
+            total += torch.dot(values, values).item()  # no temporary the size of the tensor
+        offset += tensor.numel()
+    return total
 
 
 def run_in_background(work: Callable[[], None], name: str) -> Future:

@@ -17,7 +17,7 @@ from diloco.ft.fault_requests import FaultHook
 from diloco.ft.lane_watch import LaneWatcher
 from diloco.ft.lanes import Lanes
 from diloco.ft.manager import Manager
-from diloco.ft.state import HealState, local_tensor
+from diloco.ft.state import HealState, counted_here, local_tensor
 from diloco.outer.auto_overlap import AutoOverlap
 from diloco.outer.bandwidth import bucket_for
 from diloco.outer.ddp_sync import GradientSync
@@ -51,12 +51,15 @@ def build_fragments(job: JobConfig, model: nn.Module, device: torch.device) -> l
     fragments = []
     for index, fragment_names in enumerate(names):
         local = [local_tensor(params[n]).detach() for n in fragment_names] or [torch.zeros(0, device=device)]
+        owned = [counted_here(params[n]) for n in fragment_names] or [True]
         global_ = global_copy(local, pin_memory=device.type == "cuda")
         optimizer = build_outer_optimizer(global_, job.outer_opt)
         warmup_steps = job.outer_opt.momentum_warmup_steps
         warmup = MomentumWarmup(optimizer, warmup_steps) if warmup_steps else None
         fragments.append(
-            Fragment(index=index, local=local, global_=global_, optimizer=optimizer, momentum_warmup=warmup)
+            Fragment(
+                index=index, local=local, global_=global_, optimizer=optimizer, momentum_warmup=warmup, owned=owned
+            )
         )
     return fragments
 
