@@ -345,14 +345,14 @@ def targets(results: list[RunResult]) -> list[str]:
             lines.append(
                 f"- streaming vs DiLoCo at H=100: mean {100 * _mean(ratios):+.2f}%, worst {100 * max(ratios):+.2f}%"
             )
-    lines += [_sparse_target(results, groups) for groups in (2, 4)]
+    lines += [_sparse_target(found, groups) for groups in (2, 4)]
     return [line for line in lines if line]
 
 
-def _sparse_target(results: list[RunResult], groups: int) -> str:
+def _sparse_target(found: dict[tuple[str, int], Row], groups: int) -> str:
     """Issue 38's target: the sparse row with the lowest mean loss among those sending >= 3,000x fewer
-    bytes per token than ddp, against DiLoCo H=50 with the defaults, at M groups ("" without those runs)."""
-    found = {(row.config.name, row.config.groups): row for row in by_config(results)}
+    bytes per token than ddp, against DiLoCo H=50 with the defaults, at M groups ("" without those runs).
+    ``found``: the table's rows by (name, M)."""
     ddp = next((row for row in found.values() if row.config.algo == "ddp" and row.config.groups == groups), None)
     default = found.get(("diloco H=50", groups))
     sparse = [row for row in found.values() if row.config.family == "sparseloco" and row.config.groups == groups]
