@@ -6,8 +6,8 @@ processes that speak the real protocol over HTTP: every group heartbeats at the 
 (``cluster.timeouts.heartbeat`` / ``HEARTBEATS_PER_TIMEOUT``, with progress for the status
 page), asks for a quorum every window (a long poll, asks spread over ``--spread`` seconds),
 and a few groups die (the launcher's ``/recovery`` notice follows at once) and come back
-after ``REJOIN_S`` to heal. The launcher's own watch asks ``/status`` twice a second; an
-operator loads the status page every 5 s.
+after ``REJOIN_S`` to heal. The launcher's own watch asks ``/alive`` twice a second; an
+operator loads the status page and ``/status`` every 5 s.
 
 Measured: quorum latency from the last ask (when each participant's answer had come in, minus
 when the round's last ask went out, both taken on the connection as the bytes move; steady
@@ -27,6 +27,7 @@ own messages (``diloco.ft.protocol``), and answers are parsed with its functions
     python experiments/lighthouse_scale.py            # 100, 300 and 1,000 groups: ~5 min on two cores
     python experiments/lighthouse_scale.py --quick    # 100 groups, 4 rounds 2 s apart: ~20 s
     python experiments/lighthouse_scale.py --nice -20 # as root on a shared machine (the table in docs/results.md)
+    python experiments/lighthouse_scale.py --lighthouse-cpus 0  # the lighthouse on a core of its own
     python experiments/lighthouse_scale.py --groups 1000 --rounds 20
 
 Prints a markdown table and the target checks to stdout and experiments/results/lighthouse_scale.md
@@ -70,8 +71,8 @@ from diloco.worker.outer_builder import HEARTBEATS_PER_TIMEOUT
 
 SIGNATURE = "lighthouse-scale"
 REJOIN_S = 1.5  # a dead group's replacement starts this long after the death
-STATUS_EVERY_S = 0.5  # the launcher's watch (diloco.launch.lighthouse_watch.ASK_EVERY_S)
-PAGE_EVERY_S = 5.0  # an operator's browser on the status page
+WATCH_EVERY_S = 0.5  # the launcher's watch on /alive (diloco.launch.lighthouse_watch.ASK_EVERY_S)
+PAGE_EVERY_S = 5.0  # an operator's browser on the status page, a dashboard on /status
 TARGET_P99_MS = 100.0
 TARGET_CPU = 0.5
 TARGET_PAGE_S = 1.0
@@ -382,8 +383,21 @@ def prioritize(pid: int, nice: int) -> None:
             autogroup.write_text(str(nice))
 
 
-def _senders_main(plan: Plan, groups: list[str], conn: Any, nice: int) -> None:
+def pin(pid: int, cpus: set[int]) -> None:
+    """Run every thread of process ``pid`` (0: this one) on ``cpus`` only; threads it starts later
+    inherit it. No-op for an empty set."""
+    if not cpus:
+        return
+    for task in Path(f"/proc/{pid or 'self'}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+def _senders_main(plan: Plan, groups: list[str], conn: Any, nice: int, cpus: set[int]) -> None:
     prioritize(0, nice)
+    pin(0, cpus)
     senders = Senders(plan, groups)
     began, cpu = time.monotonic(), time.process_time()
     asyncio.run(senders.run())
@@ -456,9 +470,11 @@ def run_scale(groups: int, args: argparse.Namespace, root: Path) -> dict[str, An
     lifeline = Lifeline()
     lighthouse = exec_lighthouse(run_dir, SIGNATURE, run_dir / "logs" / "lighthouse.log", lifeline)
     prioritize(lighthouse.pid, args.nice)  # before it starts a thread: they inherit it
+    pin(lighthouse.pid, args.lighthouse_cpus)
     url = f"http://{job.cluster.lighthouse.host}:{job.cluster.lighthouse.port}"
     try:
         wait_serving(url, lighthouse.pid)
+        pin(lighthouse.pid, args.lighthouse_cpus)  # any thread started before the first pin took
         return measure(job, url, lighthouse.pid, groups, args)
     finally:
         lighthouse.terminate()
@@ -492,12 +508,15 @@ def measure(job: Any, url: str, pid: int, groups: int, args: argparse.Namespace)
     for i in range(args.senders):
         ours, theirs = context.Pipe(duplex=False)
         process = context.Process(
-            target=_senders_main, args=(plan, names[i :: args.senders], theirs, args.nice), daemon=True
+            target=_senders_main,
+            args=(plan, names[i :: args.senders], theirs, args.nice, args.others_cpus),
+            daemon=True,
         )
         process.start()
         pipes.append(ours)
         processes.append(process)
-    status, page = Fetcher(url + "/status", STATUS_EVERY_S), Fetcher(url + "/", PAGE_EVERY_S)
+    watch = Fetcher(url + "/alive", WATCH_EVERY_S)
+    status, page = Fetcher(url + "/status", PAGE_EVERY_S), Fetcher(url + "/", PAGE_EVERY_S)
     marks = {}
     for name, at in (
         ("hb_from", start + 2.0),
@@ -507,13 +526,13 @@ def measure(job: Any, url: str, pid: int, groups: int, args: argparse.Namespace)
         time.sleep(max(0.0, at - time.monotonic()))
         marks[name] = (time.monotonic(), cpu_seconds(pid))
         if name == "hb_to":
-            status.start()
-            page.start()
+            for fetcher in (watch, status, page):
+                fetcher.start()
     time.sleep(max(0.0, plan.end - time.monotonic()))
     marks["load_to"] = (time.monotonic(), cpu_seconds(pid))
     memory = memory_mb(pid)
-    status.stop.set()
-    page.stop.set()
+    for fetcher in (watch, status, page):
+        fetcher.stop.set()
     results = [p.recv() for p in pipes]
     for process in processes:
         process.join(timeout=30)
@@ -543,6 +562,7 @@ def measure(job: Any, url: str, pid: int, groups: int, args: argparse.Namespace)
         "cpu_load": share("load_from", "load_to"),
         "rss_mb": memory.get("VmRSS", float("nan")),
         "peak_rss_mb": memory.get("VmHWM", float("nan")),
+        "alive_ms": 1000 * max(watch.seconds, default=float("nan")),
         "status_s": max(status.seconds, default=float("nan")),
         "status_median_s": percentile(status.seconds, 50),
         "status_kb": max(status.sizes, default=0) / 1024,
@@ -596,6 +616,7 @@ HEADERS = [
     "CPU: heartbeats only",
     "CPU: whole load",
     "peak RSS MiB",
+    "/alive ms (max)",
     "/status s (max)",
     "page s (max)",
     "errors",
@@ -613,6 +634,7 @@ def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
             f"{100 * r['cpu_heartbeats']:.0f}%",
             f"{100 * r['cpu_load']:.0f}%",
             f"{r['peak_rss_mb']:.0f}",
+            f"{r['alive_ms']:.1f}",
             f"{r['status_s']:.3f} ({r['status_kb']:,.0f} KiB)",
             f"{r['page_s']:.3f} ({r['page_kb']:,.0f} KiB)",
             str(sum(r["errors"].values())),
@@ -634,11 +656,17 @@ def targets(run: dict[str, Any]) -> list[str]:
     ]
 
 
+def _cpus(cpus: set[int]) -> str:
+    return ", ".join(map(str, sorted(cpus)))
+
+
 def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     settings = (
         f"window {args.window:g} s, asks spread over {args.spread:g} s, {args.rounds} rounds, "
         f"{args.deaths} deaths (each announced, back {REJOIN_S:g} s later), {args.senders} sender processes"
     )
+    if args.lighthouse_cpus:
+        settings += f"; the lighthouse on CPU {_cpus(args.lighthouse_cpus)}, the senders on {_cpus(args.others_cpus)}"
     errors = {k: n for r in runs for k, n in r["errors"].items()}
     lines = [
         (
@@ -675,8 +703,21 @@ def main() -> None:
         help="scheduling priority of the lighthouse and the senders, their sessions' too (negative, as root: "
         "a machine shared with other work then delays neither; the CPU measured is the lighthouse's own either way)",
     )
+    parser.add_argument(
+        "--lighthouse-cpus",
+        type=int,
+        nargs="+",
+        default=[],
+        help="run the lighthouse on these CPUs and the senders on the rest: "
+        "the lighthouse on a host of its own, as a real job runs it, without the senders taking its core",
+    )
     add_output_arguments(parser)
     args = parser.parse_args()
+    ours = os.sched_getaffinity(0)
+    args.lighthouse_cpus = set(args.lighthouse_cpus)
+    args.others_cpus = ours - args.lighthouse_cpus if args.lighthouse_cpus else set()
+    if args.lighthouse_cpus and (not args.others_cpus or not args.lighthouse_cpus <= ours):
+        parser.error(f"--lighthouse-cpus must be some, not all, of this process's CPUs {_cpus(ours)}")
     if args.quick:
         args.groups, args.rounds, args.deaths, args.heartbeats_only, args.window = [100], 4, 2, 2.0, 2.0
     stop_on_sigterm()

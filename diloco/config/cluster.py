@@ -77,7 +77,7 @@ class TimeoutsConfig:
     long a planned stop (Ctrl-C) waits for the groups to finish their round and save;
     ``recovery``: how much longer than its predicted return the survivors' rounds wait for a
     dead group's replacement (when the launcher chose to wait for it); ``lighthouse``: how long
-    a local job's lighthouse may leave /status unanswered before the launcher replaces it (hung).
+    a local job's lighthouse may leave /alive unanswered before the launcher replaces it (hung).
     """
 
     connect: float = 60.0

@@ -1,4 +1,4 @@
-"""The lighthouse's HTTP front: GET / (the status page) and /status, POST to the protocol's endpoints.
+"""The lighthouse's HTTP front: GET / (the status page), /status and /alive, POST to the protocol's endpoints.
 
 Each request is handed to the ``Lighthouse`` the server carries (``server.lighthouse``); a body
 over the limit or without a length is refused before it is read.
@@ -11,7 +11,8 @@ Replies are queued, and this thread writes them: no thread waits per open reques
 per long poll cost every round at 1,000 groups 2,000 thread starts and their wake-ups fighting
 for the GIL, and the last ask's grant came 1.4 s late (issue 33,
 experiments/lighthouse_scale.py). Only the status page and /status, slow to render, get a
-thread, which queues its answer the same way. An answer that does not fit the socket at once
+thread, which queues its answer the same way; /alive (the pid, for the launcher's watch) is
+answered on the spot. An answer that does not fit the socket at once
 is finished when the socket can take more.
 
 Connections are kept alive: an HTTP/1.1 request without ``Connection: close`` gets its answer
@@ -250,10 +251,12 @@ class LighthouseHTTPServer:
                 connection.keep = False  # its body was not read (or drained only in part)
                 return self._answer(connection, *_error(error))
             return self._guarded(self._post, connection)
+        if method == "GET" and path == "/alive":
+            return self._guarded(self._alive, connection)
         if method == "GET" and path in ("/", "/status"):
             threading.Thread(target=self._guarded, args=(self._page, connection), daemon=True).start()
             return
-        paths = f"GET / or /status, POST {' or '.join(ENDPOINTS)}"
+        paths = f"GET / or /status or /alive, POST {' or '.join(ENDPOINTS)}"
         self._answer(connection, *_error(ErrorAnswer(ErrorCode.NOT_FOUND, f"unknown path {path!r}: {paths}")))
 
     def _guarded(self, answer: Callable[[_Connection], None], connection: _Connection) -> None:
@@ -282,6 +285,9 @@ class LighthouseHTTPServer:
         if answer is not None:  # else parked: the lighthouse calls the reply
             status, payload = answer
             self._answer(connection, status, payload if isinstance(payload, bytes) else json.dumps(payload).encode())
+
+    def _alive(self, connection: _Connection) -> None:
+        self._answer(connection, 200, json.dumps(self.lighthouse.alive()).encode())
 
     def _page(self, connection: _Connection) -> None:
         """GET / or /status, off the loop: rendering 1,000 groups takes a while."""

@@ -239,12 +239,13 @@ class Lighthouse:
         return cached[2]
 
     def _heartbeat(self, beat: Heartbeat) -> None:
+        progress = GroupProgress.from_json(beat.progress)  # outside the lock: the request loop's own work
         with self._lock:
             self._book.heartbeat(
                 beat.group, self._clock(), quorum_id_seen=beat.quorum_id, step=beat.step, finished=beat.finished
             )
             self._steps[beat.group] = beat.step
-            self._board.progress(beat.group, GroupProgress.from_json(beat.progress))
+            self._board.progress(beat.group, progress)
 
     def _recovery(self, notice: RecoveryNotice) -> None:
         with self._lock:
@@ -470,11 +471,19 @@ class Lighthouse:
                 del self._waiters[group]
 
     # -- status --------------------------------------------------------------------------
+    def alive(self) -> dict[str, int]:
+        """What /alive serves: the pid, so a launcher tells its own lighthouse from another process
+        on the port, asked twice a second by its watch. It takes the lock, as every request does: a
+        lighthouse stuck holding it is silent here too. /status, a snapshot of every group, had
+        served the watch: about 1 MB and 0.4 s to build at 1,000 groups (issue 33)."""
+        with self._lock:
+            return {"pid": os.getpid()}
+
     def status(self) -> dict[str, Any]:
         """What /status serves: a read-only snapshot, holding no secrets (the pid lets a launcher
         tell its own lighthouse from another process on the port)."""
         with self._lock:
-            return {"pid": os.getpid()} | status_page.build_status(
+            snap = status_page.snapshot(
                 self.job_id,
                 self._identity.signature,
                 self._book,
@@ -484,6 +493,7 @@ class Lighthouse:
                 self._clock(),
                 self._board,
             )
+        return {"pid": os.getpid()} | status_page.build_status(snap)
 
 
 def _host_store(host: str, port: int) -> dist.TCPStore:

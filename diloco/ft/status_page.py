@@ -15,8 +15,9 @@ from collections.abc import Iterable, Mapping
 from html import escape
 from typing import Any
 
+from diloco.config.cluster import QuorumRules
 from diloco.ft.protocol import GroupProgress
-from diloco.ft.quorum import Quorum, QuorumBook
+from diloco.ft.quorum import JobEnd, Quorum, QuorumBook
 
 REFRESH_S = 2
 TIMELINE_EVENTS = 500
@@ -81,7 +82,31 @@ class StatusBoard:
         self.timeline.append({"time": time.time(), "kind": kind, "group": group, "detail": detail})
 
 
-def build_status(
+@dataclasses.dataclass(frozen=True)
+class StatusSnapshot:
+    """What /status shows, copied under the lighthouse's lock: containers copied, their immutable
+    records (progress, quorums, the end) shared. Building the JSON from it happens after the lock
+    is released: at 1,000 groups building it under the lock took 40-380 ms, during which every
+    heartbeat, ask and commit waited on the request loop (issue 33)."""
+
+    job_id: str
+    signature: str | None
+    now: float  # the lighthouse's clock
+    last_heartbeat: dict[str, float]
+    healthy: frozenset[str]
+    pending: frozenset[str]
+    finished: frozenset[str]
+    steps: dict[str, int]
+    progress: dict[str, GroupProgress]
+    curves: dict[str, list[tuple[int, float]]]  # already thinned to what is shown
+    current: tuple[Quorum, float] | None
+    history: list[dict[str, Any]]
+    timeline: list[dict[str, Any]]
+    ended: JobEnd | None
+    rules: QuorumRules
+
+
+def snapshot(
     job_id: str,
     signature: str | None,
     book: QuorumBook,
@@ -89,43 +114,62 @@ def build_status(
     current: tuple[Quorum, float] | None,
     history: Iterable[dict[str, Any]],
     now: float,
-    board: StatusBoard | None = None,
-) -> dict[str, Any]:
+    board: StatusBoard,
+) -> StatusSnapshot:
+    """The lighthouse's state as /status shows it, cheap to take under its lock (see ``StatusSnapshot``)."""
+    per_curve = SHOWN_POINTS // max(len(board.curves), 1)
+    return StatusSnapshot(
+        job_id=job_id,
+        signature=signature,
+        now=now,
+        last_heartbeat=dict(book.last_heartbeat),
+        healthy=frozenset(book.healthy(now)),
+        pending=frozenset(book.pending),
+        finished=frozenset(book.finished),
+        steps=dict(steps),
+        progress=dict(board.latest),
+        curves={g: list(_thinned(curve.points, per_curve)) for g, curve in board.curves.items()},
+        current=current,
+        history=list(history),
+        timeline=list(board.timeline),
+        ended=book.ended,
+        rules=book.rules,
+    )
+
+
+def build_status(snap: StatusSnapshot) -> dict[str, Any]:
     """The /status JSON: groups, the current quorum and recent ones, the rules, each group's
     loss curve and the timeline of joins, losses, heals and the end. No secrets.
 
     ``now`` and ``current``'s formation time are on the lighthouse's clock; ``history`` and
     ``timeline`` hold wall-clock times, and ``now`` in the answer is wall-clock too.
     """
-    healthy = book.healthy(now)
-    board = board or StatusBoard()
+    now = snap.now
     groups = [
         {
             "id": g,
-            "step": steps.get(g),
+            "step": snap.steps.get(g),
             "since_heartbeat_s": round(now - t, 3),
-            "healthy": g in healthy,
-            "waiting_for_quorum": g in book.pending,
-            "finished": g in book.finished,
+            "healthy": g in snap.healthy,
+            "waiting_for_quorum": g in snap.pending,
+            "finished": g in snap.finished,
         }
-        | board.latest.get(g, GroupProgress()).to_json()
-        for g, t in sorted(book.last_heartbeat.items())
+        | snap.progress.get(g, GroupProgress()).to_json()
+        for g, t in sorted(snap.last_heartbeat.items())
     ]
+    current = snap.current
     quorum = None if current is None else {**current[0].to_json(), "age_s": round(now - current[1], 3)}
     return {
-        "job": job_id,
-        "model_signature": signature,
+        "job": snap.job_id,
+        "model_signature": snap.signature,
         "now": time.time(),
         "groups": groups,
         "quorum": quorum,
-        "ended": None if book.ended is None else book.ended.to_json(),
-        "history": list(history),
-        "timeline": list(board.timeline),
-        "curves": {
-            g: _thinned(curve.points, SHOWN_POINTS // max(len(board.curves), 1))
-            for g, curve in sorted(board.curves.items())
-        },
-        "rules": dataclasses.asdict(book.rules),
+        "ended": None if snap.ended is None else snap.ended.to_json(),
+        "history": snap.history,
+        "timeline": snap.timeline,
+        "curves": dict(sorted(snap.curves.items())),
+        "rules": dataclasses.asdict(snap.rules),
     }
 
 

@@ -3,7 +3,7 @@
 A lighthouse that hangs (SIGSTOP, a deadlock) looks alive to ``poll()`` while every group's
 request waits out its timeout; a group's other workers then time out in their collectives and
 the group crashes, again after each restart. So the launcher asks the lighthouse for
-``/status`` in the background, and the supervisor replaces one that stayed silent for
+``/alive`` (its pid) in the background, and the supervisor replaces one that stayed silent for
 ``cluster.timeouts.lighthouse`` seconds, as it replaces a dead one.
 """
 
@@ -19,7 +19,7 @@ ASK_EVERY_S = 0.5
 
 
 class LighthouseWatch:
-    """Asks ``url`` for /status every ``ASK_EVERY_S`` in a daemon thread. Silence is counted from
+    """Asks ``url`` for /alive every ``ASK_EVERY_S`` in a daemon thread. Silence is counted from
     the first question left unanswered, not from the last answer: a launcher that was itself
     stopped for a while (SIGSTOP, a suspended laptop) asked nothing meanwhile and blames no one.
     ``clock`` (seconds) times the silence; a test moves its own by hand."""

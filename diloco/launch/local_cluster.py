@@ -101,9 +101,9 @@ def resolve_lighthouse(job: JobConfig) -> JobConfig:
 
 
 def serving_pid(url: str) -> int | None:
-    """The pid the lighthouse at ``url`` reports on /status (None: nothing there answers as a lighthouse)."""
+    """The pid the lighthouse at ``url`` reports on /alive (None: nothing there answers as a lighthouse)."""
     try:
-        with _NO_PROXY.open(url + "/status", timeout=1.0) as response:
+        with _NO_PROXY.open(url + "/alive", timeout=1.0) as response:
             return int(json.loads(response.read())["pid"])
     except (OSError, ValueError, KeyError, TypeError):  # refused, reset, timeout, not a lighthouse
         return None
@@ -235,7 +235,7 @@ class LocalCluster:
     def start_lighthouse(self) -> None:
         """Start the lighthouse and wait (bounded by the connect timeout) until it serves.
 
-        Its /status must name its own pid: another process already listening on a fixed port
+        Its /alive must name its own pid: another process already listening on a fixed port
         (a lighthouse left from another job, say) is never taken for this job's. With
         ``cluster.spawn=fork`` it is forked from the fork server (a restart costs a fork, not
         seconds of imports while no group has a quorum); the first call starts that server.

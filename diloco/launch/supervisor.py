@@ -193,7 +193,7 @@ class Supervisor:
 
     def _check_lighthouse(self, now: float) -> None:
         """A lighthouse that died unplanned is restarted at once (it exits 0 only after the job's
-        end); one that hung (silent on /status past ``cluster.timeouts.lighthouse``) is killed first.
+        end); one that hung (silent on /alive past ``cluster.timeouts.lighthouse``) is killed first.
 
         Only deaths in a row within ``LIGHTHOUSE_SETTLED_S`` of a start count toward
         ``max_restarts`` (a crash loop); one that served for longer was killed, not broken.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +31,7 @@ def canned_run(groups: int, p99_ms: float, cpu: float, page_s: float) -> dict:
         "cpu_heartbeats": 0.2,
         "cpu_load": cpu,
         "peak_rss_mb": 250.4,
+        "alive_ms": 2.5,
         "status_s": 0.0512,
         "status_kb": 450.0,
         "page_s": page_s,
@@ -69,6 +71,7 @@ def test_table_and_targets_on_canned_numbers():
         "20%",
         "45%",
         "250",
+        "2.5",
         "0.051 (450 KiB)",
         "1.500 (470 KiB)",
         "2",
@@ -78,21 +81,26 @@ def test_table_and_targets_on_canned_numbers():
         "- the lighthouse under 0.5 of a core at 1,000 groups: 0.45: PASS",
         "- the status page under 1 s at 1,000 groups: 1.500 s: FAIL",
     ]
-    args = SimpleNamespace(window=5.0, spread=0.5, rounds=12, deaths=4, senders=2)
+    args = SimpleNamespace(
+        window=5.0, spread=0.5, rounds=12, deaths=4, senders=2, lighthouse_cpus={0}, others_cpus={1, 2}
+    )
     text = report(runs, args)
     assert "| 100 | 12 | 3.2 / 5.0 |" in text and "quorum p99 within 100 ms at 1,000 groups" in text
+    assert "the lighthouse on CPU 0, the senders on 1, 2" in text
     assert text.endswith("errors: heartbeat TimeoutError x2")
 
 
 @pytest.mark.slow
 def test_a_hundred_groups_against_a_real_lighthouse(tmp_path, capsys):
-    out, _ = run_main("lighthouse_scale.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S, capsys)
+    cpus = os.sched_getaffinity(0)
+    pinned = ["--lighthouse-cpus", str(min(cpus))] if len(cpus) > 1 else []
+    out, _ = run_main("lighthouse_scale.py", ["--quick", *pinned, "--results", str(tmp_path)], TIMEOUT_S, capsys)
     assert (tmp_path / "lighthouse_scale.md").read_text().strip() == out.strip()
     [run] = json.loads((tmp_path / "lighthouse_scale.json").read_text())
     assert run["groups"] == 100 and run["rounds"] >= 3, run
     assert run["answers"] >= 100 * run["rounds"] - 10, "nearly every group answered in every round"
     assert run["heartbeats_per_s"] > 50 and 0 < run["cpu_load"] and run["peak_rss_mb"] > 0, run
-    assert math.isfinite(run["quorum_p99_ms"]) and math.isfinite(run["page_s"]), run
+    assert all(math.isfinite(run[k]) for k in ("quorum_p99_ms", "alive_ms", "status_s", "page_s")), run
     # Kept alive, as the real client keeps them: a few connections a group (one per request it has
     # in flight at once), not one per request (some 30 heartbeats, asks, lane watches and commits each).
     assert run["round_calls"]["connections"] <= 5 * run["groups"], run["round_calls"]

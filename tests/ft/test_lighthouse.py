@@ -10,8 +10,10 @@ reason say which path was taken.
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import json
+import os
 import re
 import shutil
 import signal
@@ -47,7 +49,7 @@ from diloco.ft.protocol import (
     QuorumSuperseded,
     QuorumTimeout,
 )
-from diloco.ft.quorum import JobEnd
+from diloco.ft.quorum import JobEnd, QuorumBook
 from tests.conftest import NO_PROXY, REPO
 from tests.hang_guard import in_thread
 
@@ -548,6 +550,28 @@ def test_status_json_and_html_page(start):
     assert code == 200 and '<meta http-equiv="refresh" content="2">' in html
     assert "<td>A</td>" in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html and evil not in html
     assert JOB in html and SIG in html and TOKEN not in html
+    assert get(lh, "/alive") == (200, json.dumps({"pid": os.getpid()}).encode()) and s["pid"] == os.getpid()
+
+
+def test_a_status_snapshot_is_unchanged_by_what_the_lighthouse_hears_after_it():
+    """/status is built from a snapshot taken under the lock and encoded after it is released: the
+    snapshot must not share the lighthouse's live containers, or a heartbeat arriving meanwhile
+    changes (or, a dict resized mid-iteration, breaks) the answer being built."""
+    book, board = QuorumBook(FAST, started_at=0.0), status_page.StatusBoard()
+    book.heartbeat("A", 1.0, step=3)
+    board.progress("A", GroupProgress(inner_step=3, train_loss=2.0))
+    history = collections.deque([{"quorum_id": 1}])
+    snap = status_page.snapshot(JOB, SIG, book, {"A": 3}, None, history, 1.0, board)
+    before = status_page.build_status(snap)
+    book.heartbeat("B", 1.5, step=4)
+    board.progress("A", GroupProgress(inner_step=9, train_loss=1.0))
+    board.progress("B", GroupProgress(inner_step=4, train_loss=3.0))
+    board.event("joined", "B")
+    history.append({"quorum_id": 2})
+    after = status_page.build_status(snap)
+    assert [g["id"] for g in after["groups"]] == ["A"] and after["curves"] == {"A": [(3, 2.0)]}
+    assert after["history"] == [{"quorum_id": 1}] and after["timeline"] == []
+    assert {k: v for k, v in after.items() if k != "now"} == {k: v for k, v in before.items() if k != "now"}
 
 
 def _report(lh: Lighthouse, group: str, inner_step: int, loss: float, digest: str = "", committed: int = 0) -> None:

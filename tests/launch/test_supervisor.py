@@ -61,7 +61,7 @@ def test_a_lighthouse_that_exited_0_ended_the_job_and_a_group_killed_then_is_not
 
 
 def test_a_lighthouse_silent_past_its_limit_is_killed_and_restarted_and_one_that_answers_is_not(tmp_path):
-    """A hung lighthouse is alive to poll(): only its silence on /status tells (here the test says
+    """A hung lighthouse is alive to poll(): only its silence on /alive tells (here the test says
     what the watch heard, and moves the watch's clock; its own thread asks a real lighthouse in test_chaos)."""
     answering, hung = running(), running()
     clock = FakeClock()
