@@ -47,13 +47,21 @@ from common import (
 from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
 
+NO_WARMUP = "algo.sync_warmup_steps=0"  # every window H long: the overhead of H's rounds, not the warm-up's
 LOCAL = "local (no sync)"
 DILOCO = "diloco H=50"
 STREAMING = "streaming H=100 P=4 tau=1 fp4"
 CONFIGS = {
     LOCAL: ["algo=local"],
-    DILOCO: ["algo=diloco", "algo.sync_every=50"],
-    STREAMING: ["algo=streaming", "algo.sync_every=100", "algo.fragments=4", "algo.delay=1", "algo.quantize=fp4"],
+    DILOCO: ["algo=diloco", "algo.sync_every=50", NO_WARMUP],
+    STREAMING: [
+        "algo=streaming",
+        "algo.sync_every=100",
+        "algo.fragments=4",
+        "algo.delay=1",
+        "algo.quantize=fp4",
+        NO_WARMUP,
+    ],
 }
 DDP = ["algo=ddp"]
 TIME_HEADERS = [

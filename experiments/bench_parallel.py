@@ -94,7 +94,12 @@ class Layout:
         """One group trains alone (``algo=local``); groups of DiLoCo sync once, at the last step."""
         algo = ["algo=local"]
         if self.groups > 1:
-            algo = ["algo=diloco", f"algo.sync_every={steps}", f"cluster.min_groups={self.groups}"]
+            algo = [
+                "algo=diloco",
+                f"algo.sync_every={steps}",
+                "algo.sync_warmup_steps=0",
+                f"cluster.min_groups={self.groups}",
+            ]
         return algo + [
             f"trainer.max_steps={steps}",
             f"cluster.groups={self.groups}",

@@ -109,6 +109,7 @@ CPU_DRY = Shape("cpu", "tiny", 4, 64, speed_steps=60, sync_every=10, fault_secon
 
 def compose(shape: Shape, overrides: list[str]) -> JobConfig:
     base = ["logger=none", f"cluster.device={shape.device}", "cluster.workers_per_group=1", "trainer.eval_batches=2"]
+    base.append("algo.sync_warmup_steps=0")  # every window H long: the speed and fault rows time H's rounds
     return job_config_from_dict(compose_raw(base + overrides))
 
 

@@ -15,6 +15,8 @@ from diloco.config.base import ConfigError, check, from_dict
 #
 #   key                      ddp  local  diloco  streaming
 #   sync_every (H)            .     .      x        x       ddp runs with 1 (a gradient all-reduce every step)
+#   sync_warmup_steps,
+#   sync_warmup_every         .     .      x        x
 #   alpha, alpha_warmup_steps,
 #   alpha_reference_groups    .     .      x        x
 #   quantize                  .     .      x        x
@@ -29,6 +31,8 @@ from diloco.config.base import ConfigError, check, from_dict
 # (``algo=ddp,diloco algo.alpha=0.3``) said at start and reset (ignore_unread_keys, diloco/launch/roles.py).
 _OUTER_KEYS = (
     "sync_every",
+    "sync_warmup_steps",
+    "sync_warmup_every",
     "alpha",
     "alpha_warmup_steps",
     "alpha_reference_groups",
@@ -67,6 +71,12 @@ class AlgoConfig:
 
     name: Literal["diloco", "streaming", "ddp", "local"] = "diloco"
     sync_every: int = 50
+    # Post-local SGD's warm-up (arXiv 1808.07217): the windows up to inner step ``sync_warmup_steps``
+    # (W, rounded up to a whole H window; 0: none) are H₀ steps long, H₀ the shortest divisor of H
+    # from ``sync_warmup_every`` up that the fragments and τ allow (``sync_warmup_window``). Trained
+    # from scratch, the first rounds decide where a seed ends (docs/algorithm.md).
+    sync_warmup_steps: int = 500
+    sync_warmup_every: int = 10
     fragments: int = 1
     pattern: Literal["strided", "sequential"] = "strided"
     delay: int = 0
@@ -115,6 +125,18 @@ class AlgoConfig:
             "algo.alpha_warmup_steps",
             self.alpha_warmup_steps,
             "must be an integer >= 0 (0: α is algo.alpha from the first round)",
+        )
+        check(
+            _is_int(self.sync_warmup_steps) and self.sync_warmup_steps >= 0,
+            "algo.sync_warmup_steps",
+            self.sync_warmup_steps,
+            "must be an integer >= 0 (0: every window is algo.sync_every steps long from the first)",
+        )
+        check(
+            _is_int(self.sync_warmup_every) and self.sync_warmup_every >= 1,
+            "algo.sync_warmup_every",
+            self.sync_warmup_every,
+            "must be an integer >= 1 (the shortest warm-up window, in inner steps)",
         )
         check(
             _is_int(self.alpha_reference_groups) and self.alpha_reference_groups >= 0,
@@ -182,6 +204,22 @@ class AlgoConfig:
         if self.alpha_warmup_steps:
             alpha *= min(1.0, max(launch_step, 1) / self.alpha_warmup_steps)
         return alpha
+
+    def sync_warmup_window(self) -> tuple[int, int] | None:
+        """(H₀, W): windows of H₀ inner steps for the applies up to inner step W, or None (no warm-up).
+
+        H₀ is the shortest divisor of H, from ``sync_warmup_every`` up, that P divides with
+        τ < H₀/P, so every fragment syncs once per warm-up window; W is ``sync_warmup_steps``
+        rounded up to a multiple of H, so the windows after it, checkpoints and the job's last
+        round fall where they would without it. None when no such H₀ is shorter than H.
+        """
+        if self.name not in ("diloco", "streaming") or self.sync_warmup_steps == 0:
+            return None
+        H, P, tau = self.sync_every, self.fragments, self.delay
+        fits = [h for h in _divisors(H) if self.sync_warmup_every <= h < H and h % P == 0 and tau < h // P]
+        if not fits:
+            return None
+        return fits[0], -(-self.sync_warmup_steps // H) * H
 
     def check_fits(self, *, n_blocks: int, max_steps: int) -> None:
         """The checks that need the model and the trainer: fragments per block, whole windows."""

@@ -38,7 +38,6 @@ from diloco.ft.protocol import (
     HEARTBEAT_ACK,
     ErrorAnswer,
     ErrorCode,
-    GroupProgress,
     Heartbeat,
     LaneWatch,
     LighthouseRefused,
@@ -239,7 +238,7 @@ class Lighthouse:
         return cached[2]
 
     def _heartbeat(self, beat: Heartbeat) -> None:
-        progress = GroupProgress.from_json(beat.progress)  # outside the lock: the request loop's own work
+        progress = beat.group_progress  # parsed when the request was read, outside the lock
         with self._lock:
             self._book.heartbeat(
                 beat.group, self._clock(), quorum_id_seen=beat.quorum_id, step=beat.step, finished=beat.finished

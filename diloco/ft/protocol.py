@@ -192,7 +192,12 @@ class Heartbeat(GroupMessage):
     progress: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        GroupProgress.from_json(self.progress)  # refused (400) here, with the field named, if malformed
+        _ = self.group_progress  # refused (400) here, with the field named, if malformed
+
+    @functools.cached_property
+    def group_progress(self) -> GroupProgress:
+        """``progress`` parsed once, when the message is made (not a field: it is not sent)."""
+        return GroupProgress.from_json(self.progress)
 
 
 MAX_DIGEST_CHARS = 64

@@ -29,7 +29,9 @@ class AutoOverlap:
 
     def __init__(self, algo: AlgoConfig, fragment_numel: int) -> None:
         self.plan = torch.tensor([algo.delay, FORMATS.index(algo.quantize)], dtype=torch.int64)
-        self.window_steps = algo.sync_every // algo.fragments
+        warmup = algo.sync_warmup_window()
+        shortest = warmup[0] if warmup else algo.sync_every
+        self.window_steps = shortest // algo.fragments  # τ < H/P in every window, the warm-up's too
         self.fragment_numel = fragment_numel  # the largest fragment of this worker's shard
         self.sparse = TopK(algo.density, algo.value_bits) if algo.compress == "topk" else None
         self._step_times: list[float] = []

@@ -33,7 +33,7 @@ from diloco.config.algo import AlgoConfig
 from diloco.ft.lanes import LaneError, wait_work
 from diloco.ft.manager import Round
 from diloco.outer.auto_overlap import N_MEASUREMENTS, AutoOverlap
-from diloco.outer.fragments import fragments_to_apply, fragments_to_launch, skip_target
+from diloco.outer.fragments import SyncWarmup, fragments_to_apply, fragments_to_launch, skip_target
 from diloco.outer.reduce import PendingReduce, launch_reduce, launch_sparse_reduce
 from diloco.outer.sparse import TopK, outgoing
 from diloco.outer.synchronizer import Synchronizer
@@ -111,6 +111,8 @@ class OuterSync(Synchronizer):
         self.algo = algo
         self.codec_device = codec_device
         self.fragments = fragments
+        window = algo.sync_warmup_window()  # from the configured τ: algo.auto keeps τ below H₀/P
+        self.warmup = SyncWarmup(*window) if window else None
         self.auto = auto
         self.sparse = TopK(algo.density, algo.value_bits) if algo.compress == "topk" else None
         if self.sparse is not None:
@@ -154,7 +156,9 @@ class OuterSync(Synchronizer):
         a step away, skip to it (the inner steps not taken are not made up: this group counts
         by the tokens it trained, and its lr schedule and data position follow the round's step)."""
         algo = self.algo
-        target = skip_target(step, self.manager.open_round_step(), algo.sync_every, algo.fragments, algo.delay)
+        target = skip_target(
+            step, self.manager.open_round_step(), algo.sync_every, algo.fragments, algo.delay, self.warmup
+        )
         if target != step:
             log.debug(
                 "group %s: round open at inner step %d; ending the window at %d", self.manager.group, target, step
@@ -231,8 +235,8 @@ class OuterSync(Synchronizer):
             return {}
         return {"delay": self.algo.delay, "quantize": self.algo.quantize, "link_s_per_byte": self.auto.seconds_per_byte}
 
-    def _schedule(self, rule: Callable[[int, int, int, int], list[int]], step: int) -> list[int]:
-        return rule(step, self.algo.sync_every, self.algo.fragments, self.algo.delay)
+    def _schedule(self, rule: Callable[..., list[int]], step: int) -> list[int]:
+        return rule(step, self.algo.sync_every, self.algo.fragments, self.algo.delay, self.warmup)
 
     def _launch(self, step: int, due: list[int]) -> None:
         """Snapshot Δ_p = θ_g,p − θ_l,p of the due fragments and start their round in the background."""

@@ -109,6 +109,7 @@ def job_factory(tmp_path):
 
 
 ALL3 = ["group0", "group1", "group2"]
+SYNC_WARMUP = ["algo.sync_every=20", "algo.sync_warmup_every=10", "algo.sync_warmup_steps=100000"]
 
 
 ALGOS = {
@@ -203,7 +204,8 @@ def test_a_warm_spare_takes_over_a_killed_group_and_heals(job_factory):
 
 
 def test_late_group_heals_and_joins(job_factory):
-    job = job_factory("trainer.max_steps=100000")
+    """Inside a sync warm-up (H = 20, windows of 10 through the job): the late group joins its schedule."""
+    job = job_factory("trainer.max_steps=100000", *SYNC_WARMUP)
     job.start([0, 1])
     job.cluster.wait_for(lambda: job.rounds_of(0) >= 3, 120, "two groups to commit three rounds")
     job.start([2])

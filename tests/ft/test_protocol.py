@@ -55,6 +55,7 @@ def test_the_field_names_on_the_wire_are_fixed():
         "progress": {"inner_step": 40, "train_loss": 2.5, "tokens_per_s": 1000.0, "digest": "ab12"},
     }
     assert GroupProgress.from_json(beat.progress) == progress
+    assert beat.group_progress == progress, "parsed once, when the message is made, and kept off the wire"
     assert GroupProgress().to_json() == {"inner_step": 0}, "unknown numbers are left out, not sent as null"
     ask = QuorumAsk(**WHO, step=3, commit_failed=True, timeout_s=1.5, config={"algo.name": "diloco"})
     assert ask.to_json() == {

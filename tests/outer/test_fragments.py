@@ -10,11 +10,13 @@ from diloco.config.algo import AlgoConfig, validate_schedule
 from diloco.config.base import ConfigError
 from diloco.config.model import ModelConfig
 from diloco.outer.fragments import (
+    SyncWarmup,
     fragment_of_parameter,
     fragment_offset,
     fragment_parameter_names,
     fragments_to_apply,
     fragments_to_launch,
+    next_launch_step,
     partition_blocks,
 )
 from diloco.train.model import Transformer
@@ -102,14 +104,16 @@ def test_every_model_parameter_in_exactly_one_fragment(tie, pattern, fragments):
 # --- schedule --------------------------------------------------------------------------------
 
 
-def schedule(H: int, P: int, tau: int, windows: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """fragment → the steps it is launched / applied at, over ``windows`` windows."""
+def schedule(
+    H: int, P: int, tau: int, windows: int, warmup: SyncWarmup | None = None
+) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """fragment → the steps it is launched / applied at, over ``windows`` windows of H."""
     launches: dict[int, list[int]] = {p: [] for p in range(P)}
     applies: dict[int, list[int]] = {p: [] for p in range(P)}
     for step in range(1, windows * H + 1):
-        for p in fragments_to_launch(step, H, P, tau):
+        for p in fragments_to_launch(step, H, P, tau, warmup):
             launches[p].append(step)
-        for p in fragments_to_apply(step, H, P, tau):
+        for p in fragments_to_apply(step, H, P, tau, warmup):
             applies[p].append(step)
     return launches, applies
 
@@ -156,6 +160,28 @@ def test_plain_diloco_applies_every_h_steps():
 def test_delay_with_one_fragment_overlaps_the_end_of_the_window():
     launches, applies = schedule(10, 1, 4, 2)
     assert applies == {0: [10, 20]} and launches == {0: [6, 16]}
+
+
+@pytest.mark.parametrize(
+    ("H", "P", "tau", "every", "steps"), [(12, 3, 1, 6, 24), (50, 1, 0, 10, 100), (12, 2, 2, 6, 12)]
+)
+def test_a_sync_warmup_runs_windows_of_h0_up_to_w_then_of_h(H, P, tau, every, steps):
+    warmup = SyncWarmup(every=every, steps=steps)
+    launches, applies = schedule(H, P, tau, 4, warmup)
+    every_apply = sorted(s for found in applies.values() for s in found)
+    warm = list(range(every // P, steps + 1, every // P))
+    assert every_apply == warm + list(range(steps + H // P, 4 * H + 1, H // P))
+    order = sorted((s, p) for p, found in applies.items() for s in found)
+    assert [p for _, p in order] == [i % P for i in range(len(order))], "the fragments take turns across W"
+    for p in range(P):
+        assert launches[p] == [s - tau for s in applies[p]]
+    for step in range(0, 4 * H):
+        expected = next(s for s in range(step + 1, 5 * H) if fragments_to_launch(s, H, P, tau, warmup))
+        assert next_launch_step(step, H, P, tau, warmup) == expected
+
+
+def test_without_a_warmup_the_schedule_is_unchanged():
+    assert schedule(12, 3, 1, 4, SyncWarmup(every=6, steps=0)) == schedule(12, 3, 1, 4)
 
 
 def test_fragment_offsets():
@@ -215,6 +241,38 @@ def test_other_keys():
     msg = bad(sync_every=24, fragments=24, delay=0, n_blocks=12)
     assert msg.startswith("algo.fragments=24: is larger than the model's 12 transformer blocks (model.n_layers)")
     assert bad(sync_every=True).startswith("algo.sync_every=True")
+
+
+@pytest.mark.parametrize(
+    ("keys", "window"),
+    [
+        ({}, (10, 500)),
+        ({"sync_every": 30}, (10, 510)),  # W rounded up to a whole H window
+        ({"name": "streaming", "sync_every": 100, "fragments": 4, "delay": 1}, (20, 500)),  # 10: not P's multiple
+        ({"name": "streaming", "sync_every": 100, "fragments": 2, "delay": 4}, (10, 500)),
+        ({"name": "streaming", "sync_every": 100, "fragments": 2, "delay": 5}, (20, 500)),  # τ < H₀/P
+        ({"sync_every": 12}, None),  # 12 is the only divisor from 10 up: H is short already
+        ({"sync_every": 5}, None),
+        ({"sync_warmup_steps": 0}, None),
+        ({"sync_warmup_every": 1}, (1, 500)),
+        ({"name": "ddp", "sync_every": 1}, None),
+    ],
+)
+def test_the_sync_warmup_window_is_the_shortest_the_schedule_allows(keys, window):
+    assert AlgoConfig(**keys).sync_warmup_window() == window
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("sync_warmup_steps", -1), ("sync_warmup_steps", 2.5), ("sync_warmup_every", 0)]
+)
+def test_the_sync_warmup_keys_are_counts(key, value):
+    with pytest.raises(ConfigError, match=rf"algo.{key}={value}: must be an integer"):
+        AlgoConfig(**{key: value}).validate()
+
+
+def test_ddp_refuses_a_sync_warmup_it_would_not_run():
+    with pytest.raises(ConfigError, match="algo.sync_warmup_steps=100 does nothing with algo=ddp"):
+        AlgoConfig(name="ddp", sync_every=1, sync_warmup_steps=100).validate()
 
 
 # --- mixing α: warm-up and the number of groups ---------------------------------------------

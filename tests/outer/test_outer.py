@@ -18,7 +18,7 @@ from diloco.config.cluster import LighthouseConfig
 from diloco.config.job import GroupConfig, JobConfig
 from diloco.ft.lighthouse import Lighthouse
 from diloco.outer.diloco_sync import OuterSync
-from diloco.outer.fragments import fragment_parameter_names, fragments_to_apply, fragments_to_launch
+from diloco.outer.fragments import SyncWarmup, fragment_parameter_names, fragments_to_apply, fragments_to_launch
 from diloco.train.inner_opt import build_inner_optimizer
 from diloco.train.model import Transformer, param_signature
 from diloco.train.trainer import Trainer
@@ -82,12 +82,12 @@ def mock_inner_step(model: torch.nn.Module, step: int, scale: float) -> None:
 
 
 def reference_streaming(
-    theta0, names_by_fragment, steps, H, P, tau, alpha, lr, momentum, scale, warmup=0, alpha_warmup=0
+    theta0, names_by_fragment, steps, H, P, tau, alpha, lr, momentum, scale, warmup=0, alpha_warmup=0, sync=None
 ):
     """Closed-form Streaming DiLoCo for one group, written from the paper's update rule.
 
     With ``warmup`` > 0 the momentum of a round launched after inner step s is μ·min(1, s/warmup);
-    with ``alpha_warmup`` > 0 its mixing is α·min(1, s/alpha_warmup).
+    with ``alpha_warmup`` > 0 its mixing is α·min(1, s/alpha_warmup); ``sync``: the windows' warm-up.
     """
     local = {n: t.clone() for n, t in theta0.items()}
     global_ = {n: t.clone() for n, t in theta0.items()}
@@ -97,9 +97,9 @@ def reference_streaming(
     for step in range(1, steps + 1):
         for i, n in enumerate(order):
             local[n] -= scale * 0.01 * (step + i) * torch.ones_like(local[n])
-        for p in fragments_to_launch(step, H, P, tau):
+        for p in fragments_to_launch(step, H, P, tau, sync):
             in_flight[p] = step, {n: global_[n] - local[n] for n in names_by_fragment[p]}  # Δ = θ_g − θ_l
-        for p in fragments_to_apply(step, H, P, tau):
+        for p in fragments_to_apply(step, H, P, tau, sync):
             launch_step, deltas = in_flight.pop(p)
             mu = momentum * min(1.0, launch_step / warmup) if warmup else momentum
             a = alpha * min(1.0, launch_step / alpha_warmup) if alpha_warmup else alpha
@@ -112,26 +112,33 @@ def reference_streaming(
 
 
 @pytest.mark.parametrize(
-    ("P", "tau", "alpha", "warmup", "alpha_warmup"),
+    ("P", "tau", "alpha", "warmup", "alpha_warmup", "sync_warmup"),
     [
-        (1, 0, 0.0, 0, 0),
-        (2, 0, 0.0, 0, 0),
-        (2, 1, 0.5, 0, 0),
-        (2, 2, 0.25, 0, 0),
-        (1, 0, 0.0, 20, 0),
-        (2, 1, 0.5, 12, 0),
-        (1, 0, 0.5, 0, 20),
-        (2, 1, 0.5, 12, 16),
+        (1, 0, 0.0, 0, 0, 0),
+        (2, 0, 0.0, 0, 0, 0),
+        (2, 1, 0.5, 0, 0, 0),
+        (2, 2, 0.25, 0, 0, 0),
+        (1, 0, 0.0, 20, 0, 0),
+        (2, 1, 0.5, 12, 0, 0),
+        (1, 0, 0.5, 0, 20, 0),
+        (2, 1, 0.5, 12, 16, 0),
+        (1, 0, 0.0, 0, 0, 16),
+        (2, 1, 0.5, 12, 16, 8),
     ],
 )
-def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P, tau, alpha, warmup, alpha_warmup):
+def test_streaming_update_matches_the_closed_form_over_several_syncs(
+    tmp_path, P, tau, alpha, warmup, alpha_warmup, sync_warmup
+):
     H, steps = 8, 24
     job = compose_job(
         BASE
         + ["cluster.groups=1", "algo=streaming", f"algo.sync_every={H}", f"algo.fragments={P}"]
         + [f"algo.delay={tau}", f"algo.alpha={alpha}", "algo.quantize=none", f"trainer.max_steps={steps}"]
         + [f"outer_opt.momentum_warmup_steps={warmup}", f"algo.alpha_warmup_steps={alpha_warmup}"]
+        + [f"algo.sync_warmup_steps={sync_warmup}", "algo.sync_warmup_every=4"]
     )
+    sync = SyncWarmup(4, sync_warmup) if sync_warmup else None
+    assert job.algo.sync_warmup_window() == (None if sync is None else (4, sync_warmup))
     torch.manual_seed(0)
     model = Transformer(job.model)
     theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -145,14 +152,15 @@ def test_streaming_update_matches_the_closed_form_over_several_syncs(tmp_path, P
             outer.after_inner_step(step, tokens=1)
         outer.close()
     local, global_ = reference_streaming(
-        theta0, names, steps, H, P, tau, alpha, 0.7, 0.9, scale=1.0, warmup=warmup, alpha_warmup=alpha_warmup
+        theta0, names, steps, H, P, tau, alpha, 0.7, 0.9, 1.0, warmup, alpha_warmup, sync
     )
     assert all((f.momentum_warmup is None) == (warmup == 0) for f in outer.fragments)
     got_global = {n: t for f in outer.fragments for n, t in zip(names[f.index], f.global_)}
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), local[n], rtol=0, atol=1e-5, msg=f"θ_l {n}")
         torch.testing.assert_close(got_global[n].detach(), global_[n], rtol=0, atol=1e-5, msg=f"θ_g {n}")
-    assert outer.manager.committed == steps // H * P  # every fragment sync (the join round commits nothing)
+    windows = steps // H + (sync_warmup // 4 - sync_warmup // H)  # a warm-up's windows are 4 steps long
+    assert outer.manager.committed == windows * P  # every fragment sync (the join round commits nothing)
 
 
 def test_pseudo_gradient_points_from_local_to_global(tmp_path):

@@ -32,6 +32,7 @@ from diloco.train.checkpoint import (
     save_rank,
     step_dir,
 )
+from diloco.train.logger import read_jsonl
 from diloco.train.model import meta_model, param_signature
 from diloco.worker.builders import checkpoint_identity, preflight
 from tests.conftest import REPO, compose_job
@@ -178,6 +179,8 @@ def test_checkpoint_every_must_fall_between_rounds():
 
 RESUMABLE = ["logger=none", "cluster.min_groups=2", "algo.sync_every=10", "trainer.eval_every=0"]
 RESUMABLE += ["trainer.checkpoint.every=20", "trainer.max_steps=40"]
+# H = 20 with windows of 10 up to step 20: rounds at 10, 20 and 40, the checkpoint where the warm-up ends.
+SYNC_WARMUP = ["algo.sync_every=20", "algo.sync_warmup_every=10", "algo.sync_warmup_steps=20"]
 
 
 @pytest.mark.slow
@@ -189,10 +192,12 @@ RESUMABLE += ["trainer.checkpoint.every=20", "trainer.max_steps=40"]
 def test_a_resumed_job_equals_the_uninterrupted_one_bit_for_bit(tmp_path, layout):
     """2 groups x 2 workers, FSDP2-sharded, tensor-parallel or in two pipeline stages: each worker
     saves and restores only its own shard."""
-    whole = launch(compose_job([*RESUMABLE, *layout]), tmp_path / "whole")
+    whole = launch(compose_job([*RESUMABLE, *SYNC_WARMUP, *layout]), tmp_path / "whole")
     assert whole["ok"], whole["failure"]
     halfway = step_dir(tmp_path / "whole", 20)
-    resumed = launch(compose_job([*RESUMABLE, *layout, f"trainer.resume={halfway}"]), tmp_path / "resumed")
+    resumed = launch(
+        compose_job([*RESUMABLE, *SYNC_WARMUP, *layout, f"trainer.resume={halfway}"]), tmp_path / "resumed"
+    )
     assert resumed["ok"], resumed["failure"]
     digests = {r["digest"] for s in (whole, resumed) for r in s["per_group"]}
     assert len(digests) == 1, "θ_g and the outer state after the resume are the uninterrupted job's"
@@ -200,9 +205,13 @@ def test_a_resumed_job_equals_the_uninterrupted_one_bit_for_bit(tmp_path, layout
     assert resumed["tokens_seen"] == whole["tokens_seen"], "the tokens before the checkpoint still count"
     metrics = [json.loads(line) for line in (tmp_path / "resumed" / "metrics" / "group0.jsonl").open()]
     assert min(m["step"] for m in metrics) > 20, "the resumed job trained only the steps after the checkpoint"
+    rounds = [r["inner_step"] for r in read_jsonl(RunPaths(tmp_path / "whole").commits(0)) if r["committed"]]
+    assert rounds == [10, 20, 40], "windows of 10 through the warm-up, then of H = 20"
     weights, run_dir = locate_weights(str(step_dir(tmp_path / "whole", 40)))  # role=eval checkpoint=...
     assert run_dir == tmp_path / "whole"
-    final = read_weights(weights, compose_job([*RESUMABLE, *layout]))  # group 0's two shards of θ_g, put together
+    final = read_weights(
+        weights, compose_job([*RESUMABLE, *SYNC_WARMUP, *layout])
+    )  # group 0's two shards of θ_g, put together
     saved = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
     assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in saved)
     with pytest.raises(ConfigError, match="written with workers=2, this job has 1"):
