@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -350,6 +351,28 @@ def test_open_long_polls_hold_no_thread_and_answers_nobody_reads_break_nothing(s
     got = quorums(ask_all(lh, dict.fromkeys(grant["quorum"]["participants"], 1)))  # g0's ask ends its watch
     assert {q.max_step for q in got.values()} == {1} and len(got) == 21
     assert lh.wait_replies_sent(timeout_s=2.0)
+
+
+def test_the_watch_of_a_round_a_group_left_by_asking_again_is_answered_with_its_next_grant(start):
+    """A group that asks again leaves its round; its watch of that round is answered once the ask is
+    settled, not amid the other groups' asks (issue 33: 1,000 such answers a round delayed the grant)."""
+    lh = start(QuorumRules(min_groups=2, join_timeout_s=10.0, heartbeat_timeout_s=30.0))
+    round_id = quorums(ask_all(lh, {"A": 0, "B": 0}))["A"].round_id
+    watch = raw_post(lh, LaneWatch(JOB, SIG, "A", round_id=round_id, timeout_s=30.0))
+    wait_until(lambda: not lh.wait_replies_sent(0.0))  # the watch is open
+    asked: dict = {}
+    asking = threading.Thread(target=lambda: asked.update(ask_all(lh, {"A": 1}, timeout_s=10.0)), daemon=True)
+    asking.start()
+    wait_until(lambda: waiting(lh) == {"A"})
+    time.sleep(0.2)  # ten decisions: A waits on the join clock for B, its watch stays open
+    assert not select.select([watch], [], [], 0)[0], "answered before A's ask was settled"
+    granted = quorums(ask_all(lh, {"B": 1}))["B"]
+    asking.join(5.0)
+    assert quorums(asked)["A"] == granted
+    watch.settimeout(2.0)
+    news = json.loads(watch.makefile("rb").read().partition(b"\r\n\r\n")[2])
+    watch.close()
+    assert news == {"broken": "", "gone": [], "open": False}
 
 
 # -- refusals ------------------------------------------------------------------------------
