@@ -4,17 +4,19 @@ The real lighthouse process (``python -m diloco.launch.lighthouse_process``, sta
 local launcher starts it) serves a job of N groups; the groups are simulated by a few sender
 processes that speak the real protocol over HTTP: every group heartbeats at the default rate
 (``cluster.timeouts.heartbeat`` / ``HEARTBEATS_PER_TIMEOUT``, with progress for the status
-page), asks for a quorum every window (a long poll, asks spread over ``--spread`` seconds),
-and a few groups die (the launcher's ``/recovery`` notice follows at once) and come back
-after ``REJOIN_S`` to heal. The launcher's own watch asks ``/alive`` twice a second; an
-operator loads the status page and ``/status`` every 5 s.
+page; an ask or commit stands for a beat, as in the real client), asks for a quorum every
+window (a long poll, asks spread over ``--spread`` seconds), and a few groups die (the
+launcher's ``/recovery`` notice follows at once) and come back after ``REJOIN_S`` to heal. The
+launcher's own watch asks ``/alive`` twice a second; an operator loads the status page and
+``/status`` every 5 s.
 
 Measured: quorum latency from the last ask (when each participant's answer had come in, minus
 when the round's last ask went out, both taken on the connection as the bytes move; steady
-rounds after the start; p50/p99), heartbeat round trips the same way, the lighthouse process's own CPU time
-(/proc/PID/stat) as a share of one core with heartbeats only and under the whole load, its
-resident memory (peak), and how long ``/status`` and the page take. Targets at 1,000 groups:
-quorum p99 within 100 ms, the lighthouse under half a core, the page under 1 s.
+rounds after the start; p50/p99, and each round's median and maximum in the JSON), heartbeat
+round trips the same way, the lighthouse process's own CPU time (/proc/PID/stat) as a share of
+one core with heartbeats only and under the whole load, its resident memory (peak), and how
+long ``/status`` and the page take. Targets at 1,000 groups: quorum p99 within 100 ms, the
+lighthouse under half a core, the page under 1 s.
 
 The sender processes use raw HTTP/1.1 requests from one asyncio loop each, not
 ``LighthouseClient``: 1,000 groups of blocking clients would be 2,000 threads and about twice
@@ -82,6 +84,7 @@ ALL_REDUCE_S = 0.2  # from a grant to the group's commit: its round's all-reduce
 # its commit once per round. Looked up by path, so a protocol without them is simulated without.
 LANE_WATCH_PATH = "/lane_watch"
 COMMIT_PATH = "/commit"
+SIGNS_OF_LIFE = (Heartbeat.path, QuorumAsk.path, COMMIT_PATH)  # the lighthouse takes each as a heartbeat
 
 
 @dataclass
@@ -194,6 +197,7 @@ class Senders:
         self.rng = random.Random(hash(tuple(groups)) & 0xFFFF)
         self.idle: dict[str, list[_Channel]] = {}  # each group's kept-alive connections with no request in them
         self._grant: tuple[bytes, Any] = (b"", None)
+        self.signed: dict[str, float] = {}  # each group's last request the lighthouse takes as a heartbeat
 
     async def post(self, group: str, path: str, payload: dict[str, Any]) -> Answer:
         """One POST on one of ``group``'s idle connections, or a new one (see the module docstring)."""
@@ -203,6 +207,8 @@ class Senders:
             f"{self.headers}Content-Length: {len(body)}\r\n\r\n"
         )
         request = head.encode() + body
+        if path in SIGNS_OF_LIFE:
+            self.signed[group] = time.monotonic()
         idle = self.idle.setdefault(group, [])
         while idle:
             channel = idle.pop()
@@ -245,9 +251,13 @@ class Senders:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
     async def heartbeats(self, group: str, state: dict[str, int]) -> None:
-        """Beat every ``heartbeat_s`` after the last answer, as the manager's heartbeat thread does."""
+        """Beat ``heartbeat_s`` after the last answer, or after an ask or commit that went out since
+        (the lighthouse takes it as a beat), as the manager's heartbeat thread does."""
         await asyncio.sleep(self.rng.uniform(0, self.plan.heartbeat_s))
         while True:
+            if (due := self.signed.get(group, 0.0) + self.plan.heartbeat_s - time.monotonic()) > 0:
+                await asyncio.sleep(due)
+                continue
             progress = GroupProgress(
                 inner_step=state["inner"], train_loss=4.0 / (1 + state["inner"] / 500), tokens_per_s=12345.0
             )
@@ -569,6 +579,7 @@ def measure(job: Any, url: str, pid: int, groups: int, args: argparse.Namespace)
         "page_s": max(page.seconds, default=float("nan")),
         "page_kb": max(page.sizes, default=0) / 1024,
         "deaths": args.deaths,
+        "per_round": round_summaries(asks, after=plan.rounds_at + plan.window_s / 2),
         "senders_cpu": sum(r["cpu"] for r in results),
         "machine_load": os.getloadavg()[0],  # runnable processes on the machine: a shared one delays everything
         "round_calls": counts,
@@ -588,8 +599,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def quorum_latencies(asks: list[Ask], after: float) -> list[float]:
-    """Each answer's delay after the last ask of its round (asks made after ``after``, the start round excluded).
+def steady_rounds(asks: list[Ask], after: float) -> list[list[Ask]]:
+    """Each round's answers, in the order the rounds formed (asks made after ``after``, the start round excluded).
 
     A round is one quorum's answers (its id and max step); its last ask is the latest ask
     among the answers it received, so a group that asked for it and was left out counts
@@ -598,13 +609,34 @@ def quorum_latencies(asks: list[Ask], after: float) -> list[float]:
     rounds: dict[tuple[int, int], list[Ask]] = {}
     for a in asks:
         rounds.setdefault((a.quorum_id, a.max_step), []).append(a)
+    steady = [answers for answers in rounds.values() if min(a.asked for a in answers) > after]
+    return sorted(steady, key=lambda answers: min(a.answered for a in answers))
+
+
+def quorum_latencies(asks: list[Ask], after: float) -> list[float]:
+    """Each answer's delay after the last ask of its round (see ``steady_rounds``)."""
     latencies = []
-    for answers in rounds.values():
-        if min(a.asked for a in answers) <= after:
-            continue
+    for answers in steady_rounds(asks, after):
         last = max(a.asked for a in answers)
         latencies += [a.answered - last for a in answers]
     return latencies
+
+
+def round_summaries(asks: list[Ask], after: float) -> list[dict[str, float]]:
+    """Per round: its answers, how long its asks took to come in, and its answers' delays (ms)."""
+    summaries = []
+    for answers in steady_rounds(asks, after):
+        last = max(a.asked for a in answers)
+        delays = [a.answered - last for a in answers]
+        summaries.append(
+            {
+                "answers": len(answers),
+                "asks_over_s": last - min(a.asked for a in answers),
+                "p50_ms": 1000 * percentile(delays, 50),
+                "max_ms": 1000 * max(delays),
+            }
+        )
+    return summaries
 
 
 HEADERS = [

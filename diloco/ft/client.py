@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import threading
+import time
 from typing import Any
 
 from diloco.config.base import check
@@ -35,6 +37,9 @@ from diloco.ft.protocol import (
     round_open_from_json,
 )
 from diloco.ft.quorum import JobEnd
+
+# What the lighthouse's book takes as a heartbeat (``QuorumBook.heartbeat``): each is one.
+_SIGNS_OF_LIFE = (Heartbeat, QuorumAsk, RoundCommit)
 
 
 class LighthouseClient:
@@ -62,6 +67,7 @@ class LighthouseClient:
         self._last_quorum_id = 0  # sent with quorum requests, so a restarted lighthouse never reuses an id
         self._lock = threading.Lock()  # the id is updated by a heartbeat thread and the long poll alike
         self._connections = ConnectionPool(self.url)  # direct, never through a proxy from the environment
+        self._signed_at = -math.inf  # when the last sign of life went out (``beat_due_in``); -inf: none that arrived
 
     def heartbeat(
         self, step: int, quorum_id: int, finished: bool = False, progress: GroupProgress | None = None
@@ -77,6 +83,15 @@ class LighthouseClient:
             progress={} if progress is None else progress.to_json(),
         )
         self._post(beat, self.connect_timeout_s)
+
+    def beat_due_in(self, interval_s: float) -> float:
+        """Seconds until the next heartbeat is due, ``interval_s`` after the last sign of life went out.
+
+        The lighthouse takes a quorum ask or a commit as a heartbeat too, so the beat due just after
+        one need not be sent: an eighth fewer heartbeats at 1,000 groups, fewer amid a round's asks (issue 33).
+        A request that failed or was refused counts for nothing: the next beat is due at once.
+        """
+        return self._signed_at + interval_s - time.monotonic()
 
     def quorum(
         self,
@@ -162,12 +177,19 @@ class LighthouseClient:
         path = message.path
         headers = {"Content-Type": "application/json", **authorization_header(self.token)}
         body = json.dumps(message.to_json()).encode()
+        signs_life = isinstance(message, _SIGNS_OF_LIFE)
+        if signs_life:
+            self._signed_at = time.monotonic()
         try:
             answer = self._connections.post(path, body, headers, timeout_s)
             if answer.status == 200:
                 return json.loads(answer.body)
         except (OSError, http.client.HTTPException, ValueError) as e:
+            if signs_life:
+                self._signed_at = -math.inf
             raise LighthouseUnavailable(f"lighthouse at {self.url} unreachable for {path}: {e!r}") from None
+        if signs_life:
+            self._signed_at = -math.inf
         raise self._error(path, answer) from None
 
     def _error(self, path: str, got: Answer) -> Exception:

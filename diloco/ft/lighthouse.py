@@ -14,6 +14,7 @@ Its whole memory is rebuilt from heartbeats, so a restarted lighthouse needs no 
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import json
@@ -539,6 +540,9 @@ def serve_forever(
     previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with Lighthouse(cfg, rules, job_id, model_signature, job_config=job_config) as lighthouse:
+            # The ~170,000 objects of the modules (torch's mostly) live as long as the process: out of
+            # every full collection, which had paused the lighthouse up to 240 ms at 1,000 groups (issue 33).
+            gc.freeze()
             print(f"lighthouse for job {job_id!r} at {lighthouse.url}; status page {lighthouse.url}/", flush=True)
             ended_at = None
             while not done.wait(0.1):

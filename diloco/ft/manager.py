@@ -403,8 +403,15 @@ class Manager:
         return answer if leader else json.loads(bytes(buffer.tolist()).decode())
 
     def _heartbeat_loop(self) -> None:
+        """A beat every ``heartbeat_interval_s`` after the group's last sign of life: an ask or a
+        commit that went out meanwhile was one (``LighthouseClient.beat_due_in``)."""
         assert self.client is not None
-        while not self._stop.wait(self.heartbeat_interval_s):
+        wait = self.heartbeat_interval_s
+        while not self._stop.wait(wait):
+            wait = self.client.beat_due_in(self.heartbeat_interval_s)
+            if wait > 0:
+                continue
+            wait = self.heartbeat_interval_s
             try:
                 self.client.heartbeat(self.committed, self.lanes.quorum_id or 0, self.finished, self._progress)
                 self._retry_at = 0.0  # the lighthouse answers again: stop backing off

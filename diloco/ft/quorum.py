@@ -341,6 +341,7 @@ class QuorumBook:
     def commit(self, group: str, round_id: int, step: int, now: float) -> str:
         """``group`` commits round ``round_id`` at committed ``step``: "" when it may (the step is
         recorded at once, so a quorum formed next heals whoever is behind it), else why not.
+        Either way it is a heartbeat (``LighthouseClient.beat_due_in``).
 
         Refused to a member that left the round (the others gave up what they waited on with
         it), and for a round unknown here (a restarted lighthouse formed no such round: every
@@ -350,11 +351,13 @@ class QuorumBook:
         """
         broken = self.broken.get(round_id)
         if broken is not None and group in broken.gone:
-            return broken.reason
-        if group not in self.open_rounds.get(round_id, ()):
-            return f"round {round_id} is not open for group {group} at this lighthouse (was it restarted?)"
-        self.heartbeat(group, now, step=step)  # it stays in the round (a flight commits each fragment) until it asks
-        return ""
+            reason = broken.reason
+        elif group not in self.open_rounds.get(round_id, ()):
+            reason = f"round {round_id} is not open for group {group} at this lighthouse (was it restarted?)"
+        else:
+            reason = ""  # it stays in the round (a flight commits each fragment) until it asks
+        self.heartbeat(group, now, step=None if reason else step)  # a sign of life, allowed or not
+        return reason
 
     def open_round(self, group: str, position: tuple[int, int]) -> int:
         """The inner step of the round other groups are waiting in, if it lies past ``position``; else 0.
@@ -380,14 +383,20 @@ class QuorumBook:
         return self._healthy_at[1]
 
     def join_clock_start(self) -> float | None:
-        """When the join timeout starts counting: the first ask of a member of the previous quorum.
+        """When the join timeout starts counting: the first ask of a member of the previous quorum
+        at the furthest position such a member asks at.
 
-        A newcomer asking between rounds must not start it: its old request would let the
-        next round form the moment a majority asks, leaving out members about to ask.
+        Neither a newcomer asking between rounds nor a member's new process asking at once to
+        heal (behind) may start it: their early requests would let the next round form the
+        moment a majority asks, leaving out members about to ask (a round of 627 of 1,000
+        groups after a death, issue 33).
         """
         members = set(self.previous.participants) if self.previous else set(self.pending)
-        times = [t for g, t in self.asked_at.items() if g in members]
-        return min(times) if times else None
+        asks = [(self.pending[g].position, t) for g, t in self.asked_at.items() if g in members]
+        if not asks:
+            return None
+        furthest = max(position for position, _ in asks)
+        return min(t for position, t in asks if position == furthest)
 
     def join_wait(self) -> float:
         """How long the next round waits for healthy groups that have not asked (see ``join_wait``)."""

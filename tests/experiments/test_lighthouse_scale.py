@@ -13,7 +13,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
-from lighthouse_scale import Ask, percentile, quorum_latencies, report, table_rows, targets
+from lighthouse_scale import Ask, percentile, quorum_latencies, report, round_summaries, table_rows, targets
 
 from tests.experiments.in_process import run_main
 
@@ -58,6 +58,9 @@ def test_latency_counts_from_the_last_ask_of_each_round_and_skips_the_start():
         Ask("a", asked=20.0, answered=20.1, quorum_id=2, max_step=2, participants=1),  # b left: a new id
     ]
     assert sorted(quorum_latencies(asks, after=5.0)) == pytest.approx([0.1, 0.25, 0.3])
+    first, second = round_summaries(asks, after=5.0)  # in the order they formed
+    assert first == pytest.approx({"answers": 2, "asks_over_s": 0.5, "p50_ms": 275.0, "max_ms": 300.0})
+    assert second == pytest.approx({"answers": 1, "asks_over_s": 0.0, "p50_ms": 100.0, "max_ms": 100.0})
 
 
 def test_table_and_targets_on_canned_numbers():

@@ -706,6 +706,52 @@ def test_a_quorum_request_alone_carries_the_last_id_to_a_restarted_lighthouse(st
     assert second.quorum_id == 43
 
 
+def test_an_ask_or_a_commit_is_the_heartbeat_due_after_it_and_a_failed_request_is_none(start):
+    """Issue 33: the lighthouse takes an ask or a commit (refused or not) as a heartbeat, so the
+    client's next beat is due an interval after it; a lane watch, a refusal or a request that never
+    arrived stands for nothing."""
+    lh = start()
+    hour = 3600.0
+    a = client(lh, "A")
+    assert a.beat_due_in(hour) <= 0, "nothing sent yet: a beat is due"
+    round_id = a.quorum(0, False, timeout_s=3.0)[0].round_id
+    assert a.beat_due_in(hour) > 0
+    for commit in (lambda c: c.commit(round_id, step=1), lambda c: c.commit(round_id + 7, step=1)):
+        c = client(lh, "A")
+        commit(c)
+        assert c.beat_due_in(hour) > 0
+    watcher = client(lh, "A")
+    watcher.lane_watch(round_id + 7, timeout_s=0.1)
+    refused, unreachable = client(lh, "A", token="wrong"), client(None, "A", url="http://127.0.0.1:9")
+    for failing in (refused, unreachable):
+        assert isinstance(outcome(lambda: failing.heartbeat(0, 0)), (LighthouseRefused, LighthouseUnavailable))
+    assert max(c.beat_due_in(hour) for c in (watcher, refused, unreachable)) <= 0
+
+
+def test_the_heartbeat_thread_sends_no_beat_while_asks_and_commits_stand_for_them():
+    class StandIn:  # when the thread beats is the subject, not the lighthouse
+        url, connect_timeout_s = "http://stand-in", 1.0
+        beats, signed = 0, True
+
+        def heartbeat(self, *args: object) -> None:
+            self.beats += 1
+
+        def beat_due_in(self, interval_s: float) -> float:
+            return interval_s if self.signed else 0.0
+
+    stand_in = StandIn()
+    lanes = Lanes(local_rank=0, connect_timeout_s=1.0, collective_timeout_s=1.0)
+    manager = Manager(  # type: ignore[arg-type]
+        group="A", inner_pg=None, client=stand_in, lanes=lanes, quorum_timeout_s=1.0, heartbeat_interval_s=0.01
+    )
+    manager.start()
+    time.sleep(0.3)  # thirty intervals, each with an ask or commit just sent
+    assert stand_in.beats == 1, "the first contact's only"
+    stand_in.signed = False
+    wait_until(lambda: stand_in.beats >= 3)
+    manager.stop()
+
+
 def test_the_hosted_store_is_reachable(start):
     lh = start()
     beat(lh, "A")

@@ -175,6 +175,29 @@ class TestBook:
         q = book.decide(now=10.2)
         assert q.participants == ("a", "b", "c", "j") and q.heal_from == {"j": "a"}
 
+    def test_a_members_replacement_asking_at_once_to_heal_does_not_start_the_join_clock(self):
+        """Issue 33: a member died and its new process asked at once, behind, to heal; its ask
+        started the clock, so when the others asked a window later the round formed the moment a
+        majority had (627 of 1,000 groups in experiments/lighthouse_scale.py). The clock starts
+        at the first ask at the members' furthest position."""
+        book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=1.0, heartbeat_timeout_s=100.0))
+        for g in "abcde":
+            book.heartbeat(g, now=0.0)
+        for g in "abcde":
+            book.ask(QuorumRequest(g, step=1), now=0.0)
+        assert book.decide(now=1.0).participants == ("a", "b", "c", "d", "e")
+        book.depart("a")  # killed; its replacement asks at once from the step it restored
+        book.heartbeat("a", now=2.0)
+        book.ask(QuorumRequest("a", step=0), now=2.0)
+        assert book.join_clock_start() == 2.0, "alone, it is the furthest position asked at"
+        for g in "bcd":
+            book.ask(QuorumRequest(g, step=2), now=10.0)
+        assert book.join_clock_start() == 10.0
+        assert book.decide(now=10.0) is None, "e is about to ask: wait for it, do not drop it"
+        book.ask(QuorumRequest("e", step=2), now=10.2)
+        q = book.decide(now=10.2)
+        assert q.participants == ("a", "b", "c", "d", "e") and q.heal_from == {"a": "b"}
+
     @staticmethod
     def _round(book, asks: dict[str, float], step: int, decide_at: float):
         for g, t in sorted(asks.items(), key=lambda kv: kv[1]):
@@ -301,7 +324,8 @@ class TestBook:
         broken, still_in = book.round_state("g1", r)
         assert broken.gone == {"g2"} and still_in and book.round_state("g2", r)[1] is False
         book.heartbeat("g2", now=12.0)  # it resumes: still gone from the round, and may not commit it
-        assert "group g2 left" in book.commit("g2", r, step=5, now=12.0) and book.reported["g2"] == 4
+        assert "group g2 left" in book.commit("g2", r, step=5, now=13.0) and book.reported["g2"] == 4
+        assert book.last_heartbeat["g2"] == 13.0, "a refused commit is a sign of life all the same"
         assert book.commit("g1", r, step=5, now=12.0) == "", "a member whose all-reduce completed commits"
         assert book.break_rounds(now=12.0) == {}, "told once"
 
@@ -322,6 +346,7 @@ class TestBook:
     def test_a_commit_of_a_round_this_lighthouse_never_formed_is_refused(self):
         book = self._book()  # a restarted lighthouse: the groups' rounds are unknown to it
         assert "not open for group g0" in book.commit("g0", 3, step=9, now=1.0) and book.high_water == 0
+        assert book.last_heartbeat["g0"] == 1.0 and "g0" not in book.reported, "a heartbeat; the step is not recorded"
 
     def test_failed_commit_forces_a_new_id(self):
         book = self._book()
