@@ -184,13 +184,12 @@ class LighthouseClient:
             answer = self._connections.post(path, body, headers, timeout_s)
             if answer.status == 200:
                 return json.loads(answer.body)
+            error = self._error(path, answer)
         except (OSError, http.client.HTTPException, ValueError) as e:
-            if signs_life:
-                self._signed_at = -math.inf
-            raise LighthouseUnavailable(f"lighthouse at {self.url} unreachable for {path}: {e!r}") from None
+            error = LighthouseUnavailable(f"lighthouse at {self.url} unreachable for {path}: {e!r}")
         if signs_life:
-            self._signed_at = -math.inf
-        raise self._error(path, answer) from None
+            self._signed_at = -math.inf  # it did not arrive, or was refused: no sign of life
+        raise error from None
 
     def _error(self, path: str, got: Answer) -> Exception:
         """The exception for an error answer, by its code. An answer without one is not the
