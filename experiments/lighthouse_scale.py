@@ -196,7 +196,8 @@ class Senders:
         self.counts = {"lane watches answered": 0, "commits allowed": 0, "commits refused": 0, "connections": 0}
         self.rng = random.Random(hash(tuple(groups)) & 0xFFFF)
         self.idle: dict[str, list[_Channel]] = {}  # each group's kept-alive connections with no request in them
-        self._grant: tuple[bytes, Any] = (b"", None)
+        self._grants: dict[bytes, Any] = {}  # the current round's grants' bytes (with or without participants)
+        self._quorums: dict[int, Any] = {}  # each quorum id's participants, as a full grant named them
         self.signed: dict[str, float] = {}  # each group's last request the lighthouse takes as a heartbeat
 
     async def post(self, group: str, path: str, payload: dict[str, Any]) -> Answer:
@@ -240,12 +241,18 @@ class Senders:
             channel.close()
 
     def grant(self, body: bytes) -> Any:
-        """The quorum of a grant's bytes, parsed once per round: every participant gets the same bytes,
-        and parsing each of 500 grants naming 1,000 groups held the sender's loop for half a second a
-        round, its answers' arrival times noted that much late (real groups each parse their own)."""
-        if body != self._grant[0]:
-            self._grant = (body, quorum_answer_from_json(json.loads(body)).quorum)
-        return self._grant[1]
+        """The quorum of a grant's bytes, parsed once per round and form: every participant gets the same
+        bytes, and parsing each of 500 grants naming 1,000 groups held the sender's loop for half a second
+        a round, its answers' arrival times noted that much late (real groups each parse their own). A
+        grant without participants takes them from the quorum of that id a grant with them named."""
+        if body not in self._grants:
+            data = json.loads(body)
+            quorum = quorum_answer_from_json(data, self._quorums.get(data["quorum"]["quorum_id"])).quorum
+            self._quorums[quorum.quorum_id] = quorum
+            if any(q.round_id != quorum.round_id for q in self._grants.values()):
+                self._grants = {}  # a new round: the last one's bytes come no more
+            self._grants[body] = quorum
+        return self._grants[body]
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -288,6 +295,7 @@ class Senders:
             round_step=50 * state["step"],
             quorum_id=state["qid"],
             config=plan.config,
+            known_quorum=state["qid"],
         )
         try:
             answer = await self.post(group, QuorumAsk.path, ask.to_json())

@@ -36,7 +36,7 @@ from diloco.ft.protocol import (
     quorum_answer_from_json,
     round_open_from_json,
 )
-from diloco.ft.quorum import JobEnd
+from diloco.ft.quorum import JobEnd, Quorum
 
 # What the lighthouse's book takes as a heartbeat (``QuorumBook.heartbeat``): each is one.
 _SIGNS_OF_LIFE = (Heartbeat, QuorumAsk, RoundCommit)
@@ -65,6 +65,7 @@ class LighthouseClient:
         self.connect_timeout_s = connect_timeout_s
         self.config = config or {}  # the group's flat training configuration; the lighthouse compares it
         self._last_quorum_id = 0  # sent with quorum requests, so a restarted lighthouse never reuses an id
+        self._held: Quorum | None = None  # the last quorum granted: a grant of its id leaves out its participants
         self._lock = threading.Lock()  # the id is updated by a heartbeat thread and the long poll alike
         self._connections = ConnectionPool(self.url)  # direct, never through a proxy from the environment
         self._signed_at = -math.inf  # when the last sign of life went out (``beat_due_in``); -inf: none that arrived
@@ -121,9 +122,10 @@ class LighthouseClient:
             finished=finished,
             digest=digest,
             config=self.config,
+            known_quorum=0 if self._held is None else self._held.quorum_id,
         )
         try:
-            answer = quorum_answer_from_json(self._post(ask, timeout_s + self.connect_timeout_s))
+            answer = quorum_answer_from_json(self._post(ask, timeout_s + self.connect_timeout_s), self._held)
         except ValueError as e:
             raise LighthouseUnavailable(f"lighthouse at {self.url}: {e}") from None
         if isinstance(answer, JobEnd):
@@ -131,6 +133,7 @@ class LighthouseClient:
         if self.group not in answer.quorum.participants:
             raise LighthouseUnavailable(f"quorum {answer.quorum.quorum_id} from {self.url} lacks group {self.group!r}")
         self._seen(answer.quorum.quorum_id)
+        self._held = answer.quorum
         return answer
 
     def round_open(self, step: int, round_step: int, timeout_s: float) -> int:

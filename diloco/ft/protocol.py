@@ -244,7 +244,10 @@ class QuorumAsk(GroupMessage):
 
     It carries the last quorum id the group saw, so a restarted lighthouse never reuses an id
     even if a request reaches it before any heartbeat, and the group's flat training
-    configuration, which must match the job's.
+    configuration, which must match the job's. ``known_quorum`` is the quorum whose participants
+    the group holds: an id always names the same members (``quorum.next_quorum_id``; a restarted
+    lighthouse issues ids above every asker's), so a grant of that id leaves them out, 12 KB less
+    to write to each of 1,000 groups between a round's last ask and its last grant (issue 33).
     """
 
     path: ClassVar[str] = "/quorum"
@@ -256,6 +259,7 @@ class QuorumAsk(GroupMessage):
     finished: bool = False
     digest: str = ""
     config: dict[str, Any] = field(default_factory=dict)
+    known_quorum: int = 0
 
 
 @dataclass(frozen=True)
@@ -436,8 +440,12 @@ class QuorumGrant(NamedTuple):
     quorum: Quorum
     store: tuple[str, int]
 
-    def to_json(self) -> dict[str, Any]:
-        return {"quorum": self.quorum.to_json(), "store": {"host": self.store[0], "port": self.store[1]}}
+    def to_json(self, *, participants: bool = True) -> dict[str, Any]:
+        """Without ``participants`` for an asker that holds them (``QuorumAsk.known_quorum``): only their number."""
+        quorum = self.quorum.to_json()
+        if not participants:
+            quorum["members"] = len(quorum.pop("participants"))
+        return {"quorum": quorum, "store": {"host": self.store[0], "port": self.store[1]}}
 
 
 def quorum_answer_to_json(answer: QuorumGrant | JobEnd) -> dict[str, Any]:
@@ -445,12 +453,25 @@ def quorum_answer_to_json(answer: QuorumGrant | JobEnd) -> dict[str, Any]:
     return {"end": answer.to_json()} if isinstance(answer, JobEnd) else answer.to_json()
 
 
-def quorum_answer_from_json(data: Any) -> QuorumGrant | JobEnd:
-    """Raises ``ValueError`` naming what is wrong unless ``data`` is a quorum answer."""
+def quorum_answer_from_json(data: Any, held: Quorum | None = None) -> QuorumGrant | JobEnd:
+    """Raises ``ValueError`` naming what is wrong unless ``data`` is a quorum answer.
+
+    A grant without its participants takes them from ``held``, the quorum of that id the asker holds.
+    """
     try:
         if "end" in data:
             return JobEnd.from_json(data["end"])
-        store = data["store"]
-        return QuorumGrant(Quorum.from_json(data["quorum"]), (str(store["host"]), int(store["port"])))
+        store, quorum = data["store"], data["quorum"]
+        if "participants" not in quorum:
+            quorum = {**quorum, "participants": _held_participants(quorum, held)}
+        return QuorumGrant(Quorum.from_json(quorum), (str(store["host"]), int(store["port"])))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"malformed quorum answer: {e!r}") from None
+
+
+def _held_participants(quorum: dict[str, Any], held: Quorum | None) -> tuple[str, ...]:
+    quorum_id, members = int(quorum["quorum_id"]), int(quorum["members"])
+    if held is None or held.quorum_id != quorum_id or len(held.participants) != members:
+        have = "none" if held is None else f"quorum {held.quorum_id} of {len(held.participants)}"
+        raise ValueError(f"grant of quorum {quorum_id} of {members} without its participants; this group holds {have}")
+    return held.participants

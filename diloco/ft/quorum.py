@@ -275,6 +275,10 @@ class QuorumBook:
         self.pending[request.group] = request
         self.asked_at.setdefault(request.group, now)
 
+    def everyone_asked(self) -> bool:
+        """Every group heard from has an open request: a round may form now (a hint, counted in O(1))."""
+        return len(self.pending) >= len(self.last_heartbeat)
+
     def await_return(self, group: str, now: float, wait_s: float) -> None:
         """A dead group is being replaced: hold rounds for its replacement up to ``wait_s``; then go on without it."""
         self.awaited[group] = (now, now + wait_s)

@@ -82,16 +82,21 @@ def client(lh: Lighthouse | None, group: str, url: str = "", **over) -> Lighthou
 
 
 def ask_all(
-    lh: Lighthouse, steps: dict[str, int | tuple[int, int]], timeout_s: float = 3.0, failed: tuple[str, ...] = ()
+    lh: Lighthouse,
+    steps: dict[str, int | tuple[int, int]],
+    timeout_s: float = 3.0,
+    failed: tuple[str, ...] = (),
+    clients: dict[str, LighthouseClient] | None = None,
 ) -> dict:
-    """Every group asks at once (in threads) at a step or (step, round_step); group -> (Quorum, store) or the
-    exception raised."""
+    """Every group asks at once (in threads, through ``clients`` or a new client each) at a step or
+    (step, round_step); group -> (Quorum, store) or the exception raised."""
     results: dict = {}
 
     def ask(group: str, position: int | tuple[int, int]) -> None:
         step, round_step = position if isinstance(position, tuple) else (position, 0)
+        asker = client(lh, group) if clients is None else clients[group]
         try:
-            results[group] = client(lh, group).quorum(step, group in failed, timeout_s, round_step=round_step)
+            results[group] = asker.quorum(step, group in failed, timeout_s, round_step=round_step)
         except Exception as e:  # noqa: BLE001 (the test inspects it)
             results[group] = e
 
@@ -204,6 +209,38 @@ def test_same_members_asking_again_keep_the_id_without_waiting(start):
     again = quorums(ask_all(lh, {"A": 1, "B": 1, "C": 1}, timeout_s=30.0))  # else: a timeout, and quorums() fails
     assert {q.quorum_id for q in again.values()} == {first.quorum_id}
     assert again["A"].participants == ("A", "B", "C") and again["A"].max_step == 1
+
+
+class _AnswersKept(LighthouseClient):
+    """A client that keeps every 200 answer's JSON as it came."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.answers: list = []
+
+    def _post(self, message, timeout_s: float):
+        answer = super()._post(message, timeout_s)
+        self.answers.append(answer)
+        return answer
+
+
+def test_a_grant_of_the_quorum_a_group_holds_leaves_its_participants_out(start):
+    """Issue 33: one id always names the same members, so a group asking with the quorum it holds is
+    granted it without the participants (12 KB to each of 1,000 groups); a new id names them again."""
+    lh = start()
+    kw = {"token": TOKEN, "job_id": JOB, "signature": SIG, "connect_timeout_s": 1.0}
+    clients = {g: _AnswersKept(lh.url, group=g, **kw) for g in "AB"}
+    beat(lh, "AB")
+    rounds = [quorums(ask_all(lh, {"A": 1, "B": 1}, clients=clients))]
+    rounds.append(quorums(ask_all(lh, {"A": 2, "B": 2}, clients=clients)))
+    rounds.append(quorums(ask_all(lh, {"A": 3, "B": 3}, failed=("B",), clients=clients)))  # a new id
+    assert [r["A"].quorum_id for r in rounds] == [1, 1, 2]
+    for group, asker in clients.items():
+        grants = [answer["quorum"] for answer in asker.answers]
+        assert ["participants" in g for g in grants] == [True, False, True], group
+        assert grants[1]["members"] == 2
+        assert all(r[group].participants == ("A", "B") for r in rounds)
+        assert rounds[1][group].max_step == 2
 
 
 def test_a_silent_member_is_left_out_after_the_join_timeout(start):

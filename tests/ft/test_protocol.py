@@ -68,6 +68,7 @@ def test_the_field_names_on_the_wire_are_fixed():
         "finished": False,
         "digest": "",
         "config": {"algo.name": "diloco"},
+        "known_quorum": 0,
     }
     watch = RoundWatch(**WHO, step=3, round_step=40, timeout_s=2.0)
     assert watch.to_json() == {**WHO, "step": 3, "round_step": 40, "timeout_s": 2.0}
@@ -212,6 +213,17 @@ def test_quorum_answers_round_trip_and_malformed_ones_are_named():
     for bad in ({}, {"quorum": {"quorum_id": 1}}, {"end": {"round": "x"}}, {"quorum": [], "store": None}):
         with pytest.raises(ValueError, match="malformed quorum answer"):
             quorum_answer_from_json(bad)
+
+
+def test_a_grant_without_participants_takes_those_of_the_quorum_the_group_holds():
+    held = Quorum(3, ("A", "B"), 7, {})
+    grant = QuorumGrant(Quorum(3, ("A", "B"), 8, {}, round_id=5), ("10.0.0.1", 29500))
+    compact = json.loads(json.dumps(grant.to_json(participants=False)))
+    assert "participants" not in compact["quorum"] and compact["quorum"]["members"] == 2
+    assert quorum_answer_from_json(compact, held) == grant
+    for other in (None, Quorum(2, ("A", "B"), 7, {}), Quorum(3, ("A",), 7, {})):
+        with pytest.raises(ValueError, match="without its participants"):
+            quorum_answer_from_json(compact, other)
 
 
 def test_the_token_travels_as_a_bearer_header():

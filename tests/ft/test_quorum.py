@@ -109,6 +109,17 @@ class TestBook:
         assert q == Quorum(1, ("g0", "g1", "g2"), 5, {"g1": "g0"}, round_id=1)
         assert book.pending == {} and book.decide(now=1.6) is None
 
+    def test_everyone_asked_once_every_group_heard_from_has_asked_and_a_departed_one_is_not_waited_for(self):
+        """The lighthouse's hint to decide at once, without the pause between passes."""
+        book = self._book()
+        book.ask(QuorumRequest("g0", step=1), now=1.0)
+        book.ask(QuorumRequest("g1", step=1), now=1.0)
+        assert not book.everyone_asked()
+        book.depart("g2")
+        assert book.everyone_asked()
+        book.decide(now=1.0)
+        assert not book.everyone_asked(), "the round formed: nobody is asking"
+
     def test_steady_state_keeps_the_id_and_a_dead_group_changes_it(self):
         book = self._book()
         for g in ("g0", "g1", "g2"):
