@@ -71,15 +71,22 @@ def kill_target(planned: int, up: set[int], holders: set[int], min_alive: int, g
     """
     allowed = [g for g in up if len(holders - {g}) >= min_alive]
     candidates = [g for g in allowed if g in holders] or allowed
-    return min(candidates, key=lambda g: (g - planned) % groups, default=None)
+    return fault_target(planned, set(candidates), groups)
+
+
+def fault_target(planned: int, up: set[int], groups: int) -> int | None:
+    """The planned group if it is up, else the next one (by id) that is; None if none is."""
+    return min(up, key=lambda g: (g - planned) % groups, default=None)
 
 
 class FaultInjector:
     """Fires a fault plan against the cluster's real processes as time passes.
 
-    A kill whose planned group is down or hung, or would leave fewer than ``min_alive``
-    other groups holding the job's state, goes to the next group that can take it (or is
-    skipped if none can), so a plan's kill rate is what the job sees.
+    A fault whose planned group is down or hung goes to the next group that is up (a kill:
+    that can take it without leaving fewer than ``min_alive`` other groups holding the job's
+    state), or is skipped if none can, so a plan's fault rates are what the job sees: on a
+    loaded machine a launcher late to its first pass fires the first kill, hang and NaN at once,
+    and the NaN planned for the group just killed was lost.
     """
 
     def __init__(
@@ -123,9 +130,14 @@ class FaultInjector:
                 self.lighthouse_back_at = now + self.down_s
                 self.events.write("lighthouse_down")
             return
-        group = self._kill_target(event.group) if event.kind == "kill" else event.group
-        if group is None or group not in self.cluster.groups or group in self.resume_at:
-            self.events.write("skipped", event.group, fault=event.kind)  # the group is down or already hung
+        up = {g for g in self.cluster.groups if g not in self.resume_at}
+        if event.kind == "kill":
+            holders = self.holders.current() - set(self.resume_at)
+            group = kill_target(event.group, up, holders, self.min_alive, self.cluster.job.cluster.groups)
+        else:
+            group = fault_target(event.group, up, self.cluster.job.cluster.groups)
+        if group is None:
+            self.events.write("skipped", event.group, fault=event.kind)  # no group is up (and may take it)
             return
         if event.kind == "kill":
             self.cluster.signal_group(group, signal.SIGKILL)
@@ -135,8 +147,3 @@ class FaultInjector:
         else:
             self.cluster.request_fault(group, event.kind)
         self.events.write(event.kind, group)
-
-    def _kill_target(self, planned: int) -> int | None:
-        up = {g for g in self.cluster.groups if g not in self.resume_at}
-        holders = self.holders.current() - set(self.resume_at)
-        return kill_target(planned, up, holders, self.min_alive, self.cluster.job.cluster.groups)

@@ -7,7 +7,7 @@ import pytest
 from diloco.config.base import ConfigError
 from diloco.config.faults import FaultsConfig
 from diloco.ft.fault_requests import FaultHook, request_fault
-from diloco.launch.faults import kill_target, plan_faults
+from diloco.launch.faults import fault_target, kill_target, plan_faults
 from tests.conftest import compose_job
 
 
@@ -32,6 +32,15 @@ def test_a_kill_hits_the_planned_group_when_it_may():
 def test_a_kill_goes_to_the_next_group_when_the_planned_one_is_down():
     assert kill_target(1, up={0, 2, 3}, holders={0, 2, 3}, min_alive=0, groups=4) == 2
     assert kill_target(3, up={0, 1, 2}, holders={0, 1, 2}, min_alive=0, groups=4) == 0  # wraps around
+
+
+def test_a_hang_or_nan_goes_to_the_next_group_up_when_the_planned_one_is_down_or_hung():
+    """A launcher late to its first pass fires the first kill, hang and NaN at once: the NaN
+    planned for the group just killed, and the group just hung, goes to the next one up."""
+    assert fault_target(0, up={0, 1, 2}, groups=3) == 0
+    assert fault_target(0, up={2}, groups=3) == 2
+    assert fault_target(2, up={0, 1}, groups=3) == 0  # wraps around
+    assert fault_target(1, up=set(), groups=3) is None
 
 
 def test_a_kill_hits_a_group_holding_the_state_before_one_still_taking_it():
