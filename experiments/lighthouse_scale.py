@@ -57,6 +57,7 @@ from common import add_output_arguments, compose_job, markdown_table, runs_root,
 
 from diloco.config.base import to_dict
 from diloco.config.job import training_config
+from diloco.ft.identity import config_digest
 from diloco.ft.protocol import (
     ENDPOINTS,
     GroupProgress,
@@ -199,6 +200,7 @@ class Senders:
         self._grants: dict[bytes, Any] = {}  # the current round's grants' bytes (with or without participants)
         self._quorums: dict[int, Any] = {}  # each quorum id's participants, as a full grant named them
         self.signed: dict[str, float] = {}  # each group's last request the lighthouse takes as a heartbeat
+        self.config_digest = config_digest(plan.config)
 
     async def post(self, group: str, path: str, payload: dict[str, Any]) -> Answer:
         """One POST on one of ``group``'s idle connections, or a new one (see the module docstring)."""
@@ -294,8 +296,9 @@ class Senders:
             timeout_s=plan.quorum_timeout_s,
             round_step=50 * state["step"],
             quorum_id=state["qid"],
-            config=plan.config,
+            config={} if state["qid"] else plan.config,  # in full until granted, as the client sends it
             known_quorum=state["qid"],
+            config_digest=self.config_digest,
         )
         try:
             answer = await self.post(group, QuorumAsk.path, ask.to_json())

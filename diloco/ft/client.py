@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from diloco.config.base import check
+from diloco.ft.identity import config_digest
 from diloco.ft.keep_alive import Answer, ConnectionPool
 from diloco.ft.protocol import (
     ErrorAnswer,
@@ -64,6 +65,7 @@ class LighthouseClient:
         self.group = group
         self.connect_timeout_s = connect_timeout_s
         self.config = config or {}  # the group's flat training configuration; the lighthouse compares it
+        self._config_digest = config_digest(self.config) if self.config else ""  # sent alone once granted
         self._last_quorum_id = 0  # sent with quorum requests, so a restarted lighthouse never reuses an id
         self._held: Quorum | None = None  # the last quorum granted: a grant of its id leaves out its participants
         self._lock = threading.Lock()  # the id is updated by a heartbeat thread and the long poll alike
@@ -121,8 +123,9 @@ class LighthouseClient:
             quorum_id=self._seen(0),
             finished=finished,
             digest=digest,
-            config=self.config,
+            config=self.config if self._held is None else {},
             known_quorum=0 if self._held is None else self._held.quorum_id,
+            config_digest=self._config_digest,
         )
         try:
             answer = quorum_answer_from_json(self._post(ask, timeout_s + self.connect_timeout_s), self._held)

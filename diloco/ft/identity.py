@@ -8,8 +8,10 @@ otherwise train "one" model that each holds differently, and both would report s
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_DIFFERENCES_SHOWN = 8
@@ -31,16 +33,34 @@ def config_differences(job: Mapping[str, Any], group: Mapping[str, Any]) -> list
     return lines
 
 
+def config_digest(config: Mapping[str, Any]) -> str:
+    """The digest a group sends instead of its configuration once it was granted a quorum: the same
+    for equal configurations on both sides of the JSON wire (keys sorted, lists and tuples alike)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
 @dataclass
 class JobIdentity:
-    """The job a lighthouse serves; ``None`` fields are pinned by the first group admitted."""
+    """The job a lighthouse serves; ``None`` fields are pinned by the first group admitted.
+
+    The configuration is pinned in full by a group's first ask, or by its digest alone when the
+    first ask a (restarted) lighthouse hears is one of a group that had been granted a quorum.
+    """
 
     job_id: str
     signature: str | None = None
     config: dict[str, Any] | None = None
+    digest: str | None = field(default=None, init=False)
 
-    def admit(self, job: str, signature: str, config: Mapping[str, Any] | None) -> None:
-        """Raise ``NotThisJob`` unless the group belongs to this job; pins what is still open."""
+    def __post_init__(self) -> None:
+        if self.config is not None:
+            self.digest = config_digest(self.config)
+
+    def admit(self, job: str, signature: str, config: Mapping[str, Any] | None, digest: str = "") -> None:
+        """Raise ``NotThisJob`` unless the group belongs to this job; pins what is still open.
+
+        ``config`` is the group's training configuration in full, or (empty) ``digest`` stands for it.
+        """
         if job != self.job_id:
             raise NotThisJob(
                 f"job id {job!r} differs from this lighthouse's job {self.job_id!r}: the group belongs to "
@@ -64,6 +84,14 @@ class JobIdentity:
                 + (f" (and {more} more)" if more > 0 else "")
                 + "; every group of a job must run the same configuration"
             )
+        if (config and self.config is None) or (digest and not config):  # else the keys compared above
+            digest = config_digest(config) if config else digest
+            if self.digest is not None and digest != self.digest:
+                raise NotThisJob(
+                    f"the group's training configuration (digest {digest}) differs from the job's ({self.digest}); "
+                    "every group of a job must run the same configuration"
+                )
+            self.digest = digest
         self.signature = signature
         if config and self.config is None:
             self.config = dict(config)

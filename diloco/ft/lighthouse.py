@@ -210,10 +210,10 @@ class Lighthouse:
         try:
             check_token(authorization, self.cfg.token)
             request = parse_request(path, body)
-            config = request.config if isinstance(request, QuorumAsk) else None
+            config, digest = (request.config, request.config_digest) if isinstance(request, QuorumAsk) else (None, "")
             with self._lock:
                 try:
-                    self._identity.admit(request.job, request.signature, config)
+                    self._identity.admit(request.job, request.signature, config, digest)
                 except NotThisJob as refusal:
                     raise LighthouseRefused(ErrorCode.WRONG_JOB, str(refusal)) from None
         except LighthouseRefused as refusal:

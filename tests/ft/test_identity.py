@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diloco.config.job import training_config
-from diloco.ft.identity import JobIdentity, NotThisJob, config_differences
+from diloco.ft.identity import JobIdentity, NotThisJob, config_differences, config_digest
 from tests.conftest import compose_job
 
 
@@ -31,6 +31,27 @@ def test_the_first_admitted_group_pins_what_the_launcher_left_open():
         identity.admit("job", "sig", {"a": 2})
     with pytest.raises(NotThisJob, match="model signature other differs"):
         identity.admit("job", "other", {"a": 1})
+
+
+def test_a_granted_group_sends_its_configurations_digest_which_must_be_the_jobs():
+    """Issue 33: a group sends its configuration in full until it is granted a quorum, then only
+    its digest; a restarted lighthouse that has not seen it in full pins the digest."""
+    config = {"algo.sync_every": 50, "inner_opt.betas": [0.9, 0.95]}
+    digest = config_digest(config)
+    assert digest == config_digest({"inner_opt.betas": (0.9, 0.95), "algo.sync_every": 50}), "as JSON sees it"
+    assert digest != config_digest({**config, "algo.sync_every": 25})
+    pinned = JobIdentity("job", config=config)
+    pinned.admit("job", "sig", {}, digest)
+    with pytest.raises(NotThisJob, match=r"configuration \(digest \w+\) differs from the job's"):
+        pinned.admit("job", "sig", {}, config_digest({"algo.sync_every": 25}))
+    restarted = JobIdentity("job")
+    restarted.admit("job", "sig", {}, digest)  # the first ask it hears is a granted group's
+    assert restarted.config is None and restarted.digest == digest
+    with pytest.raises(NotThisJob, match="differs from the job's"):
+        restarted.admit("job", "sig", {**config, "algo.sync_every": 25}, "")
+    assert restarted.config is None, "a refusal pins nothing"
+    restarted.admit("job", "sig", config, digest)  # a restarted group's first ask, in full
+    assert restarted.config == config
 
 
 def test_a_long_list_of_differences_is_cut_short():

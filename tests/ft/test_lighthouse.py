@@ -60,13 +60,18 @@ FAST = QuorumRules(min_groups=1, join_timeout_s=0.3, heartbeat_timeout_s=1.0)
 
 @pytest.fixture
 def start():
-    """``start(rules, **cfg)`` -> a running lighthouse on a free port, stopped after the test."""
+    """``start(rules, job_config=..., **cfg)`` -> a running lighthouse on a free port, stopped after the test."""
     started = []
 
     def make(
-        rules: QuorumRules = FAST, signature: str | None = SIG, clock: Callable[[], float] = time.monotonic, **cfg
+        rules: QuorumRules = FAST,
+        signature: str | None = SIG,
+        clock: Callable[[], float] = time.monotonic,
+        job_config: dict | None = None,
+        **cfg,
     ) -> Lighthouse:
-        lh = Lighthouse(LighthouseConfig(**{"port": 0, "token": TOKEN, **cfg}), rules, JOB, signature, clock=clock)
+        config = LighthouseConfig(**{"port": 0, "token": TOKEN, **cfg})
+        lh = Lighthouse(config, rules, JOB, signature, clock=clock, job_config=job_config)
         lh.start()
         started.append(lh)
         return lh
@@ -469,6 +474,22 @@ def test_a_group_with_another_training_config_is_refused_naming_the_keys(start):
     assert "differs from the job's in 2 key(s): algo.sync_every: job 50, this group 25; " in str(refused.value)
     assert "trainer.max_steps: job 500, this group 400" in str(refused.value)
     assert [g["id"] for g in status(lh)["groups"]] == ["A"]  # B left no trace
+
+
+def test_a_granted_group_asks_with_its_configs_digest_and_a_lighthouse_restarted_for_another_job_refuses_it(start):
+    """Issue 33: once granted, a group's asks carry its configuration's digest instead of the 2 KB
+    configuration; a lighthouse whose job has another configuration refuses the digest."""
+    job = {"algo.sync_every": 50, "algo.name": "diloco"}
+    lh = start(job_config=job)
+    a = client(lh, "A", config=job)
+    quorums({"A": a.quorum(0, False, timeout_s=2.0)})
+    quorums({"A": a.quorum(1, False, timeout_s=2.0)})  # by digest
+    port = lh.port
+    lh.stop()
+    again = start(port=port, job_config={**job, "algo.sync_every": 25})
+    with pytest.raises(LighthouseRefused, match=r"configuration \(digest \w+\) differs from the job's"):
+        a.quorum(2, False, timeout_s=2.0)
+    assert status(again)["groups"] == []
 
 
 def test_after_the_end_finished_groups_learn_it_and_late_groups_are_refused(start):
