@@ -246,10 +246,10 @@ class QuorumAsk(GroupMessage):
     even if a request reaches it before any heartbeat, and the group's flat training
     configuration, which must match the job's: in full until the group was granted a quorum, then
     its ``config_digest`` alone (2 KB less to read and parse, 1,000 times a round at 1,000 groups;
-    issue 33). ``known_quorum`` is the quorum whose participants
-    the group holds: an id always names the same members (``quorum.next_quorum_id``; a restarted
-    lighthouse issues ids above every asker's), so a grant of that id leaves them out, 12 KB less
-    to write to each of 1,000 groups between a round's last ask and its last grant (issue 33).
+    issue 33). ``known_quorum`` is the quorum whose participants the group holds: an id always
+    names the same members (``quorum.next_quorum_id``; a restarted lighthouse issues ids above
+    every asker's), so a grant of that id leaves them out, 12 KB less to write to each of 1,000
+    groups between a round's last ask and its last grant.
     """
 
     path: ClassVar[str] = "/quorum"

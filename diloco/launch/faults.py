@@ -84,9 +84,9 @@ class FaultInjector:
 
     A fault whose planned group is down or hung goes to the next group that is up (a kill:
     that can take it without leaving fewer than ``min_alive`` other groups holding the job's
-    state), or is skipped if none can, so a plan's fault rates are what the job sees: on a
-    loaded machine a launcher late to its first pass fires the first kill, hang and NaN at once,
-    and the NaN planned for the group just killed was lost.
+    state), or is skipped if none can, so a plan's fault rates are what the job sees (on a
+    loaded machine a launcher late to its first pass fires the first kill, hang and NaN at once:
+    the NaN planned for the group just killed goes to another).
     """
 
     def __init__(
