@@ -458,7 +458,8 @@ class Lighthouse:
             self._current = (quorum, now)
             self._history.append({**quorum.to_json(), "formed_at": time.time()})
             self._board.quorum_formed(quorum)
-            log.info("quorum formed: %s", json.dumps(_loggable(quorum)))
+            named = {**quorum.to_json(), "participants": status_page.shown_names(quorum.participants)}
+            log.info("quorum formed: %s", json.dumps(named))  # 1,000 names were 12 KB a round
             if quorum.round_floor:
                 log.warning(
                     "the job's newest state (round %d or later) was lost with every group that held it; "
@@ -517,13 +518,6 @@ class Lighthouse:
                 self._board,
             )
         return {"pid": os.getpid()} | status_page.build_status(snap)
-
-
-def _loggable(quorum: Quorum) -> dict[str, Any]:
-    """A quorum for the log, its participants named up to ``SHOWN_NAMES`` (1,000 names were 12 KB a round)."""
-    named = quorum.participants[: status_page.SHOWN_NAMES]
-    more = len(quorum.participants) - len(named)
-    return {**quorum.to_json(), "participants": [*named, f"... {more} more"] if more else list(named)}
 
 
 def _host_store(host: str, port: int) -> dist.TCPStore:

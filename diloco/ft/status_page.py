@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from typing import Any
 
@@ -204,13 +204,14 @@ def render_html(status: Mapping[str, Any]) -> str:
         if q is None
         else _table(
             ["id", "participants", "max round", "heal from", "age (s)"],
-            [[q["quorum_id"], _names(q["participants"]), q["max_step"], _heal(q["heal_from"]), q["age_s"]]],
+            [[q["quorum_id"], shown_names(q["participants"]), q["max_step"], _heal(q["heal_from"]), q["age_s"]]],
         )
     )
     history = _table(
         ["id", "participants", "max round", "heal from", "formed at"],
         [
-            [h["quorum_id"], _names(h["participants"]), h["max_step"], _heal(h["heal_from"]), _clock(h["formed_at"])]
+            [h["quorum_id"], shown_names(h["participants"]), h["max_step"], _heal(h["heal_from"])]
+            + [_clock(h["formed_at"])]
             for h in reversed(status["history"])
         ],
     )
@@ -320,7 +321,8 @@ def _thinned(points: list, limit: int) -> list:
     return points if step <= 1 else points[::step] + ([points[-1]] if (len(points) - 1) % step else [])
 
 
-def _names(participants: list[str]) -> str:
+def shown_names(participants: Sequence[str]) -> str:
+    """Up to ``SHOWN_NAMES`` participants by name, then their number: the page's and the log's form."""
     shown = ", ".join(participants[:SHOWN_NAMES])
     return shown if len(participants) <= SHOWN_NAMES else f"{shown}, ... ({len(participants)} groups)"
 
