@@ -92,6 +92,8 @@ def _diloco(h: int, groups: int = 2, *extra: str, name: str = "") -> Config:
 
 
 SPARSELOCO = {"algo.alpha": "0", "outer_opt": "sgd", "outer_opt.lr": "1", "outer_opt.momentum": "0"}
+RAMPED_WHATEVER_M = {"algo.alpha": None, "algo.alpha_reference_groups": "0"}
+PLAIN_MEAN = {"algo.sparse_reference_groups": "0"}
 DILOCO_OUTER = {"algo.alpha": None, "outer_opt": None, "outer_opt.lr": None, "outer_opt.momentum": None}
 
 
@@ -143,6 +145,22 @@ CONFIGS = [
     _sparse(50, 0.02, name=", α ramped", changes={"algo.alpha": None}),
     *(_sparse(20, d, name=", α ramped", changes={"algo.alpha": None}) for d in (0.01, 0.03)),
     _sparse(20, 0.01, 4, name=", α ramped", changes={"algo.alpha": None}),
+    # At M = 4 the default α is scaled by (2/M)² to 0.125: θ_l keeps less of what e holds back.
+    _sparse(20, 0.01, 4, name=", α=0.5 whatever M", changes=RAMPED_WHATEVER_M),
+    # Before algo.sparse_reference_groups (docs/results.md): the plain mean, the outer lr in its place.
+    _sparse(20, 0.01, 4, name=", α ramped, plain mean", changes={"algo.alpha": None} | PLAIN_MEAN),
+    _sparse(20, 0.01, 4, name=", α=0.5 whatever M, plain mean", changes=RAMPED_WHATEVER_M | PLAIN_MEAN),
+    *(
+        _sparse(
+            20, 0.01, 4, name=f", {alpha}, plain mean, outer lr {lr}", changes=keys | PLAIN_MEAN | {"outer_opt.lr": lr}
+        )
+        for alpha, keys, lr in [
+            ("α ramped", {"algo.alpha": None}, "2"),
+            ("α=0.5 whatever M", RAMPED_WHATEVER_M, "2"),
+            ("α=0.5 whatever M", RAMPED_WHATEVER_M, "4"),
+        ]
+    ),
+    _sparse(20, 0.02, 4, name=", α=0.5 whatever M, plain mean", changes=RAMPED_WHATEVER_M | PLAIN_MEAN),
     _sparse(50, 0.02, name=", DiLoCo's outer step", changes=DILOCO_OUTER),
     _sparse(50, 0.02, name=", DiLoCo's outer step, β=0", changes=DILOCO_OUTER | {"algo.error_decay": "0"}),
     _sparse(50, 0.02, 4),

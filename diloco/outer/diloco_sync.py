@@ -330,6 +330,7 @@ class OuterSync(Synchronizer):
             extras=extras,
             bucket=self.bucket,
             codec_device=self.codec_device,
+            reference_groups=self.algo.sparse_reference_groups,
         )
 
     def _measurements_to_send(self, flight: Flight) -> torch.Tensor | None:

@@ -112,17 +112,20 @@ def launch_sparse_reduce(
     extras: torch.Tensor | None = None,
     bucket: TokenBucket | None = None,
     codec_device: torch.device | None = None,
+    reference_groups: int = 0,
 ) -> PendingReduce:
     """Start gathering every member's ``codec`` payload of ``numel`` values, its weight and extras.
 
     Every member sends a payload of the same size whatever it holds (a healing group: zeros, weight
-    0), so the gather has one shape. ``result`` is Σ w_m·ŝ_m / Σ w_m on the CPU, in fp32.
+    0), so the gather has one shape. ``result`` is Σ w_m·ŝ_m / Σ w_m on the CPU, in fp32, each entry
+    averaged over no fewer than ``reference_groups`` groups (``reduce_sparse``).
     """
     extras = _as_float32(extras)
     device = codec_device or payload.device
 
     def decode_sum(payloads: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-        return reduce_sparse([p.to(device) for p in payloads], weights, codec, numel).cpu()
+        gathered = [p.to(device) for p in payloads]
+        return reduce_sparse(gathered, weights, codec, numel, reference_groups).cpu()
 
     pending = _gather_and_sum(lane, payload.cpu(), weight, extras, size, decode_sum)
     return _held_back(pending, bucket)

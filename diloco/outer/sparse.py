@@ -139,15 +139,32 @@ def outgoing(
     return payload.cpu(), new_error.cpu()
 
 
-def reduce_sparse(gathered: list[torch.Tensor], weights: list[float], codec: TopK, numel: int) -> torch.Tensor:
-    """Σ_m w_m·ŝ_m in fp32, in list (rank) order, so every group gets the same bits; a w_m = 0 adds nothing."""
+def reduce_sparse(
+    gathered: list[torch.Tensor], weights: list[float], codec: TopK, numel: int, reference_groups: int = 0
+) -> torch.Tensor:
+    """Σ_m w_m·ŝ_m in fp32, in list (rank) order, so every group gets the same bits; a w_m = 0 adds nothing.
+
+    With N = ``reference_groups`` and M > N contributing groups, entry i is scaled by W / max(S_i, N·W/M)
+    (W = Σ_m w_m, S_i = Σ of the weights of the groups that sent i), so that the caller's division by W
+    averages it over its senders but over no fewer than N groups' worth of weight: an entry every group
+    sent keeps the plain mean, one sent by a single group of M equal ones is ŝ/N instead of ŝ/M.
+    """
     if len(gathered) != len(weights) or not gathered:
         raise ValueError(f"need one weight per payload, got {len(gathered)} payloads and {len(weights)} weights")
+    contributing = [w for w in weights if w]
+    scaled = 0 < reference_groups < len(contributing)
     total = torch.zeros(numel, dtype=torch.float32, device=gathered[0].device)
+    senders = torch.zeros_like(total) if scaled else None
     for payload, weight in zip(gathered, weights):
         if weight:
-            total += codec.decode(payload, numel) * weight
-    return total
+            sent = codec.decode(payload, numel)
+            total += sent * weight
+            if senders is not None:
+                senders += (sent != 0) * weight
+    if senders is None:
+        return total
+    whole = sum(contributing)
+    return total * (whole / senders.clamp(min=reference_groups * whole / len(contributing)))
 
 
 def _quantize(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

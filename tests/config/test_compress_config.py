@@ -17,6 +17,7 @@ TOPK = ["algo=diloco", "algo.compress=topk"]
         (TOPK + ["algo.density=1.5"], r"^algo\.density=1\.5: must be in \(0, 1\]"),
         (TOPK + ["algo.value_bits=3"], r"^algo\.value_bits=3: must be one of 1, 2, 4, 8, 32"),
         (TOPK + ["algo.error_decay=1.2"], r"^algo\.error_decay=1\.2: must be in \[0, 1\]"),
+        (TOPK + ["algo.sparse_reference_groups=-1"], r"^algo\.sparse_reference_groups=-1: must be an integer >= 0"),
         (
             TOPK + ["algo.quantize=fp4"],
             r"^algo\.quantize='fp4': cannot be combined with algo\.compress=topk.*use algo\.quantize=none",

@@ -87,7 +87,11 @@ def test_chaos_run_completes_and_every_killed_group_recovers(tmp_path):
     assert "crash" not in kinds, events
     assert kinds.count("restart") == kills
     assert summary["time_to_heal_s"]["count"] == kills, "every restarted group must commit again"
-    assert summary["recoveries"] >= kills
+    # A group restarted before the job's first commit joins from the shared initial state (a
+    # loaded machine can fire the first kill that early); every later one must heal from a peer.
+    commits = [r for g in range(3) for r in read_jsonl(RunPaths(tmp_path).commits(g))]
+    first_commit = min(r["time"] for r in commits if r["committed"])
+    assert summary["recoveries"] >= sum(e["kind"] == "restart" and e["time"] > first_commit for e in events), events
     assert summary["groups_missing_results"] == []
     assert len({r["digest"] for r in summary["per_group"]}) == 1, "global state differs at the end"
     assert len({r["rounds"] for r in summary["per_group"]}) == 1
@@ -99,7 +103,7 @@ def test_chaos_run_completes_and_every_killed_group_recovers(tmp_path):
     ]
     assert all(math.isfinite(x) for x in losses)
     assert summary["final_eval_loss"] < math.log(256) - 2.0
-    nan_rounds = [r for g in range(3) for r in read_jsonl(RunPaths(tmp_path).commits(g)) if not r["committed"]]
+    nan_rounds = [r for r in commits if not r["committed"]]
     assert nan_rounds, "the NaN group's round must not be committed"
 
 

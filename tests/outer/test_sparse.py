@@ -95,6 +95,29 @@ def test_a_zero_weight_payload_adds_nothing_and_weights_scale_each_group():
     assert torch.equal(summed, expected)
 
 
+def test_a_kept_entry_is_averaged_over_its_senders_but_over_no_fewer_than_n_groups():
+    """M = 4, N = 2: an entry one group sent is ŝ/2 (not ŝ/4), one three sent their sum/3, one all four
+    sent the plain mean; a zero value is not sent (density 1 and 32 bits keep them as they are). M <= N,
+    and nonzero payloads at density 1 at any M, are the plain mean bit for bit."""
+    codec = TopK(1.0, 32)
+    by_group = torch.tensor([[8.0, 3.0, 1.0, 0.0], [0.0, 6.0, 2.0, 0.0], [0.0, 9.0, 3.0, 0.0], [0.0, 0.0, 6.0, 0.0]])
+    payloads = [codec.encode(row) for row in by_group]
+    averaged = torch.tensor([4.0, 6.0, 3.0, 0.0])
+    torch.testing.assert_close(reduce_sparse(payloads, [1.0] * 4, codec, 4, reference_groups=2) / 4, averaged)
+    blank = torch.zeros(codec.nbytes(4), dtype=torch.uint8)  # a healing group: not one of the M
+    summed = reduce_sparse([*payloads, blank], [2.0] * 4 + [0.0], codec, 4, reference_groups=2)
+    torch.testing.assert_close(summed / 8, averaged)
+    plain = reduce_sparse(payloads, [1.0] * 4, codec, 4)
+    assert torch.equal(plain, by_group.sum(dim=0))
+    for n in (4, 5):  # M <= N: the plain mean, bit for bit
+        assert torch.equal(reduce_sparse(payloads, [1.0] * 4, codec, 4, reference_groups=n), plain)
+    dense = [codec.encode(torch.randn(1000)) for _ in range(4)]  # density 1: every group sent every entry
+    weights = [1.0, 3.0, 2.0, 2.0]
+    assert torch.equal(
+        reduce_sparse(dense, weights, codec, 1000, reference_groups=2), reduce_sparse(dense, weights, codec, 1000)
+    )
+
+
 def test_the_sparse_reduce_sends_the_planned_bytes_and_averages_over_contributors():
     codec = TopK(0.02, 2)
     delta, extras = torch.randn(20_000), torch.tensor([1.0, 0.5, 2.0])
