@@ -144,8 +144,12 @@ CONFIGS = [
     *(_sparse(h, d) for h in (20, 25, 50) for d in (0.01, 0.02, 0.03)),
     _sparse(50, 0.02, name=", α ramped", changes={"algo.alpha": None}),
     *(_sparse(20, d, name=", α ramped", changes={"algo.alpha": None}) for d in (0.01, 0.03)),
-    _sparse(20, 0.01, name=", α ramped, outer lr 2", changes={"algo.alpha": None, "outer_opt.lr": "2"}),
+    *(
+        _sparse(20, 0.01, name=f", α ramped, outer lr {lr}", changes={"algo.alpha": None, "outer_opt.lr": lr})
+        for lr in ("1.5", "2", "2.5")
+    ),
     _sparse(20, 0.01, 4, name=", α ramped", changes={"algo.alpha": None}),
+    _sparse(20, 0.01, 4, name=", α ramped, outer lr 1.5", changes={"algo.alpha": None, "outer_opt.lr": "1.5"}),
     # At M = 4 the default α is scaled by (2/M)² to 0.125: θ_l keeps less of what e holds back.
     _sparse(20, 0.01, 4, name=", α=0.5 whatever M", changes=RAMPED_WHATEVER_M),
     _sparse(20, 0.01, 4, name=", α=0.5 whatever M, outer lr 2", changes=RAMPED_WHATEVER_M | {"outer_opt.lr": "2"}),
@@ -159,6 +163,7 @@ CONFIGS = [
         for alpha, keys, lr in [
             ("α ramped", {"algo.alpha": None}, "2"),
             ("α=0.5 whatever M", RAMPED_WHATEVER_M, "2"),
+            ("α=0.5 whatever M", RAMPED_WHATEVER_M, "3"),
             ("α=0.5 whatever M", RAMPED_WHATEVER_M, "4"),
         ]
     ),

@@ -36,16 +36,25 @@ def test_two_worker_fsdp_group_trains_and_its_loss_falls(fast_job, tmp_path):
     assert set(weights) == set(Transformer(job.model).state_dict())
 
 
-def test_a_job_whose_training_diverges_after_some_rounds_fails_naming_the_last_good_round(fast_job, tmp_path):
+def test_a_job_whose_training_diverges_after_some_rounds_ends_early_naming_the_last_good_round(fast_job, tmp_path):
     """Every group's updates turn NaN after a few rounds at this inner lr: the rounds after commit
-    nothing, and the model saved is an early round's. That is no trained model (it exited 0)."""
-    job = fast_job("cluster.groups=2", "cluster.workers_per_group=1", "trainer.max_steps=80", "inner_opt.lr=100")
+    nothing, and the model saved is an early round's. That is no trained model (it exited 0), and
+    after algo.diverged_rounds such rounds the job ends instead of training on to max_steps."""
+    job = fast_job(
+        "cluster.groups=2",
+        "cluster.workers_per_group=1",
+        "trainer.max_steps=200",
+        "inner_opt.lr=100",
+        "algo.diverged_rounds=3",
+    )
     summary = launch(job, tmp_path)
     assert not summary["ok"] and 0 < summary["rounds"] < 8, summary
     assert summary["failure"].startswith(
-        f"training diverged: the last {(80 - 10 * summary['rounds']) // 10} update(s) of every group were "
+        "training diverged: the last 3 update(s) of every group were "
         f"non-finite (NaN or inf), so nothing was committed after round {summary['rounds']} and model.pt holds"
     ), summary["failure"]
+    steps_per_group = 10 * (summary["rounds"] + 3)  # H = 10
+    assert summary["tokens_seen"] == 2 * steps_per_group * job.trainer.batch_size * job.trainer.seq_len
 
 
 def _one_step_weights(fast_job, path, *overrides):

@@ -23,7 +23,8 @@ from diloco.config.base import ConfigError, check, from_dict
 #   compress, density,
 #   value_bits, error_decay,
 #   sparse_reference_groups   .     .      x        x
-#   weighting, window         .     .      x        x
+#   weighting, window,
+#   diverged_rounds           .     .      x        x
 #   fragments (P), pattern    .     .      .        x       diloco runs with 1 fragment
 #   delay (τ), auto           .     .      .        x       diloco runs with no overlap
 #
@@ -45,6 +46,7 @@ _OUTER_KEYS = (
     "sparse_reference_groups",
     "weighting",
     "window",
+    "diverged_rounds",
 )
 VALUE_BITS = (1, 2, 4, 8, 32)  # as diloco/outer/sparse.py offers them (config imports no runtime code)
 READS: dict[str, tuple[str, ...]] = {
@@ -112,6 +114,10 @@ class AlgoConfig:
     # fastest group takes for its steps; a group more than one inner step behind when the round
     # opens skips to it, having run fewer steps, and counts by the tokens it trained.
     window: Literal["steps", "time"] = "steps"
+    # End the job after this many rounds in a row in which no group sent a finite Δ (NaN or inf in
+    # every one: training diverged, and every round resets θ_l to the same θ_g), instead of training
+    # the rest of max_steps for nothing; the job then fails, naming the divergence. 0: train on.
+    diverged_rounds: int = 10
     # Re-pick τ (delay) and the payload format (quantize) after every round so each fragment's
     # all-reduce hides behind its overlap on the measured link (diloco/outer/overlap_plan.py); the
     # configured values are the first round's.
@@ -145,6 +151,12 @@ class AlgoConfig:
             "algo.sync_warmup_every",
             self.sync_warmup_every,
             "must be an integer >= 1 (the shortest warm-up window, in inner steps)",
+        )
+        check(
+            _is_int(self.diverged_rounds) and self.diverged_rounds >= 0,
+            "algo.diverged_rounds",
+            self.diverged_rounds,
+            "must be an integer >= 0 (0: a diverged job trains on to trainer.max_steps)",
         )
         check(
             _is_int(self.alpha_reference_groups) and self.alpha_reference_groups >= 0,

@@ -83,6 +83,7 @@ class Flight:
     done: Future | None = None
     measured: torch.Tensor | None = None  # algo.auto: this group's measurements, sent with the first fragment
     shared: torch.Tensor | None = None  # algo.auto: every group's measurements, summed over the lane
+    unweighted: bool = False  # a reduce completed with Σ_m w_m = 0: no group of the round contributed
 
 
 class OuterSync(Synchronizer):
@@ -119,6 +120,7 @@ class OuterSync(Synchronizer):
             for f in fragments:
                 f.error = torch.zeros(sum(g.numel() for g in f.global_), dtype=torch.float32)
         self._flight: Flight | None = None
+        self.rounds_nobody_finite = 0  # in a row: every member of the round sent a non-finite Δ, this group too
 
     def join(self) -> OuterOutcome:
         """A starting group's first round: take the live state from a peer if the job is ahead."""
@@ -292,6 +294,7 @@ class OuterSync(Synchronizer):
             average = None
             try:
                 average = reduce.result(lambda work: wait_work(work, self.collective_timeout_s, round_.stop_when()))
+                flight.unweighted |= average is None
             except LaneError as error:
                 log.warning("group %s: round %s failed: %s", self.manager.group, round_.quorum.quorum_id, error)
             flight.averages.append(average if ok else None)
@@ -369,8 +372,29 @@ class OuterSync(Synchronizer):
         applied = [self._apply(flight, i, step, started) for i in range(len(flight.fragments))]
         for metrics in applied:
             outcome.metrics.update(metrics)
+        outcome.end_training = self._diverged(flight)
         if self.auto is not None and all(m["outer/committed"] for m in applied):
             self._replan(flight, round_.size)
+
+    def _diverged(self, flight: Flight) -> bool:
+        """Whether ``algo.diverged_rounds`` rounds in a row had no finite Δ from any group.
+
+        Every member of a round reads the same Σ_m w_m, so all of them count the same rounds
+        and end together; a group that ends hands the others the job's last committed θ_g in
+        closing rounds, so they end too. One group's NaN never counts (its peers contribute),
+        nor does a planned one (``diverged_updates`` leaves those out).
+        """
+        self.rounds_nobody_finite = self.rounds_nobody_finite + 1 if flight.unweighted and self.diverged_updates else 0
+        limit = self.algo.diverged_rounds
+        if not limit or self.rounds_nobody_finite < limit:
+            return False
+        log.error(
+            "group %s: no group sent a finite update in the last %d rounds (algo.diverged_rounds): training "
+            "diverged; ending the job with the last committed model",
+            self.manager.group,
+            self.rounds_nobody_finite,
+        )
+        return True
 
     def _take_final_state(self, flight: Flight, step: int, outcome: OuterOutcome, started: float) -> None:
         """Groups that finished hand this group the job's final state; it takes it and stops training.

@@ -18,6 +18,7 @@ class OuterOutcome:
     metrics: dict[str, float] = field(default_factory=dict)
     jump_to_step: int | None = None  # go on from this inner step: a peer's state was taken, or a window cut short
     skip_step: bool = False  # the optimizer must not step (the gradient round failed)
+    end_training: bool = False  # training cannot go on (it diverged in every group): end the job now
 
 
 class SyncHooks(Protocol):

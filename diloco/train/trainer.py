@@ -297,6 +297,8 @@ class Trainer:
     def _follow(self, outcome: OuterOutcome) -> dict[str, float]:
         if outcome.jump_to_step is not None:
             self.set_step(outcome.jump_to_step)
+        if outcome.end_training:  # the last step: the job's end protocol and the final model follow
+            self.set_step(self.cfg.max_steps)
         return outcome.metrics
 
     def _loss(self, batch: Batch) -> torch.Tensor:

@@ -51,6 +51,7 @@ def test_every_algo_preset_passes_on_its_own(algo):
             r"^algo\.fragments=2, algo\.delay=1 do nothing with algo=diloco, .*remove them, or use algo=streaming",
         ),
         (["algo=ddp", "algo.weighting=tokens"], r"^algo\.weighting='tokens' does nothing with algo=ddp"),
+        (["algo=local", "algo.diverged_rounds=0"], r"^algo\.diverged_rounds=0 does nothing with algo=local"),
     ],
 )
 def test_a_key_the_algorithm_does_not_read_is_refused_in_one_line(overrides, message):

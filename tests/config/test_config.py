@@ -180,6 +180,7 @@ def test_an_unknown_key_is_refused_at_composition():
         (["cluster.min_groups=3"], r"cluster\.min_groups=3"),
         (["role=boss"], r"role='boss': must be one of local, lighthouse, group"),
         (["cluster.spares=-1"], r"cluster\.spares=-1: must be >= 0"),
+        (["algo.diverged_rounds=-1"], r"algo\.diverged_rounds=-1: must be an integer >= 0"),
         (
             ["trainer.activation_checkpoint=some"],
             r"trainer\.activation_checkpoint='some': must be one of none, full, selective",

@@ -102,6 +102,11 @@ def test_the_paper_preset_is_the_published_outer_step_and_reset():
     assert [default.algo.mixing_alpha(s, 2) for s in (1, 500, 1000, 5000)] == [0.0005, 0.25, 0.5, 0.5], "and α"
 
 
+def test_the_sparseloco_preset_is_the_recipe_compare_ddp_measured():
+    row = next(c for c in CONFIGS if c.name == "sparseloco H=20 1% 2-bit, α ramped, outer lr 1.5")
+    assert compose_like_run_py(["+experiment=sparseloco"]) == compose_like_run_py(list(row.overrides))
+
+
 def canned_run(root: Path, loss: float, curve: list[float], ok: bool = True, bytes_per_token: float = 0.0) -> Path:
     """A run directory as a finished job leaves it: summary.json and group 0's metrics."""
     paths = RunPaths(root)
