@@ -152,7 +152,12 @@ CONFIGS = [
     _sparse(20, 0.01, 4, name=", α ramped, outer lr 1.5", changes={"algo.alpha": None, "outer_opt.lr": "1.5"}),
     # At M = 4 the default α is scaled by (2/M)² to 0.125: θ_l keeps less of what e holds back.
     _sparse(20, 0.01, 4, name=", α=0.5 whatever M", changes=RAMPED_WHATEVER_M),
-    _sparse(20, 0.01, 4, name=", α=0.5 whatever M, outer lr 2", changes=RAMPED_WHATEVER_M | {"outer_opt.lr": "2"}),
+    *(
+        _sparse(
+            20, 0.01, 4, name=f", α=0.5 whatever M, outer lr {lr}", changes=RAMPED_WHATEVER_M | {"outer_opt.lr": lr}
+        )
+        for lr in ("1.5", "2")
+    ),
     # Before algo.sparse_reference_groups (docs/results.md): the plain mean, the outer lr in its place.
     _sparse(20, 0.01, 4, name=", α ramped, plain mean", changes={"algo.alpha": None} | PLAIN_MEAN),
     _sparse(20, 0.01, 4, name=", α=0.5 whatever M, plain mean", changes=RAMPED_WHATEVER_M | PLAIN_MEAN),
