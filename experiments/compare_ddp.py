@@ -148,6 +148,7 @@ CONFIGS = [
         _sparse(20, 0.01, name=f", α ramped, outer lr {lr}", changes={"algo.alpha": None, "outer_opt.lr": lr})
         for lr in ("1.5", "2", "2.5")
     ),
+    _sparse(20, 0.012, name=", α ramped, outer lr 1.5", changes={"algo.alpha": None, "outer_opt.lr": "1.5"}),
     _sparse(20, 0.01, 4, name=", α ramped", changes={"algo.alpha": None}),
     _sparse(20, 0.01, 4, name=", α ramped, outer lr 1.5", changes={"algo.alpha": None, "outer_opt.lr": "1.5"}),
     # At M = 4 the default α is scaled by (2/M)² to 0.125: θ_l keeps less of what e holds back.
