@@ -145,12 +145,18 @@ CONFIGS = [
     _sparse(50, 0.02, name=", α ramped", changes={"algo.alpha": None}),
     *(_sparse(20, d, name=", α ramped", changes={"algo.alpha": None}) for d in (0.01, 0.03)),
     *(
-        _sparse(20, 0.01, name=f", α ramped, outer lr {lr}", changes={"algo.alpha": None, "outer_opt.lr": lr})
-        for lr in ("1.5", "2", "2.5")
+        _sparse(
+            20, density, groups, name=f", α ramped, outer lr {lr}", changes={"algo.alpha": None, "outer_opt.lr": lr}
+        )
+        for density, groups, lr in [
+            (0.01, 2, "1.5"),
+            (0.01, 2, "2"),
+            (0.01, 2, "2.5"),
+            (0.012, 2, "1.5"),
+            (0.01, 4, "1.5"),
+        ]
     ),
-    _sparse(20, 0.012, name=", α ramped, outer lr 1.5", changes={"algo.alpha": None, "outer_opt.lr": "1.5"}),
     _sparse(20, 0.01, 4, name=", α ramped", changes={"algo.alpha": None}),
-    _sparse(20, 0.01, 4, name=", α ramped, outer lr 1.5", changes={"algo.alpha": None, "outer_opt.lr": "1.5"}),
     # At M = 4 the default α is scaled by (2/M)² to 0.125: θ_l keeps less of what e holds back.
     _sparse(20, 0.01, 4, name=", α=0.5 whatever M", changes=RAMPED_WHATEVER_M),
     *(
