@@ -80,8 +80,8 @@ TARGET_P99_MS = 100.0
 TARGET_CPU = 0.5
 TARGET_PAGE_S = 1.0
 ALL_REDUCE_S = 0.2  # from a grant to the group's commit: its round's all-reduce
-# The per-round calls beside the quorum (issue 33): while a group holds an outer lane it keeps a
-# "lane watch" long poll open (answered when it asks again or the round breaks), and it confirms
+# The calls beside the quorum (issue 33): a group holds a "lane watch" long poll open across its
+# rounds (answered when a member leaves its round, or after the quorum timeout), and it confirms
 # its commit once per round. Looked up by path, so a protocol without them is simulated without.
 LANE_WATCH_PATH = "/lane_watch"
 COMMIT_PATH = "/commit"
@@ -314,12 +314,11 @@ class Senders:
         await self.round_calls(group, state, quorum, watches)
 
     async def round_calls(self, group: str, state: dict[str, int], quorum: Any, watches: set) -> None:
-        """The round after a grant: a lane watch held open until the next ask, the all-reduce, the commit."""
+        """The round after a grant: the all-reduce and the commit, the group's lane watch beside them."""
         watch, commit = ENDPOINTS.get(LANE_WATCH_PATH), ENDPOINTS.get(COMMIT_PATH)
-        round_id = getattr(quorum, "round_id", 0)
-        if watch is not None:
-            request = watch(self.plan.job, SIGNATURE, group, round_id=round_id, timeout_s=self.plan.quorum_timeout_s)
-            task = asyncio.create_task(self.lane_watch(group, request.to_json()))
+        round_id = state["round"] = getattr(quorum, "round_id", 0)
+        if watch is not None and not watches:
+            task = asyncio.create_task(self.lane_watch(group, state, watch))
             watches.add(task)
             task.add_done_callback(watches.discard)
         await asyncio.sleep(ALL_REDUCE_S)
@@ -338,20 +337,33 @@ class Senders:
             self.counts["commits allowed"] += 1
         state["step"] = step
 
-    async def lane_watch(self, group: str, payload: dict[str, Any]) -> None:
-        try:
-            answer = await self.post(group, LANE_WATCH_PATH, payload)
-        except OSError as e:
-            return self.error(f"lane watch {type(e).__name__}")
-        if answer.status == 200:
+    async def lane_watch(self, group: str, state: dict[str, int], watch: type) -> None:
+        """The group's lane watch, held across its rounds as ``LaneWatcher`` holds it: posted again
+        only once answered (a member left the group's round, or the wait ran out)."""
+        news = (0, 0)  # (round id, members gone from it) last heard
+        while True:
+            round_id = state["round"]
+            if news[0] > round_id:  # its next round's news came before its grant: wait for the grant
+                await asyncio.sleep(ALL_REDUCE_S)
+                continue
+            seen = news[1] if news[0] == round_id else 0
+            request = watch(
+                self.plan.job, SIGNATURE, group, round_id=round_id, timeout_s=self.plan.quorum_timeout_s, gone_seen=seen
+            )
+            try:
+                answer = await self.post(group, LANE_WATCH_PATH, request.to_json())
+            except OSError as e:
+                return self.error(f"lane watch {type(e).__name__}")
+            if answer.status != 200:
+                return self.error(f"lane watch {answer.status}")
             self.counts["lane watches answered"] += 1
-        else:
-            self.error(f"lane watch {answer.status}")
+            body = json.loads(answer.body)
+            news = max(news, (body["round_id"], len(body["gone"])))
 
     async def group(self, group: str, fresh: bool) -> None:
         """A group's life: heartbeats in the background, an ask at each window (a fresh process asks at once)."""
         plan = self.plan
-        state = {"step": 0, "qid": 0, "inner": 0}
+        state = {"step": 0, "qid": 0, "inner": 0, "round": 0}
         beating = asyncio.create_task(self.heartbeats(group, state))
         watches: set[asyncio.Task] = set()
         try:

@@ -152,7 +152,7 @@ class LighthouseClient:
 
     def lane_watch(self, round_id: int, timeout_s: float, gone_seen: int = 0) -> RoundNews:
         """Block (at most timeout_s + connect_timeout_s) until more than ``gone_seen`` members left
-        round ``round_id``, or this group left it."""
+        round ``round_id``, or any left a round granted to this group later (``LaneWatch``)."""
         watch = LaneWatch(
             self.job_id, self.signature, self.group, round_id=round_id, timeout_s=timeout_s, gone_seen=gone_seen
         )

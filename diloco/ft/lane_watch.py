@@ -15,39 +15,46 @@ import logging
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lanes import LaneCancel
 from diloco.ft.poller import RETRY_S, Poller
-from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable
+from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable, RoundNews
 
 log = logging.getLogger(__name__)
 
 
 class LaneWatcher(Poller):
-    """One long poll at a time for the round this worker takes part in (see the module docstring)."""
+    """One long poll at a time, held across the rounds this worker takes part in (see the module
+    docstring): the lighthouse answers it when a member leaves the group's latest round, or after
+    ``poll_s``, not when the group moves on to its next round."""
 
     thread_name = "lane-watch"
 
     def __init__(self, client: LighthouseClient, poll_s: float) -> None:
         super().__init__(client, poll_s)
         self._round: tuple[int, LaneCancel] | None = None
+        self._news = RoundNews()  # the latest news, of the followed round or of the one granted next
+        self._told = 0  # members gone from the followed round that its cancel was given
 
     def follow(self, round_id: int, cancel: LaneCancel) -> None:
         """Watch round ``round_id`` (``Quorum.round_id``) from now on; set ``cancel`` as members leave it."""
         with self._lock:
             self._round = (round_id, cancel)
+            self._told = 0
+            if self._news.round_id != round_id:  # news of an earlier round, or of a restarted lighthouse's
+                self._news = RoundNews(round_id)
+            self._tell_locked()
         self._moved.set()
 
     def _loop(self) -> None:
+        self._moved.wait()  # the first round
         while not self._stop.is_set():
-            self._moved.wait()
             self._moved.clear()
             with self._lock:
-                watched = self._round
-            if watched is not None:
-                self._watch(*watched)
-
-    def _watch(self, round_id: int, cancel: LaneCancel) -> None:
-        """Poll until this group leaves the round (or another is followed), cancelling as members leave it."""
-        gone_seen = 0
-        while not self._stop.is_set() and not self._moved.is_set():
+                assert self._round is not None
+                round_id = self._round[0]
+                ahead = self._news.round_id > round_id
+                gone_seen = len(self._news.gone)
+            if ahead:  # the next round broke before its grant reached this worker: wait until it follows it
+                self._moved.wait(self.poll_s)
+                continue
             try:
                 news = self.client.lane_watch(round_id, timeout_s=self.poll_s, gone_seen=gone_seen)
             except LighthouseRefused as error:  # the leader's heartbeats report the refusal
@@ -58,12 +65,22 @@ class LaneWatcher(Poller):
                 log.debug("lane watch failed (%s); retrying", error)
                 self._stop.wait(RETRY_S)
                 continue
-            if len(news.gone) > gone_seen:
-                gone_seen = len(news.gone)
-                log.warning(
-                    "group %s: %s; giving up what waits on %s", self.client.group, news.broken, ", ".join(news.gone)
-                )
-                mine = self.client.group in news.gone  # this group was dropped: it gives up everything
-                cancel.set(news.broken, None if mine else frozenset(news.gone))
-            if not news.open:
-                return
+            with self._lock:
+                newer = (news.round_id, len(news.gone)) > (self._news.round_id, len(self._news.gone))
+                if newer:
+                    self._news = news
+                    self._tell_locked()
+            if not newer and news.round_id != round_id:  # of a round a restarted lighthouse granted, not followed yet
+                self._moved.wait(RETRY_S)
+
+    def _tell_locked(self) -> None:
+        """Give the followed round's cancel the members that left it since it was last told."""
+        assert self._round is not None
+        round_id, cancel = self._round
+        news = self._news
+        if news.round_id != round_id or len(news.gone) <= self._told:
+            return
+        self._told = len(news.gone)
+        log.warning("group %s: %s; giving up what waits on %s", self.client.group, news.broken, ", ".join(news.gone))
+        mine = self.client.group in news.gone  # this group was dropped: it gives up everything
+        cancel.set(news.broken, None if mine else frozenset(news.gone))

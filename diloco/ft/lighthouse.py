@@ -116,10 +116,6 @@ class Lighthouse:
         # Open lane watches by group: each is looked at only when its own group's round breaks or ends.
         self._lane_watchers: dict[str, set[_Poll]] = {}
         self._round_watchers: set[_Poll] = set()  # looked at once per decision after asks came
-        # Groups that left their last round by asking again: their watches of it are answered once the ask is
-        # settled. Answered at the ask, 1,000 of them a round were written amid the asks' burst, ahead of the
-        # last asks (issue 33); the group's workers need the answer only once their next round is granted.
-        self._left_round: set[str] = set()
         self._asked = False  # since the last decision
         self._deadlines: list[tuple[float, int, _Poll]] = []  # a heap; answered polls leave it lazily
         self._deadlines_kept = 0  # open polls at the heap's last sweep
@@ -274,7 +270,7 @@ class Lighthouse:
         return poll
 
     def _lane_watch_locked(self, watch: LaneWatch, reply: Reply) -> tuple[int, dict] | None:
-        """Answered once more members leave the group's round than it knows of, or the group leaves it."""
+        """Answered once more members leave the group's round than it knows of (see ``LaneWatch``)."""
         news, settled = self._lane_news_locked(watch)
         if settled or self._stopping.is_set():
             return 200, news.to_json()
@@ -282,10 +278,11 @@ class Lighthouse:
         return None
 
     def _lane_news_locked(self, watch: LaneWatch) -> tuple[RoundNews, bool]:
-        """The watched round's news, and whether it settles the watch."""
-        broken, still_in = self._book.round_state(watch.group, watch.round_id)
-        news = RoundNews(broken.reason, tuple(sorted(broken.gone)), still_in) if broken else RoundNews(open=still_in)
-        return news, len(news.gone) > watch.gone_seen or not news.open
+        """The news of the round the watch follows (the group's latest), and whether it settles the watch."""
+        round_id, broken = self._book.watched_round(watch.group)
+        news = RoundNews(round_id, broken.reason, tuple(sorted(broken.gone))) if broken else RoundNews(round_id)
+        seen = watch.gone_seen if round_id == watch.round_id else 0
+        return news, len(news.gone) > seen
 
     def _end_lane_watch_locked(self, poll: _Poll) -> None:
         assert isinstance(poll.request, LaneWatch), f"not a lane watch: {poll.request!r}"
@@ -302,7 +299,7 @@ class Lighthouse:
                 self._steps[commit.group] = commit.step
         if reason:
             log.warning("group %s may not commit round %d: %s", commit.group, commit.round_id, reason)
-        return RoundNews(reason, open=False)  # only ``broken`` is read
+        return RoundNews(commit.round_id, reason)  # only ``broken`` is read
 
     def _wake_lane_watchers_locked(self, groups: Iterable[str]) -> None:
         """Answer the lane watches of ``groups`` (whose rounds changed) that this change settles."""
@@ -327,7 +324,6 @@ class Lighthouse:
         self._waiters[group] = self._park_locked(ask, reply, store_host)
         self._steps[group] = ask.step
         self._book.ask(QuorumRequest(group, ask.step, ask.commit_failed, ask.finished, ask.digest, ask.round_step), now)
-        self._left_round.add(group)  # its watch of its last round is answered once this ask is settled
         self._asked = True  # round watchers: a round may have opened
         self._decide_now.set()
         if self._book.everyone_asked():
@@ -478,7 +474,6 @@ class Lighthouse:
                 error = ErrorAnswer(ErrorCode.WITHDRAWN, f"request of group {group!r} withdrawn: {reason}")
                 waiter.answer(error.status, error.to_json())
         self._book.turned_away.clear()
-        self._answer_left_rounds_locked()
         if self._book.ended is None and (end := self._book.end_of_job(now)) is not None:
             log.info("the job ended at round %d, held by %s", end.round, ", ".join(end.holders))
             self._board.event("end", "", f"round {end.round}, held by {', '.join(end.holders)}")
@@ -486,13 +481,6 @@ class Lighthouse:
             for group, waiter in list(self._waiters.items()):
                 waiter.answer(*self._end_answer_locked(group, group in self._book.finished))
                 del self._waiters[group]
-
-    def _answer_left_rounds_locked(self) -> None:
-        """Answer the watches of the rounds that groups left by asking again, once their ask is settled
-        (granted, turned away, timed out), after the grants: nothing waits on them meanwhile."""
-        settled = [group for group in self._left_round if group not in self._waiters]
-        self._left_round.difference_update(settled)
-        self._wake_lane_watchers_locked(settled)
 
     # -- status --------------------------------------------------------------------------
     def alive(self) -> dict[str, int]:

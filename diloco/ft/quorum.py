@@ -244,6 +244,7 @@ class QuorumBook:
     # Round id -> its members that have not asked again since (see ``break_rounds``).
     open_rounds: dict[int, set[str]] = field(default_factory=dict)
     broken: dict[int, RoundBreak] = field(default_factory=dict)  # the rounds members left (see break_rounds)
+    granted_round: dict[str, int] = field(default_factory=dict)  # group -> the last round it was granted
 
     def heartbeat(
         self, group: str, now: float, quorum_id_seen: int = 0, step: int | None = None, finished: bool = False
@@ -338,9 +339,12 @@ class QuorumBook:
             del self.broken[next(iter(self.broken))]
         return told
 
-    def round_state(self, group: str, round_id: int) -> tuple[RoundBreak | None, bool]:
-        """(how round ``round_id`` broke, if it did; whether ``group`` is still in it)."""
-        return self.broken.get(round_id), group in self.open_rounds.get(round_id, ())
+    def watched_round(self, group: str) -> tuple[int, RoundBreak | None]:
+        """The round a lane watch of ``group`` follows, the last one granted to it here (a watch is
+        held across rounds; the round a worker names may be a restarted lighthouse's), and how it
+        broke, if it did; 0 before any."""
+        round_id = self.granted_round.get(group, 0)
+        return round_id, self.broken.get(round_id)
 
     def commit(self, group: str, round_id: int, step: int, now: float) -> str:
         """``group`` commits round ``round_id`` at committed ``step``: "" when it may (the step is
@@ -516,6 +520,7 @@ class QuorumBook:
         self.lost_since = None
         for group in participants:
             self.withdraw(group)
+            self.granted_round[group] = self.rounds_formed
         return quorum
 
     def _measure_skew(self, participants: tuple[str, ...], clock_start: float) -> None:

@@ -85,10 +85,18 @@ def test_the_field_names_on_the_wire_are_fixed():
 
 
 def test_a_round_answer_is_checked():
-    news = RoundNews("group g1 left round 3", ("g1",), open=False)
-    assert news.to_json() == {"broken": "group g1 left round 3", "gone": ["g1"], "open": False}
+    news = RoundNews(3, "group g1 left round 3", ("g1",))
+    assert news.to_json() == {"round_id": 3, "broken": "group g1 left round 3", "gone": ["g1"]}
     assert RoundNews.from_json(news.to_json()) == news
-    for bad in ({}, {"broken": "", "gone": [], "open": 1}, {"broken": "", "gone": [3], "open": True}, ["", True], None):
+    bad_answers = (
+        {},
+        {"round_id": True, "broken": "", "gone": []},
+        {"round_id": 3, "broken": "", "gone": [3]},
+        {"broken": "", "gone": []},
+        ["", True],
+        None,
+    )
+    for bad in bad_answers:
         with pytest.raises(ValueError, match="malformed round answer"):
             RoundNews.from_json(bad)
 

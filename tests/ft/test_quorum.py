@@ -326,14 +326,13 @@ class TestBook:
         for g in ("g0", "g1", "g2"):
             book.ask(QuorumRequest(g, step=4), now=1.0)
         r = book.decide(now=1.0).round_id
-        assert book.break_rounds(now=1.0) == {} and book.round_state("g0", r) == (None, True)
+        assert book.break_rounds(now=1.0) == {} and book.watched_round("g0") == (r, None)
         assert book.commit("g0", r, step=5, now=1.2) == "" and book.high_water == 5  # recorded at once
         for g in ("g0", "g1"):
             book.heartbeat(g, now=RULES.heartbeat_timeout_s)
         told = book.break_rounds(now=1.0 + RULES.heartbeat_timeout_s)  # g2 went silent (hung) mid-round
         assert set(told) == {"g0", "g1", "g2"} and "group g2 left round" in told["g1"] and "no heartbeat" in told["g1"]
-        broken, still_in = book.round_state("g1", r)
-        assert broken.gone == {"g2"} and still_in and book.round_state("g2", r)[1] is False
+        assert book.watched_round("g1")[1].gone == {"g2"} and book.open_rounds[r] == {"g0", "g1"}
         book.heartbeat("g2", now=12.0)  # it resumes: still gone from the round, and may not commit it
         assert "group g2 left" in book.commit("g2", r, step=5, now=13.0) and book.reported["g2"] == 4
         assert book.last_heartbeat["g2"] == 13.0, "a refused commit is a sign of life all the same"
@@ -346,13 +345,29 @@ class TestBook:
             book.ask(QuorumRequest(g, step=1), now=1.0)
         r = book.decide(now=1.0).round_id
         book.ask(QuorumRequest("g0", step=2), now=1.1)  # g0 is done with round r
-        assert book.round_state("g0", r) == (None, False)
+        assert book.open_rounds[r] == {"g1", "g2"}
         book.depart("g0")  # so its death breaks nothing
         assert book.break_rounds(now=1.1) == {}
         book.depart("g1")
-        assert set(book.break_rounds(now=1.1)) == {"g1", "g2"} and "departed" in book.round_state("g2", r)[0].reason
+        assert set(book.break_rounds(now=1.1)) == {"g1", "g2"} and "departed" in book.watched_round("g2")[1].reason
         book.depart("g2")
         assert book.break_rounds(now=1.1) == {"g2": book.broken[r].reason} and book.broken[r].gone == {"g1", "g2"}
+
+    def test_a_lane_watch_follows_the_last_round_its_group_was_granted(self):
+        book = self._book()
+        assert book.watched_round("g0") == (0, None), "none yet (a restarted lighthouse's)"
+        for g in ("g0", "g1", "g2"):
+            book.ask(QuorumRequest(g, step=1), now=1.0)
+        first = book.decide(now=1.0).round_id
+        book.ask(QuorumRequest("g0", step=2), now=1.1)
+        assert book.watched_round("g0") == (first, None), "asked again: not granted a round yet"
+        for g in ("g1", "g2"):
+            book.ask(QuorumRequest(g, step=2), now=1.1)
+        second = book.decide(now=1.1).round_id
+        assert second > first and book.watched_round("g0") == (second, None)
+        book.depart("g1")
+        book.break_rounds(now=1.2)
+        assert book.watched_round("g0")[1].gone == {"g1"} and book.watched_round("g1")[0] == second
 
     def test_a_commit_of_a_round_this_lighthouse_never_formed_is_refused(self):
         book = self._book()  # a restarted lighthouse: the groups' rounds are unknown to it
