@@ -113,7 +113,7 @@ class Lighthouse:
         self._told_end: set[str] = set()  # finished groups that received the job's end
         self._steps: dict[str, int] = {}
         self._waiters: dict[str, _Poll] = {}  # open quorum requests by group
-        # Open lane watches by group: each is looked at only when its own group's round breaks or ends.
+        # Open lane watches by group: each is looked at only when a round of its group breaks, or its wait runs out.
         self._lane_watchers: dict[str, set[_Poll]] = {}
         self._round_watchers: set[_Poll] = set()  # looked at once per decision after asks came
         self._asked = False  # since the last decision
