@@ -43,7 +43,7 @@ def test_a_killed_group_heals_into_a_topk_job_and_every_group_ends_with_one_dige
     job = compose_job(
         JOB
         + ["cluster.groups=3", "algo.sync_every=10", "trainer.max_steps=400", "faults=kill_every"]
-        + ["faults.kill_every=6", "faults.start_after=4", "faults.stop_after=12", "cluster.restart_backoff=0.2"]
+        + ["faults.kill_every=6", "faults.start_after=4", "faults.stop_after=8", "cluster.restart_backoff=0.2"]
         + ["cluster.timeouts.collective=5", "cluster.timeouts.heartbeat=2"]
     )
     summary = launch(job, tmp_path)
