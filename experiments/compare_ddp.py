@@ -159,6 +159,14 @@ CONFIGS = [
             (0.012, 4, "1.5"),
         ]
     ),
+    # Does what e holds back go stale as the inner lr anneals? A shorter memory for it (β 0.9, not 0.95).
+    _sparse(
+        20,
+        0.01,
+        4,
+        name=", α ramped, outer lr 1.75, β=0.9",
+        changes={"algo.alpha": None, "outer_opt.lr": "1.75", "algo.error_decay": "0.9"},
+    ),
     _sparse(20, 0.01, 4, name=", α ramped", changes={"algo.alpha": None}),
     # At M = 4 the default α is scaled by (2/M)² to 0.125: θ_l keeps less of what e holds back.
     _sparse(20, 0.01, 4, name=", α=0.5 whatever M", changes=RAMPED_WHATEVER_M),

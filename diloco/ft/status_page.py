@@ -26,9 +26,14 @@ CURVE_POINTS = 400  # per group; a full curve is thinned to every other point, s
 # groups every point of every curve made /status 12 MB (1.6 s to encode, asked twice a second by the
 # launcher's watch) and the page 9 MB; beyond these, curves are thinned, names cut short and the
 # timeline marks each quorum once rather than once per member.
-SHOWN_POINTS = 20_000  # over all curves
+SHOWN_POINTS = 6_400  # over all curves: every point of 16 groups' curves, 6 of each at 1,000 groups
 SHOWN_NAMES = 30  # participants named per quorum on the page
 TICK_ROWS = 100  # groups up to which the timeline marks every member of every quorum
+# Past this many groups the page draws the loss band (mean, least and greatest over all groups)
+# instead of a line per group: at 1,000 groups a line each was most of the page's time and its
+# legend ran off the drawing.
+LINE_GROUPS = 16
+BAND_BINS = 200  # step bins of the loss band, each twice as wide whenever the run outgrows them
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 EVENT_COLORS = {"joined": "#1f77b4", "lost": "#d62728", "heal": "#2ca02c", "end": "#000000"}
 
@@ -40,15 +45,55 @@ class Curve:
         self.limit = limit
         self.points: list[tuple[int, float]] = []
 
-    def add(self, step: int, loss: float) -> None:
-        """A new point; one at a step not past the last (a restarted group) starts the curve over."""
+    def add(self, step: int, loss: float) -> bool:
+        """A new point (True); one at a step not past the last (a restarted group) starts the
+        curve over, one at the last step again adds nothing (False)."""
         if self.points and step == self.points[-1][0]:
-            return
+            return False
         if self.points and step < self.points[-1][0]:
             self.points = []
         self.points.append((step, loss))
         if len(self.points) > self.limit:
             self.points = self.points[::2]
+        return True
+
+
+class LossBand:
+    """Train loss over all groups against the inner step: per bin of steps the mean, least and
+    greatest loss heard, in at most ``limit`` bins. O(1) per point and mergeable, so it costs the
+    same at 1,000 groups as at 2; a diverging group shows as the band's top edge."""
+
+    def __init__(self, limit: int = BAND_BINS) -> None:
+        self.limit = limit
+        self.width = 1  # steps per bin
+        self.bins: dict[int, list[float]] = {}  # bin -> [count, sum, least, greatest]
+
+    def add(self, step: int, loss: float) -> None:
+        cell = self.bins.get(step // self.width)
+        if cell is not None:
+            cell[0] += 1
+            cell[1] += loss
+            cell[2] = min(cell[2], loss)
+            cell[3] = max(cell[3], loss)
+            return
+        self.bins[step // self.width] = [1, loss, loss, loss]
+        while len(self.bins) > self.limit:
+            self._widen()
+
+    def _widen(self) -> None:
+        self.width *= 2
+        merged: dict[int, list[float]] = {}
+        for b, (count, total, least, greatest) in sorted(self.bins.items()):
+            cell = merged.get(b // 2)
+            if cell is None:
+                merged[b // 2] = [count, total, least, greatest]
+            else:
+                cell[:] = [cell[0] + count, cell[1] + total, min(cell[2], least), max(cell[3], greatest)]
+        self.bins = merged
+
+    def rows(self) -> list[tuple[int, float, float, float]]:
+        """(first step of the bin, mean, least, greatest) per bin, by step."""
+        return [(b * self.width, c[1] / c[0], c[2], c[3]) for b, c in sorted(self.bins.items())]
 
 
 class StatusBoard:
@@ -58,13 +103,15 @@ class StatusBoard:
     def __init__(self) -> None:
         self.latest: dict[str, GroupProgress] = {}
         self.curves: dict[str, Curve] = {}
+        self.band = LossBand()
         self.timeline: deque[dict[str, Any]] = deque(maxlen=TIMELINE_EVENTS)
         self._healthy: set[str] = set()
 
     def progress(self, group: str, progress: GroupProgress) -> None:
         self.latest[group] = progress
         if progress.train_loss is not None and progress.inner_step > 0:
-            self.curves.setdefault(group, Curve()).add(progress.inner_step, progress.train_loss)
+            if self.curves.setdefault(group, Curve()).add(progress.inner_step, progress.train_loss):
+                self.band.add(progress.inner_step, progress.train_loss)
 
     def membership(self, healthy: set[str]) -> None:
         """Events for the groups that started or stopped heartbeating since the last call."""
@@ -99,6 +146,7 @@ class StatusSnapshot:
     steps: dict[str, int]
     progress: dict[str, GroupProgress]
     curves: dict[str, list[tuple[int, float]]]  # already thinned to what is shown
+    loss_band: list[tuple[int, float, float, float]]
     current: tuple[Quorum, float] | None
     history: list[dict[str, Any]]
     timeline: list[dict[str, Any]]
@@ -129,6 +177,7 @@ def snapshot(
         steps=dict(steps),
         progress=dict(board.latest),
         curves={g: list(_thinned(curve.points, per_curve)) for g, curve in board.curves.items()},
+        loss_band=board.band.rows(),
         current=current,
         history=list(history),
         timeline=list(board.timeline),
@@ -139,7 +188,8 @@ def snapshot(
 
 def build_status(snap: StatusSnapshot) -> dict[str, Any]:
     """The /status JSON: groups, the current quorum and recent ones, the rules, each group's
-    loss curve and the timeline of joins, losses, heals and the end. No secrets.
+    loss curve, the loss band over all groups ([first step, mean, least, greatest] per bin of
+    steps) and the timeline of joins, losses, heals and the end. No secrets.
 
     ``now`` and ``current``'s formation time are on the lighthouse's clock; ``history`` and
     ``timeline`` hold wall-clock times, and ``now`` in the answer is wall-clock too.
@@ -169,6 +219,7 @@ def build_status(snap: StatusSnapshot) -> dict[str, Any]:
         "history": snap.history,
         "timeline": snap.timeline,
         "curves": dict(sorted(snap.curves.items())),
+        "loss_band": snap.loss_band,
         "rules": dataclasses.asdict(snap.rules),
     }
 
@@ -224,7 +275,7 @@ def render_html(status: Mapping[str, Any]) -> str:
 td,th{{border:1px solid #bbb;padding:.2em .6em;text-align:left}}th{{background:#eee}}</style></head>
 <body><h1>lighthouse: job {job}</h1>
 <p>model signature {escape(str(status["model_signature"]))}; at {_clock(status["now"])}</p>
-{ended}<h2>groups</h2>{groups}<h2>train loss</h2>{loss_svg(status["curves"], color)}
+{ended}<h2>groups</h2>{groups}<h2>train loss</h2>{loss_svg(status["curves"], status["loss_band"], color)}
 <h2>timeline</h2>{timeline_svg(status["timeline"], status["history"], ids, status["now"])}
 <h2>current quorum</h2>{current}<h2>recent quorums</h2>{history}
 <h2>rules</h2>{rules}<p>JSON: <a href="/status">/status</a></p></body></html>
@@ -234,44 +285,74 @@ td,th{{border:1px solid #bbb;padding:.2em .6em;text-align:left}}th{{background:#
 WIDTH, HEIGHT, MARGIN = 720, 240, 48
 
 
-def loss_svg(curves: Mapping[str, list], color: Mapping[str, str]) -> str:
-    """Each group's train loss against its inner step, one polyline per group, as inline SVG."""
+def loss_svg(curves: Mapping[str, list], band: list, color: Mapping[str, str]) -> str:
+    """Each group's train loss against its inner step as inline SVG: a line per group up to
+    ``LINE_GROUPS`` groups, past them the band over all groups (least to greatest, and the mean)."""
     drawn = {g: points for g, points in curves.items() if points}
     if not drawn:
         return "<p>no loss reported yet</p>"
+    if len(drawn) > LINE_GROUPS:
+        return _band_svg(band, len(drawn))
     steps = [s for points in drawn.values() for s, _ in points]
     losses = sorted(v for points in drawn.values() for _, v in points)
-    top = losses[int(0.98 * (len(losses) - 1))]  # the first steps' loss would flatten the rest
-    x = _scale(min(steps), max(steps), MARGIN, WIDTH - 8)
-    y = _scale(losses[0], top, HEIGHT - 24, 8)
+    frame, x, y, top = _loss_frame(min(steps), max(steps), losses)
     lines = []
     for g, points in sorted(drawn.items()):
         coords = " ".join(f"{x(s):.1f},{y(min(v, top)):.1f}" for s, v in points)
         lines.append(f'<polyline fill="none" stroke="{color[g]}" stroke-width="1.5" points="{coords}"/>')
+    per_row = (WIDTH - MARGIN - 8) // 110  # the legend wraps: 16 names fit in three rows
     legend = "".join(
-        f'<text x="{MARGIN + 8 + 90 * i}" y="18" fill="{color[g]}" font-size="12">{escape(g)}</text>'
+        f'<text x="{MARGIN + 8 + 110 * (i % per_row)}" y="{18 + 14 * (i // per_row)}" fill="{color[g]}" '
+        f'font-size="12">{escape(g[:14])}</text>'
         for i, g in enumerate(sorted(drawn))
     )
-    axes = (
-        f'<text x="2" y="14" font-size="11">{top:.3f}</text><text x="2" y="{HEIGHT - 24}" font-size="11">'
-        f'{losses[0]:.3f}</text><text x="{MARGIN}" y="{HEIGHT - 6}" font-size="11">step {min(steps)}</text>'
-        f'<text x="{WIDTH - 90}" y="{HEIGHT - 6}" font-size="11">step {max(steps)}</text>'
+    return _svg(frame + "".join(lines) + legend, "train loss of each group against its inner step")
+
+
+def _band_svg(band: list, groups: int) -> str:
+    losses = sorted(v for _, _, least, greatest in band for v in (least, greatest))
+    frame, x, y, top = _loss_frame(band[0][0], band[-1][0], losses)
+    edge = [(s, greatest) for s, _, _, greatest in band] + [(s, least) for s, _, least, _ in reversed(band)]
+    area = " ".join(f"{x(s):.1f},{y(min(v, top)):.1f}" for s, v in edge)
+    mean = " ".join(f"{x(s):.1f},{y(min(v, top)):.1f}" for s, v, _, _ in band)
+    body = (
+        f'<polygon fill="{COLORS[0]}" fill-opacity="0.25" stroke="none" points="{area}"/>'
+        f'<polyline fill="none" stroke="{COLORS[0]}" stroke-width="1.5" points="{mean}"/>'
+        f'<text x="{MARGIN + 8}" y="18" font-size="12" fill="{COLORS[0]}">mean over {groups:,} groups; '
+        "the band: least to greatest</text>"
     )
-    return _svg(axes + "".join(lines) + legend, "train loss of each group against its inner step")
+    return _svg(frame + body, "train loss over all groups against the inner step: mean, least and greatest")
+
+
+def _loss_frame(first: int, last: int, losses: list[float]) -> tuple[str, Any, Any, float]:
+    """The axes' labels and scales for losses (sorted) from step ``first`` to ``last``."""
+    top = losses[int(0.98 * (len(losses) - 1))]  # the first steps' loss would flatten the rest
+    x = _scale(first, last, MARGIN, WIDTH - 8)
+    y = _scale(losses[0], top, HEIGHT - 24, 8)
+    frame = (
+        f'<text x="2" y="14" font-size="11">{top:.3f}</text><text x="2" y="{HEIGHT - 24}" font-size="11">'
+        f'{losses[0]:.3f}</text><text x="{MARGIN}" y="{HEIGHT - 6}" font-size="11">step {first}</text>'
+        f'<text x="{WIDTH - 90}" y="{HEIGHT - 6}" font-size="11">step {last}</text>'
+    )
+    return frame, x, y, top
 
 
 def timeline_svg(events: list[dict[str, Any]], history: list[dict[str, Any]], ids: list[str], now: float) -> str:
     """One row per group over wall time: quorums it took part in (grey ticks), joins, losses,
-    heals (coloured marks) and the job's end (a black line), as inline SVG."""
+    heals (coloured marks) and the job's end (a black line), as inline SVG. Past ``TICK_ROWS``
+    groups, rows only for the groups with a loss or heal in the timeline (the latest
+    ``TICK_ROWS`` of them): a thousand rows of joins made the drawing 22,000 pixels tall."""
     times = [e["time"] for e in events] + [h["formed_at"] for h in history]
     if not times or not ids:
         return "<p>nothing yet</p>"
-    row = {g: 24 + 22 * i for i, g in enumerate(ids)}
-    height = 24 + 22 * len(ids) + 16
+    many = len(ids) > TICK_ROWS
+    rows = _eventful(events, ids) if many else ids
+    row = {g: 24 + 22 * i for i, g in enumerate(rows)}
+    height = 24 + 22 * len(rows) + 16 + (14 if many else 0)
     x = _scale(min(times), max(now, max(times) + 1e-3), MARGIN + 40, WIDTH - 8)
-    marks = [f'<text x="2" y="{row[g] + 4}" font-size="11">{escape(g[:14])}</text>' for g in ids]
+    marks = [f'<text x="2" y="{row[g] + 4}" font-size="11">{escape(g[:14])}</text>' for g in rows]
     for h in history:
-        if len(ids) > TICK_ROWS:  # one mark per quorum: a thousand rows of ticks made the page megabytes
+        if many:  # one mark per quorum: a thousand rows of ticks made the page megabytes
             px = x(h["formed_at"])
             marks.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="8" y2="{height - 14}" stroke="#ddd"/>')
             continue
@@ -282,6 +363,8 @@ def timeline_svg(events: list[dict[str, Any]], history: list[dict[str, Any]], id
     for e in events:
         px, fill = x(e["time"]), EVENT_COLORS.get(e["kind"], "#000")
         title = f"<title>{escape(e['kind'])} {escape(e.get('group', ''))} {escape(e.get('detail', ''))}</title>"
+        if many and e["kind"] != "end" and e.get("group") not in row:
+            continue
         if e["kind"] == "end" or e.get("group") not in row:
             marks.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="8" y2="{height - 14}" stroke="{fill}">{title}</line>')
         else:
@@ -290,7 +373,19 @@ def timeline_svg(events: list[dict[str, Any]], history: list[dict[str, Any]], id
     marks.append(
         f'<text x="{MARGIN + 40}" y="{height - 2}" font-size="11">{legend} <tspan fill="#888">quorum</tspan></text>'
     )
+    if many:
+        marks.append(
+            f'<text x="{MARGIN + 40}" y="{height - 16}" font-size="11">{len(ids) - len(rows):,} of {len(ids):,} '
+            "groups have no loss or heal here and no row (/status has every event)</text>"
+        )
     return _svg("".join(marks), "joins, losses, heals and quorums of each group over time", height)
+
+
+def _eventful(events: list[dict[str, Any]], ids: list[str]) -> list[str]:
+    """The groups with a loss or heal among ``events``, the latest ``TICK_ROWS``, in ``ids``' order."""
+    latest = {e["group"]: i for i, e in enumerate(events) if e["kind"] in ("lost", "heal")}
+    kept = set(sorted(latest, key=latest.__getitem__)[-TICK_ROWS:])
+    return [g for g in ids if g in kept]
 
 
 def _svg(body: str, label: str, height: int = HEIGHT) -> str:

@@ -444,6 +444,10 @@ class OuterSync(Synchronizer):
             schedule = self._outer_step(fragment, average, flight.launch_step, flight.round.size)
             if flight.errors and flight.errors[i] is not None:
                 fragment.error.copy_(flight.errors[i])
+            if fragment.error is not None:  # what e holds back beside what was sent (Δ̄'s norm)
+                schedule["outer/error_norm"] = math.sqrt(
+                    self.manager.sum_over_ranks(owned_square_sum(fragment.error, fragment))
+                )
             self.bytes_sent += flight.bytes_sent[i]
             if flight.weights[i] > 0:  # each fragment carries 1/P of the window's inner work
                 tokens = fragment.tokens_since_sync / self.algo.fragments

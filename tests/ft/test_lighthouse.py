@@ -724,6 +724,50 @@ def test_a_loss_curve_keeps_the_whole_run_in_bounded_points():
     assert curve.points == [(1, 5.0)], "a group that went back (restarted) starts its curve over"
 
 
+def test_the_loss_band_keeps_each_bins_mean_least_and_greatest_in_bounded_bins():
+    band = status_page.LossBand(limit=8)
+    heard = [(step, scale / step) for step in range(1, 101) for scale in (1.0, 2.0, 6.0)]
+    for step, loss in heard:
+        band.add(step, loss)
+    rows = band.rows()
+    assert 4 <= len(rows) <= 8 and band.width == 16
+    for first, mean, least, greatest in rows:
+        mine = [loss for step, loss in heard if step // band.width == first // band.width]
+        assert (mean, least, greatest) == pytest.approx((sum(mine) / len(mine), min(mine), max(mine)))
+
+
+def _page_of(groups: int, eventful: int) -> str:
+    """The page of ``groups`` groups at three steps, ``eventful`` of them lost and healed."""
+    book, board = QuorumBook(FAST, started_at=0.0), status_page.StatusBoard()
+    ids = [f"group-{i:03d}" for i in range(groups)]
+    for step in (10, 20, 30):
+        for i, g in enumerate(ids):
+            book.heartbeat(g, 1.0, step=1)
+            board.progress(g, GroupProgress(inner_step=step, train_loss=3.0 / step + i / 1000))
+    board.membership(set(ids))
+    for g in ids[:eventful]:
+        board.event("lost", g)
+        board.event("heal", g)
+    snap = status_page.snapshot(JOB, SIG, book, {g: 1 for g in ids}, None, [], 1.0, board)
+    return status_page.render_html(status_page.build_status(snap))
+
+
+def test_past_sixteen_groups_the_page_draws_one_loss_band_and_rows_only_for_groups_with_news():
+    """At 1,000 groups a line per group was most of the page's time and its legend ran off the
+    drawing; a row per group made the timeline 22,000 pixels tall (issue 33)."""
+    lines = _page_of(status_page.LINE_GROUPS, 0)
+    assert lines.count("<polyline") == status_page.LINE_GROUPS and "<polygon" not in lines
+    legend = [int(x) for x in re.findall(r'<text x="(\d+)" y="\d+" fill="#', lines)]
+    assert len(legend) == status_page.LINE_GROUPS and max(legend) + 110 <= status_page.WIDTH, "the legend fits"
+
+    band = _page_of(status_page.TICK_ROWS + 20, 2)
+    assert band.count("<polyline") == 1 and band.count("<polygon") == 1 and "mean over 120 groups" in band
+    timeline = band[band.index("<h2>timeline</h2>") :]
+    assert ">group-000<" in timeline and ">group-001<" in timeline and ">group-002<" not in timeline
+    assert "118 of 120 groups have no loss or heal here" in timeline
+    assert timeline.count("<circle") == 6, "the two groups' joins, losses and heals; the others' joins: no row"
+
+
 def test_history_keeps_the_last_quorums(start):
     lh = start(history=2)
     beat(lh, "A")

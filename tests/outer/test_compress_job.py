@@ -35,6 +35,8 @@ def test_a_two_group_streaming_job_with_topk_ends_ok_with_one_digest_and_counts_
     assert len({g["digest"] for g in summary["per_group"]}) == 1
     commits = [r for r in read_jsonl(RunPaths(tmp_path).commits(0)) if r["committed"]]
     assert len(commits) == 60 // 5, "every fragment's round committed"
+    rounds = [r for r in read_jsonl(RunPaths(tmp_path).metrics(0)) if "outer/pseudo_grad_norm" in r]
+    assert len(rounds) == 60 // 5 and all(r["outer/error_norm"] > 0 for r in rounds), "e holds the 98% not sent"
     dense = 2 * 6 * 4 * summary["parameters"]  # fp32 DiLoCo: each group sends the model once a cycle, 6 cycles
     assert dense / 200 < summary["bytes_sent"] < dense / 30, "2% of the entries, 14 bits each, and the scales"
 
