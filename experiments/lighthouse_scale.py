@@ -654,6 +654,7 @@ def round_summaries(asks: list[Ask], after: float) -> list[dict[str, float]]:
         summaries.append(
             {
                 "answers": len(answers),
+                "last_ask": last,  # on the shared monotonic clock: to line a round up with the lighthouse's log
                 "asks_over_s": last - min(a.asked for a in answers),
                 "p50_ms": 1000 * percentile(delays, 50),
                 "max_ms": 1000 * max(delays),

@@ -59,8 +59,12 @@ def test_latency_counts_from_the_last_ask_of_each_round_and_skips_the_start():
     ]
     assert sorted(quorum_latencies(asks, after=5.0)) == pytest.approx([0.1, 0.25, 0.3])
     first, second = round_summaries(asks, after=5.0)  # in the order they formed
-    assert first == pytest.approx({"answers": 2, "asks_over_s": 0.5, "p50_ms": 275.0, "max_ms": 300.0})
-    assert second == pytest.approx({"answers": 1, "asks_over_s": 0.0, "p50_ms": 100.0, "max_ms": 100.0})
+    assert first == pytest.approx(
+        {"answers": 2, "last_ask": 10.5, "asks_over_s": 0.5, "p50_ms": 275.0, "max_ms": 300.0}
+    )
+    assert second == pytest.approx(
+        {"answers": 1, "last_ask": 20.0, "asks_over_s": 0.0, "p50_ms": 100.0, "max_ms": 100.0}
+    )
 
 
 def test_table_and_targets_on_canned_numbers():
