@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -76,11 +77,36 @@ class Spare:
         return any(w.process.poll() is not None for w in self.workers)
 
 
-def free_port(host: str) -> int:
-    """A port the OS says is free now."""
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_TRIES = 64
+
+
+def free_port(host: str, ephemeral: Path = EPHEMERAL_PORTS) -> int:
+    """A port free now, below the kernel's ephemeral range where one is: the lighthouse (or a
+    group's store) binds it a second or more later, and meanwhile any outgoing connection may
+    take a port of that range (a busy machine's did: "Address already in use"), while a port
+    outside it only an explicit bind takes. Else one the OS picks."""
+    low = _ephemeral_low(ephemeral)
+    chooser = random.SystemRandom()  # a job's seeded `random` must not make two launchers pick alike
+    candidates = range(max(1024, low - 16384), low)
+    for port in chooser.sample(candidates, min(PORT_TRIES, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low(ephemeral: Path) -> int:
+    """The first port of the kernel's ephemeral range, or 1024 (no room below it) where unknown."""
+    try:
+        return int(ephemeral.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 1024
 
 
 def threads_per_worker(total_workers: int) -> int:

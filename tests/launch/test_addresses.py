@@ -149,3 +149,15 @@ def test_role_group_without_torchruns_variables_says_so_in_one_line(tmp_path):
         "(torchrun --nproc-per-node N run.py role=group ...)"
     )
     assert not (tmp_path / "config.yaml").exists()
+
+
+def test_a_picked_port_lies_below_the_ephemeral_range_that_outgoing_connections_take(tmp_path):
+    """The launcher picks the lighthouse's port a second or more before the lighthouse binds it;
+    a port of the ephemeral range was taken meanwhile by a busy machine's outgoing connection
+    ("Address already in use", a CI run beside a training job)."""
+    kernel = tmp_path / "ip_local_port_range"
+    kernel.write_text("32768\t60999\n")
+    assert all(32768 - 16384 <= free_port("127.0.0.1", kernel) < 32768 for _ in range(8))
+    kernel.write_text("1024\t65535\n")  # no room below the range: the OS picks, as without the file
+    assert 1024 < free_port("127.0.0.1", kernel) <= 65535
+    assert 1024 < free_port("127.0.0.1", tmp_path / "no such file") <= 65535
