@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from diloco.config.job import JobConfig, job_config_from_dict
-from diloco.launch.inference import evaluate_checkpoint
+from diloco.launch.inference import checkpoint_global_weights, evaluate_checkpoint
 from diloco.outer.fragments import fragment_parameter_names
 from diloco.train.checkpoint import complete_info, rank_dir, read_rank
 from diloco.train.model import meta_model
@@ -47,17 +47,17 @@ def fragments(job: JobConfig) -> list[list[str]]:
     return fragment_parameter_names(names, job.model.n_layers, job.algo.fragments, job.algo.pattern)
 
 
-def flushed(shards: list[dict[str, torch.Tensor]], parts: list[list[str]], scale: float) -> dict[str, torch.Tensor]:
-    """θ_g − scale · ē by parameter name (``scale`` = c · lr · β)."""
+def flushed(
+    theta: dict[str, torch.Tensor], mean_errors: list[torch.Tensor], parts: list[list[str]], scale: float
+) -> dict[str, torch.Tensor]:
+    """θ_g − scale · ē by parameter name (``scale`` = c · lr · β; ē per fragment, flat)."""
     state = {}
-    for p, part in enumerate(parts):
-        mean_e = torch.stack([s[f"error.{p}"] for s in shards]).mean(0)
+    for part, mean_e in zip(parts, mean_errors, strict=True):
         offset = 0
-        for i, name in enumerate(part):
-            theta = shards[0][f"global.{p}.{i}"]
-            state[name] = theta - scale * mean_e[offset : offset + theta.numel()].view_as(theta)
-            offset += theta.numel()
-        assert offset == mean_e.numel(), f"fragment {p}: e holds {mean_e.numel()} values, θ_g {offset}"
+        for name in part:
+            state[name] = theta[name] - scale * mean_e[offset : offset + theta[name].numel()].view_as(theta[name])
+            offset += theta[name].numel()
+        assert offset == mean_e.numel(), f"e holds {mean_e.numel()} values, θ_g {offset}"
     return state
 
 
@@ -71,11 +71,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.run_dir}: needs a job with algo.compress=topk and one worker per group")
     groups = last_checkpoint(args.run_dir)
     shards = [read_rank(rank_dir(g, 0)) for g in groups]
+    theta = checkpoint_global_weights(groups[0], job)
     parts = fragments(job)
     lr, beta = job.outer_opt.lr, job.algo.error_decay
-    errors = [torch.cat([s[f"error.{p}"] for p in range(len(parts))]) for s in shards]
-    each = [e.norm().item() for e in errors]
-    mean = torch.stack(errors).mean(0).norm().item()
+    mean_errors = [torch.stack([s[f"error.{p}"] for s in shards]).mean(0) for p in range(len(parts))]
+    each = [torch.cat([s[f"error.{p}"] for p in range(len(parts))]).norm().item() for s in shards]
+    mean = torch.cat(mean_errors).norm().item()
     print(f"{groups[0].parent}: {len(groups)} groups, outer lr {lr}, β {beta}")
     print(f"‖e‖ of each group: {', '.join(f'{n:.3f}' for n in each)}; ‖ē‖ {mean:.3f}")
     print(f"(sharing nothing: about {sum(each) / len(each) / math.sqrt(len(each)):.3f}; equal: {max(each):.3f})\n")
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for c in args.scales:
             weights = Path(tmp) / "flushed.pt"
-            torch.save(flushed(shards, parts, c * lr * beta), weights)
+            torch.save(flushed(theta, mean_errors, parts, c * lr * beta), weights)
             loss = evaluate_checkpoint(job, weights, job)["eval_loss"]
             base = loss if base is None else base
             print(f"| {c:g} | {loss:.4f} | {100 * (loss / base - 1):+.1f}% |", flush=True)

@@ -83,7 +83,7 @@ class LossBand:
     def _widen(self) -> None:
         self.width *= 2
         merged: dict[int, list[float]] = {}
-        for b, (count, total, least, greatest) in sorted(self.bins.items()):
+        for b, (count, total, least, greatest) in self.bins.items():
             cell = merged.get(b // 2)
             if cell is None:
                 merged[b // 2] = [count, total, least, greatest]
@@ -361,10 +361,10 @@ def timeline_svg(events: list[dict[str, Any]], history: list[dict[str, Any]], id
                 px = x(h["formed_at"])
                 marks.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{row[g] - 6}" y2="{row[g] + 6}" stroke="#bbb"/>')
     for e in events:
-        px, fill = x(e["time"]), EVENT_COLORS.get(e["kind"], "#000")
-        title = f"<title>{escape(e['kind'])} {escape(e.get('group', ''))} {escape(e.get('detail', ''))}</title>"
         if many and e["kind"] != "end" and e.get("group") not in row:
             continue
+        px, fill = x(e["time"]), EVENT_COLORS.get(e["kind"], "#000")
+        title = f"<title>{escape(e['kind'])} {escape(e.get('group', ''))} {escape(e.get('detail', ''))}</title>"
         if e["kind"] == "end" or e.get("group") not in row:
             marks.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="8" y2="{height - 14}" stroke="{fill}">{title}</line>')
         else:
