@@ -12,7 +12,8 @@ launcher's own watch asks ``/alive`` twice a second; an operator loads the statu
 
 Measured: quorum latency from the last ask (when each participant's answer had come in, minus
 when the round's last ask went out, both taken on the connection as the bytes move; steady
-rounds after the start; p50/p99, and each round's median and maximum in the JSON), heartbeat
+rounds after the start; p50/p99, and each round's median and maximum in the JSON, beside when
+the lighthouse formed it: a late answer from a round formed at once was late on the way), heartbeat
 round trips the same way, the lighthouse process's own CPU time (/proc/PID/stat) as a share of
 one core with heartbeats only and under the whole load, its resident memory (peak), and how
 long ``/status`` and the page take. Targets at 1,000 groups: quorum p99 within 100 ms, the
@@ -569,6 +570,7 @@ def measure(job: Any, url: str, pid: int, groups: int, args: argparse.Namespace)
     results = [p.recv() for p in pipes]
     for process in processes:
         process.join(timeout=30)
+    formed = formation_times(url)
     asks = [Ask(**a) for r in results for a in r["asks"]]
     errors: dict[str, int] = {}
     for r in results:
@@ -602,7 +604,7 @@ def measure(job: Any, url: str, pid: int, groups: int, args: argparse.Namespace)
         "page_s": max(page.seconds, default=float("nan")),
         "page_kb": max(page.sizes, default=0) / 1024,
         "deaths": args.deaths,
-        "per_round": round_summaries(asks, after=plan.rounds_at + plan.window_s / 2),
+        "per_round": round_summaries(asks, after=plan.rounds_at + plan.window_s / 2, formed=formed),
         "senders_cpu": sum(r["cpu"] for r in results),
         "machine_load": os.getloadavg()[0],  # runnable processes on the machine: a shared one delays everything
         "round_calls": counts,
@@ -645,21 +647,35 @@ def quorum_latencies(asks: list[Ask], after: float) -> list[float]:
     return latencies
 
 
-def round_summaries(asks: list[Ask], after: float) -> list[dict[str, float]]:
-    """Per round: its answers, how long its asks took to come in, and its answers' delays (ms)."""
+def formation_times(url: str) -> dict[tuple[int, int], float]:
+    """When the lighthouse formed each recent quorum (/status's history), by (quorum id, max step),
+    on this process's monotonic clock: wall minus monotonic time is the same in every process of
+    the machine, so the offset taken here moves the history's wall stamps onto the asks' clock."""
+    with urllib.request.urlopen(url + "/status", timeout=30) as answer:
+        history = json.loads(answer.read())["history"]
+    offset = time.time() - time.monotonic()
+    return {(q["quorum_id"], q["max_step"]): q["formed_at"] - offset for q in history}
+
+
+def round_summaries(
+    asks: list[Ask], after: float, formed: dict[tuple[int, int], float] | None = None
+) -> list[dict[str, float]]:
+    """Per round: its answers, how long its asks took to come in, its answers' delays (ms) and,
+    where ``formed`` has it, when the lighthouse formed it (ms after the last ask)."""
     summaries = []
     for answers in steady_rounds(asks, after):
         last = max(a.asked for a in answers)
         delays = [a.answered - last for a in answers]
-        summaries.append(
-            {
-                "answers": len(answers),
-                "last_ask": last,  # on the shared monotonic clock: to line a round up with the lighthouse's log
-                "asks_over_s": last - min(a.asked for a in answers),
-                "p50_ms": 1000 * percentile(delays, 50),
-                "max_ms": 1000 * max(delays),
-            }
-        )
+        summary = {
+            "answers": len(answers),
+            "last_ask": last,  # on the shared monotonic clock: to line a round up with the lighthouse's log
+            "asks_over_s": last - min(a.asked for a in answers),
+            "p50_ms": 1000 * percentile(delays, 50),
+            "max_ms": 1000 * max(delays),
+        }
+        if (at := (formed or {}).get((answers[0].quorum_id, answers[0].max_step))) is not None:
+            summary["formed_ms"] = 1000 * (at - last)
+        summaries.append(summary)
     return summaries
 
 

@@ -71,6 +71,7 @@ class _Connection:
         self.body = b""  # the whole request's body
         self.keep = False  # whether the connection stays open for another request after this answer
         self.post = False  # counted in ``posts_in_flight`` until its answer is written
+        self.parked = False  # a long poll whose answer is not decided yet (not in flight: see ``posts_in_flight``)
         self.answer = memoryview(b"")  # what is left to write
         self.events = 0  # what the loop's selector watches it for (0: not watched, as while a long poll is parked)
 
@@ -112,10 +113,19 @@ class LighthouseHTTPServer:
         self._stopped = threading.Event()
         self._stopped.set()
         self._posts = 0  # POSTs being handled or answered; changed only by the loop
+        self._parked = 0  # of those, long polls with no answer decided yet; changed only by the loop
 
     def posts_in_flight(self) -> int:
-        """POSTs whose answer has not been written yet (a lighthouse leaving waits for them)."""
-        return self._posts
+        """POSTs being handled, or decided and not written yet (a lighthouse leaving waits for them).
+
+        A long poll parked with no answer decided is not one: its group may have ended or died,
+        and waiting for it meant waiting for its timeout (every job's end took up to 5 s more).
+        Read from another thread in this order (queue, parked, posts), an answer the loop takes
+        from the queue meanwhile is counted at least once: ``_write_queued`` unparks it first.
+        """
+        queued = len(self._queued)
+        parked = self._parked
+        return self._posts - parked + queued
 
     # -- the loop ----------------------------------------------------------------------------
     def serve_forever(self, poll_interval: float = 0.5) -> None:
@@ -136,21 +146,26 @@ class LighthouseHTTPServer:
                         self._read(self._open[key.fileobj])  # type: ignore[index]
                     # Decided answers go out between two events, not after the whole batch: a round's
                     # grants otherwise waited behind up to 1,000 heartbeats and asks read in one batch.
-                    while self._queued:
-                        self._write(self._queued.popleft())
-                while self._queued:
-                    self._write(self._queued.popleft())
+                    self._write_queued()
+                self._write_queued()
                 now = time.monotonic()
                 if now - swept > SWEEP_EVERY_S:
                     swept = now
                     for connection in [c for c in self._open.values() if c.deadline < now]:
                         self._close(connection)
-            while self._queued:  # the answers lighthouse.stop() gave its open long polls
-                self._write(self._queued.popleft())
+            self._write_queued()  # the answers lighthouse.stop() gave its open long polls
         finally:
             self._selector.unregister(self.socket)
             self._selector.unregister(self._waker)
             self._stopped.set()
+
+    def _write_queued(self) -> None:
+        while self._queued:
+            connection = self._queued[0]
+            if connection.parked:
+                connection.parked = False
+                self._parked -= 1
+            self._write(self._queued.popleft())
 
     def shutdown(self) -> None:
         """Stop the loop and wait for it; answers queued by then are written if the sockets take them at once."""
@@ -281,6 +296,8 @@ class LighthouseHTTPServer:
             functools.partial(self.queue_answer, connection, content_type="application/json"),
         )
         if answer is None:  # parked: the lighthouse calls the reply, which the loop writes
+            connection.parked = True
+            self._parked += 1
             return self._watch(connection, 0)
         status, payload = answer
         self._answer(connection, status, payload if isinstance(payload, bytes) else json.dumps(payload).encode())

@@ -404,6 +404,11 @@ class Lighthouse:
             time.sleep(0.01)
         return True
 
+    def open_polls(self) -> int:
+        """Long polls parked with no answer yet: quorum asks, lane and round watches."""
+        with self._lock:
+            return len(self._waiters) + sum(map(len, self._lane_watchers.values())) + len(self._round_watchers)
+
     def served_end(self) -> bool:
         """The job ended and every group that had finished by then has been told."""
         with self._lock:

@@ -58,9 +58,9 @@ def test_latency_counts_from_the_last_ask_of_each_round_and_skips_the_start():
         Ask("a", asked=20.0, answered=20.1, quorum_id=2, max_step=2, participants=1),  # b left: a new id
     ]
     assert sorted(quorum_latencies(asks, after=5.0)) == pytest.approx([0.1, 0.25, 0.3])
-    first, second = round_summaries(asks, after=5.0)  # in the order they formed
+    first, second = round_summaries(asks, after=5.0, formed={(1, 1): 10.52})  # in the order they formed
     assert first == pytest.approx(
-        {"answers": 2, "last_ask": 10.5, "asks_over_s": 0.5, "p50_ms": 275.0, "max_ms": 300.0}
+        {"answers": 2, "last_ask": 10.5, "asks_over_s": 0.5, "p50_ms": 275.0, "max_ms": 300.0, "formed_ms": 20.0}
     )
     assert second == pytest.approx(
         {"answers": 1, "last_ask": 20.0, "asks_over_s": 0.0, "p50_ms": 100.0, "max_ms": 100.0}
@@ -108,6 +108,8 @@ def test_a_hundred_groups_against_a_real_lighthouse(tmp_path, capsys):
     assert run["answers"] >= 100 * run["rounds"] - 10, "nearly every group answered in every round"
     assert run["heartbeats_per_s"] > 50 and 0 < run["cpu_load"] and run["peak_rss_mb"] > 0, run
     assert all(math.isfinite(run[k]) for k in ("quorum_p99_ms", "alive_ms", "status_s", "page_s")), run
+    # each round formed before its last answer came in (the lighthouse's stamps and the groups' on one clock)
+    assert all(r["formed_ms"] <= r["max_ms"] for r in run["per_round"]), run["per_round"]
     # Kept alive, as the real client keeps them: a few connections a group (one per request it has
     # in flight at once), not one per request (some 30 heartbeats, asks, lane watches and commits each).
     assert run["round_calls"]["connections"] <= 5 * run["groups"], run["round_calls"]

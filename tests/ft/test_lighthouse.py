@@ -387,9 +387,11 @@ def test_open_long_polls_hold_no_thread_and_answers_nobody_reads_break_nothing(s
     last.close()
     assert set(grant["quorum"]["participants"]) == {*asks, "g20"}
     watch = raw_post(lh, LaneWatch(JOB, SIG, "g0", round_id=grant["quorum"]["round_id"], timeout_s=0.5))
-    wait_until(lambda: not lh.wait_replies_sent(0.0))  # the watch is open
+    wait_until(lambda: lh.open_polls() == 1)
     abandon(watch)
-    assert lh.wait_replies_sent(timeout_s=3.0)  # its wait ran out: the answer went nowhere
+    assert lh.wait_replies_sent(0.0), "a parked poll is no answer in flight: a leaving lighthouse waits not for it"
+    wait_until(lambda: lh.open_polls() == 0)  # its wait ran out: the answer went nowhere
+    assert lh.wait_replies_sent(0.0)
     beat(lh, grant["quorum"]["participants"], step=1)
     got = quorums(ask_all(lh, dict.fromkeys(grant["quorum"]["participants"], 1)))
     assert {q.max_step for q in got.values()} == {1} and len(got) == 21
@@ -402,7 +404,7 @@ def test_a_lane_watch_is_held_across_rounds_and_answered_when_a_later_round_lose
     lh = start(QuorumRules(min_groups=2, join_timeout_s=10.0, heartbeat_timeout_s=30.0))
     first = quorums(ask_all(lh, {"A": 0, "B": 0}))["A"].round_id
     watch = raw_post(lh, LaneWatch(JOB, SIG, "A", round_id=first, timeout_s=30.0))
-    wait_until(lambda: not lh.wait_replies_sent(0.0))  # the watch is open
+    wait_until(lambda: lh.open_polls() == 1)
     second = quorums(ask_all(lh, {"A": 1, "B": 1}))["A"].round_id
     time.sleep(0.2)  # ten decisions
     assert second > first and not select.select([watch], [], [], 0)[0], "answered as A moved on"
