@@ -386,12 +386,12 @@ def test_open_long_polls_hold_no_thread_and_answers_nobody_reads_break_nothing(s
     grant = json.loads(last.makefile("rb").read().partition(b"\r\n\r\n")[2])
     last.close()
     assert set(grant["quorum"]["participants"]) == {*asks, "g20"}
-    watch = raw_post(lh, LaneWatch(JOB, SIG, "g0", round_id=grant["quorum"]["round_id"], timeout_s=0.5))
+    watch = raw_post(lh, LaneWatch(JOB, SIG, "g0", round_id=grant["quorum"]["round_id"], timeout_s=1.5))
     wait_until(lambda: lh.open_polls() == 1)
     abandon(watch)
     assert lh.wait_replies_sent(0.0), "a parked poll is no answer in flight: a leaving lighthouse waits not for it"
-    wait_until(lambda: lh.open_polls() == 0)  # its wait ran out: the answer went nowhere
-    assert lh.wait_replies_sent(0.0)
+    wait_until(lambda: lh.open_polls() == 0, timeout_s=5.0)  # its wait ran out: the answer went nowhere
+    assert lh.wait_replies_sent(timeout_s=3.0)
     beat(lh, grant["quorum"]["participants"], step=1)
     got = quorums(ask_all(lh, dict.fromkeys(grant["quorum"]["participants"], 1)))
     assert {q.max_step for q in got.values()} == {1} and len(got) == 21
