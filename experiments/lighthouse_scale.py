@@ -10,11 +10,11 @@ launcher's ``/recovery`` notice follows at once) and come back after ``REJOIN_S`
 launcher's own watch asks ``/alive`` twice a second; an operator loads the status page and
 ``/status`` every 5 s.
 
-Measured: quorum latency from the last ask (when each participant's answer had come in, minus
-when the round's last ask went out, both taken on the connection as the bytes move; steady
-rounds after the start; p50/p99, and each round's median and maximum in the JSON, beside when
-the lighthouse formed it: a late answer from a round formed at once was late on the way), heartbeat
-round trips the same way, the lighthouse process's own CPU time (/proc/PID/stat) as a share of
+Measured: quorum latency from the last ask (when each participant's answer reached its socket,
+the kernel's receive stamp, minus when the round's last ask went out; steady rounds after the
+start; p50/p99, the p99 until the senders had read them beside it, and each round's median and
+maximum in the JSON with when the lighthouse formed it and handed its last grant to a socket),
+heartbeat round trips the same way, the lighthouse process's own CPU time (/proc/PID/stat) as a share of
 one core with heartbeats only and under the whole load, its resident memory (peak), and how
 long ``/status`` and the page take. Targets at 1,000 groups: quorum p99 within 100 ms, the
 lighthouse under half a core, the page under 1 s.
@@ -46,6 +46,8 @@ import multiprocessing
 import os
 import random
 import re
+import socket
+import struct
 import sys
 import threading
 import time
@@ -117,10 +119,11 @@ class Ask:
 
     group: str
     asked: float  # the request went out
-    answered: float  # the answer had come in
+    answered: float  # the answer had reached the group's socket
     quorum_id: int
     max_step: int
     participants: int
+    read: float | None = None  # the sender had read it (None: as answered)
 
 
 # -- the simulated groups (sender processes) -----------------------------------------------------
@@ -128,56 +131,95 @@ class Answer(NamedTuple):
     status: int
     body: bytes
     sent: float  # when the request went out on its connection (monotonic clock)
-    received: float  # when the answer's last byte came in
+    received: float  # when the answer's last byte reached the group's socket (the kernel's stamp)
+    read: float  # when the sender's loop read it
 
 
-class _Channel(asyncio.Protocol):
+class _Channel:
     """One kept-alive connection: one request at a time, its answer whole once its Content-Length came.
 
-    A bare protocol, not asyncio's streams, and the times are taken here, as the bytes go out
-    and come in: the senders share two cores with the lighthouse, and a sender busy parsing
-    500 grants of a round (each names every participant) had its coroutines note answers up
-    to a few hundred ms after they had come.
+    A bare socket watched by the loop, not asyncio's streams, and the times are taken here, as
+    the bytes go out and come in. An answer's arrival is the kernel's receive stamp of its last
+    bytes (``SO_TIMESTAMPNS``): when it reached the group's socket. Each real group reads its own
+    socket on a host of its own; here two senders simulate 1,000 groups on the cores the
+    lighthouse uses, and one busy with its 500 grants of a round read some of them over 100 ms
+    after they had come (issue 33). When the sender read it is kept too (``read``).
     """
 
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
         self.closed = False
         self.buffer = bytearray()
         self.whole_at = -1  # the answer's length in bytes, once its head is read
         self.sent = 0.0
-        self.waiter: asyncio.Future[tuple[bytes, float]] | None = None
+        self.waiter: asyncio.Future[tuple[bytes, float, float]] | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    @classmethod
+    async def open(cls, host: str, port: int) -> _Channel:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        try:
+            await loop.sock_connect(sock, (host.strip("[]"), port))
+        except BaseException:
+            sock.close()
+            raise
+        channel = cls(sock)
+        loop.add_reader(sock, channel._readable)
+        return channel
 
-    def send(self, request: bytes) -> asyncio.Future[tuple[bytes, float]]:
-        """The answer's bytes and when its last byte came in."""
-        assert self.transport is not None and not self.closed, "send on a closed channel"
+    def send(self, request: bytes) -> asyncio.Future[tuple[bytes, float, float]]:
+        """The answer's bytes, when its last byte came in and when it was read. A request is a few KiB
+        at most, into an idle connection's empty buffer: a send that cannot take it whole is an error."""
+        assert not self.closed, "send on a closed channel"
         self.buffer.clear()
         self.whole_at = -1
         self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(request)
+        self.sock.sendall(request)
         self.sent = time.monotonic()
         return self.waiter
 
-    def data_received(self, data: bytes) -> None:
+    def _readable(self) -> None:
+        try:
+            data, ancillary, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(_TIMESPEC.size))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, ancillary = b"", []
+        read = time.monotonic()
+        if not data:
+            return self.close(ConnectionResetError("closed without an answer"))
         self.buffer += data
         if self.whole_at < 0 and (end := self.buffer.find(b"\r\n\r\n")) >= 0:
             length = _CONTENT_LENGTH.search(self.buffer, 0, end)
             self.whole_at = end + 4 + (int(length.group(1)) if length else 0)
         if 0 <= self.whole_at <= len(self.buffer) and self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result((bytes(self.buffer[: self.whole_at]), time.monotonic()))
+            self.waiter.set_result((bytes(self.buffer[: self.whole_at]), _arrival(ancillary, read), read))
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+    def close(self, error: Exception | None = None) -> None:
+        if not self.closed:
+            self.closed = True
+            asyncio.get_running_loop().remove_reader(self.sock)
+            self.sock.close()
         if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionResetError("closed without an answer"))
+            self.waiter.set_exception(error or ConnectionResetError("closed"))
 
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
+
+# Linux's SO_TIMESTAMPNS (Python's socket module does not name it): each read's ancillary data
+# carries the kernel's receive time of its last bytes, on the wall clock, as a struct timespec.
+SO_TIMESTAMPNS = 35
+_TIMESPEC = struct.Struct("qq")
+
+
+def _arrival(ancillary: list[tuple[int, int, bytes]], read: float) -> float:
+    """The receive stamp of a read's ancillary data on the monotonic clock; ``read`` without one."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= _TIMESPEC.size:
+            seconds, nanoseconds = _TIMESPEC.unpack_from(data)
+            return seconds + nanoseconds / 1e9 - (time.time() - time.monotonic())
+    return read
 
 
 _CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")
@@ -219,15 +261,15 @@ class Senders:
             if not channel.closed:
                 try:
                     return await self.exchange(group, channel, request)
-                except ConnectionResetError:  # closed by the lighthouse as the request went out: once more
+                except ConnectionError:  # closed by the lighthouse as the request went out: once more
                     break
-        _, channel = await asyncio.get_running_loop().create_connection(_Channel, self.host, self.port)
+        channel = await _Channel.open(self.host, self.port)
         self.counts["connections"] += 1
         return await self.exchange(group, channel, request)
 
     async def exchange(self, group: str, channel: _Channel, request: bytes) -> Answer:
         try:
-            raw, received = await channel.send(request)
+            raw, received, read = await channel.send(request)
         except BaseException:  # cancelled (the group died), or the connection failed: it carries nothing more
             channel.close()
             raise
@@ -236,7 +278,7 @@ class Senders:
             channel.close()
         else:
             self.idle.setdefault(group, []).append(channel)
-        return Answer(int(head.split(b" ", 2)[1]), body, channel.sent, received)
+        return Answer(int(head.split(b" ", 2)[1]), body, channel.sent, received, read)
 
     def close(self, group: str) -> None:
         """A group's process died: its connections close with it."""
@@ -309,7 +351,15 @@ class Senders:
             return self.error(f"quorum {answer.status}")
         quorum = self.grant(answer.body)
         self.asks.append(
-            Ask(group, answer.sent, answer.received, quorum.quorum_id, quorum.max_step, len(quorum.participants))
+            Ask(
+                group,
+                answer.sent,
+                answer.received,
+                quorum.quorum_id,
+                quorum.max_step,
+                len(quorum.participants),
+                answer.read,
+            )
         )
         state["qid"] = quorum.quorum_id
         await self.round_calls(group, state, quorum, watches)
@@ -583,14 +633,16 @@ def measure(job: Any, url: str, pid: int, groups: int, args: argparse.Namespace)
         (t0, c0), (t1, c1) = marks[a], marks[b]
         return (c1 - c0) / (t1 - t0)
 
-    latencies = quorum_latencies(asks, after=plan.rounds_at + plan.window_s / 2)
+    steady_after = plan.rounds_at + plan.window_s / 2
+    latencies = quorum_latencies(asks, after=steady_after)
     return {
         "groups": groups,
-        "rounds": len({(a.quorum_id, a.max_step) for a in asks if a.asked > plan.rounds_at + plan.window_s / 2}),
+        "rounds": len({(a.quorum_id, a.max_step) for a in asks if a.asked > steady_after}),
         "answers": len(latencies),
         "quorum_p50_ms": 1000 * percentile(latencies, 50),
         "quorum_p99_ms": 1000 * percentile(latencies, 99),
         "quorum_max_ms": 1000 * max(latencies, default=float("nan")),
+        "quorum_read_p99_ms": 1000 * percentile(quorum_latencies(asks, after=steady_after, read=True), 99),
         "heartbeats_per_s": len(beats) / (plan.end - plan.start),
         "heartbeat_p99_ms": 1000 * percentile(beats, 99),
         "cpu_heartbeats": share("hb_from", "hb_to"),
@@ -604,7 +656,7 @@ def measure(job: Any, url: str, pid: int, groups: int, args: argparse.Namespace)
         "page_s": max(page.seconds, default=float("nan")),
         "page_kb": max(page.sizes, default=0) / 1024,
         "deaths": args.deaths,
-        "per_round": round_summaries(asks, after=plan.rounds_at + plan.window_s / 2, formed=formed),
+        "per_round": round_summaries(asks, after=steady_after, formed=formed),
         "senders_cpu": sum(r["cpu"] for r in results),
         "machine_load": os.getloadavg()[0],  # runnable processes on the machine: a shared one delays everything
         "round_calls": counts,
@@ -638,30 +690,45 @@ def steady_rounds(asks: list[Ask], after: float) -> list[list[Ask]]:
     return sorted(steady, key=lambda answers: min(a.answered for a in answers))
 
 
-def quorum_latencies(asks: list[Ask], after: float) -> list[float]:
-    """Each answer's delay after the last ask of its round (see ``steady_rounds``)."""
+def quorum_latencies(asks: list[Ask], after: float, read: bool = False) -> list[float]:
+    """Each answer's delay after the last ask of its round (see ``steady_rounds``): until it
+    reached the group's socket, or (``read``) until the sender read it."""
     latencies = []
     for answers in steady_rounds(asks, after):
         last = max(a.asked for a in answers)
-        latencies += [a.answered - last for a in answers]
+        latencies += [(a.read if read and a.read is not None else a.answered) - last for a in answers]
     return latencies
 
 
-def formation_times(url: str) -> dict[tuple[int, int], float]:
-    """When the lighthouse formed each recent quorum (/status's history), by (quorum id, max step),
-    on this process's monotonic clock: wall minus monotonic time is the same in every process of
-    the machine, so the offset taken here moves the history's wall stamps onto the asks' clock."""
+class Formed(NamedTuple):
+    """When the lighthouse formed a round and handed its last grant to a socket (monotonic s)."""
+
+    at: float
+    sent: float | None
+
+
+def formation_times(url: str) -> dict[tuple[int, int], Formed]:
+    """When the lighthouse formed each recent quorum and sent its last grant (/status's history),
+    by (quorum id, max step), on this process's monotonic clock: wall minus monotonic time is the
+    same in every process of the machine, so the offset taken here moves the history's wall stamps
+    onto the asks' clock."""
     with urllib.request.urlopen(url + "/status", timeout=30) as answer:
         history = json.loads(answer.read())["history"]
     offset = time.time() - time.monotonic()
-    return {(q["quorum_id"], q["max_step"]): q["formed_at"] - offset for q in history}
+    return {
+        (q["quorum_id"], q["max_step"]): Formed(
+            q["formed_at"] - offset, None if q.get("grants_sent_at") is None else q["grants_sent_at"] - offset
+        )
+        for q in history
+    }
 
 
 def round_summaries(
-    asks: list[Ask], after: float, formed: dict[tuple[int, int], float] | None = None
+    asks: list[Ask], after: float, formed: dict[tuple[int, int], Formed] | None = None
 ) -> list[dict[str, float]]:
     """Per round: its answers, how long its asks took to come in, its answers' delays (ms) and,
-    where ``formed`` has it, when the lighthouse formed it (ms after the last ask)."""
+    where ``formed`` has it, when the lighthouse formed it and sent its last grant (ms after the
+    last ask): a round sent at once whose answers came late was late in the groups' reading."""
     summaries = []
     for answers in steady_rounds(asks, after):
         last = max(a.asked for a in answers)
@@ -673,8 +740,12 @@ def round_summaries(
             "p50_ms": 1000 * percentile(delays, 50),
             "max_ms": 1000 * max(delays),
         }
-        if (at := (formed or {}).get((answers[0].quorum_id, answers[0].max_step))) is not None:
-            summary["formed_ms"] = 1000 * (at - last)
+        if reads := [a.read for a in answers if a.read is not None]:
+            summary["read_max_ms"] = 1000 * (max(reads) - last)
+        if (stamps := (formed or {}).get((answers[0].quorum_id, answers[0].max_step))) is not None:
+            summary["formed_ms"] = 1000 * (stamps.at - last)
+            if stamps.sent is not None:
+                summary["sent_ms"] = 1000 * (stamps.sent - last)
         summaries.append(summary)
     return summaries
 
@@ -683,6 +754,7 @@ HEADERS = [
     "groups",
     "rounds",
     "quorum p50 / p99 ms",
+    "read p99 ms",
     "heartbeats/s",
     "heartbeat p99 ms",
     "CPU: heartbeats only",
@@ -701,6 +773,7 @@ def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
             f"{r['groups']:,}",
             str(r["rounds"]),
             f"{r['quorum_p50_ms']:.1f} / {r['quorum_p99_ms']:.1f}",
+            f"{r['quorum_read_p99_ms']:.1f}",
             f"{r['heartbeats_per_s']:,.0f}",
             f"{r['heartbeat_p99_ms']:.1f}",
             f"{100 * r['cpu_heartbeats']:.0f}%",
@@ -742,8 +815,9 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     errors = {k: n for r in runs for k, n in r["errors"].items()}
     lines = [
         (
-            f"The lighthouse process against simulated groups on loopback ({settings}); CPU is the lighthouse "
-            "process's own, as a share of one core."
+            f"The lighthouse process against simulated groups on loopback ({settings}); quorum latency is "
+            "from a round's last ask until each answer reached its group's socket (the kernel's receive stamp), "
+            "read p99 until the senders had read them; CPU is the lighthouse process's own, as a share of one core."
         ),
         "",
         markdown_table(HEADERS, table_rows(runs)),

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Protocol
 
 from diloco.ft import status_page
 from diloco.ft.protocol import ENDPOINTS, MAX_BODY_BYTES, ErrorAnswer, ErrorCode, unreadable_post
@@ -54,8 +54,12 @@ SWEEP_EVERY_S = 0.5  # stalled connections are looked for this often, not at eve
 MAX_HEAD_BYTES = 64 * 1024
 DRAIN_BYTES = 16 * MAX_BODY_BYTES  # an over-long body is read up to this, so its sender reads the refusal
 
-# The answer to a parked request: (HTTP status, JSON object or its encoded bytes); callable from any thread, once.
-Reply = Callable[[int, dict | bytes], None]
+
+class Reply(Protocol):
+    """The answer to a parked request: HTTP status, JSON object or its encoded bytes; callable from
+    any thread, once. ``written`` is called (on the loop) once the answer is all handed to the socket."""
+
+    def __call__(self, status: int, payload: dict | bytes, written: Callable[[], None] | None = None) -> None: ...
 
 
 class _Connection:
@@ -73,6 +77,7 @@ class _Connection:
         self.post = False  # counted in ``posts_in_flight`` until its answer is written
         self.parked = False  # a long poll whose answer is not decided yet (not in flight: see ``posts_in_flight``)
         self.answer = memoryview(b"")  # what is left to write
+        self.written: Callable[[], None] | None = None  # called once a queued answer's last byte is sent
         self.events = 0  # what the loop's selector watches it for (0: not watched, as while a long poll is parked)
 
     def next_request(self) -> None:
@@ -180,10 +185,19 @@ class LighthouseHTTPServer:
         self._waker.close()
         self._wake.close()
 
-    def queue_answer(self, connection: _Connection, status: int, payload: dict | bytes, content_type: str) -> None:
+    def queue_answer(
+        self,
+        connection: _Connection,
+        status: int,
+        payload: dict | bytes,
+        written: Callable[[], None] | None = None,
+        *,
+        content_type: str,
+    ) -> None:
         """Have the loop write this answer (from any thread); the encoding happens here, off the loop."""
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         connection.answer = memoryview(_response(status, data, content_type, connection.keep))
+        connection.written = written
         self._queued.append(connection)
         if not self._wake_sent:  # cleared by the loop after it read the wake-ups and before it takes the queue
             self._wake_sent = True
@@ -310,9 +324,10 @@ class LighthouseHTTPServer:
         assert connection.head is not None, "dispatched only once the head is parsed"
         status = self.lighthouse.status()
         if connection.head[1] == "/status":
-            self.queue_answer(connection, 200, json.dumps(status).encode(), "application/json")
+            self.queue_answer(connection, 200, json.dumps(status).encode(), content_type="application/json")
         else:
-            self.queue_answer(connection, 200, status_page.render_html(status).encode(), "text/html; charset=utf-8")
+            page = status_page.render_html(status).encode()
+            self.queue_answer(connection, 200, page, content_type="text/html; charset=utf-8")
 
     def _answer(
         self, connection: _Connection, status: int, data: bytes, content_type: str = "application/json"
@@ -342,6 +357,9 @@ class LighthouseHTTPServer:
             return self._close(connection)
         connection.answer = connection.answer[sent:]
         if not connection.answer:
+            if connection.written is not None:
+                connection.written()
+                connection.written = None
             if connection.keep and not self._stop.is_set():
                 return self._keep(connection)
             try:

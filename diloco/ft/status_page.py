@@ -179,7 +179,7 @@ def snapshot(
         curves={g: list(_thinned(curve.points, per_curve)) for g, curve in board.curves.items()},
         loss_band=board.band.rows(),
         current=current,
-        history=list(history),
+        history=[dict(h) for h in history],  # an entry's grants_sent_at is set after the lock (lighthouse._stamp_sent)
         timeline=list(board.timeline),
         ended=book.ended,
         rules=book.rules,

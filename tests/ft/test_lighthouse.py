@@ -627,7 +627,8 @@ def test_status_json_and_html_page(start):
     assert {g["id"]: g["since_heartbeat_s"] for g in s["groups"]} == {"A": 0.0, evil: 0.25}  # on the lighthouse's clock
     assert s["quorum"]["participants"] == sorted(["A", evil]) and s["quorum"]["heal_from"] == {evil: "A"}
     assert s["quorum"]["age_s"] == 0.25 and len(s["history"]) == 1 and s["history"][0]["max_step"] == 7
-    assert before <= s["history"][0]["formed_at"] <= after, "history is stamped with the wall clock"
+    formed = s["history"][0]
+    assert before <= formed["formed_at"] <= formed["grants_sent_at"] <= after, "history is stamped with the wall clock"
     code, page = get(lh, "/")
     html = page.decode()
     assert code == 200 and '<meta http-equiv="refresh" content="2">' in html
@@ -651,6 +652,7 @@ def test_a_status_snapshot_is_unchanged_by_what_the_lighthouse_hears_after_it():
     board.progress("B", GroupProgress(inner_step=4, train_loss=3.0))
     board.event("joined", "B")
     history.append({"quorum_id": 2})
+    history[0]["grants_sent_at"] = 2.0
     after = status_page.build_status(snap)
     assert [g["id"] for g in after["groups"]] == ["A"] and after["curves"] == {"A": [(3, 2.0)]}
     assert after["history"] == [{"quorum_id": 1}] and after["timeline"] == []
