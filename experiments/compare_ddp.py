@@ -167,6 +167,14 @@ CONFIGS = [
         name=", α ramped, outer lr 1.75, β=0.9",
         changes={"algo.alpha": None, "outer_opt.lr": "1.75", "algo.error_decay": "0.9"},
     ),
+    # Seeds 2 and 3 trail DiLoCo from the first 1,000 steps: windows of H₀ = 10 for twice as long.
+    _sparse(
+        20,
+        0.01,
+        4,
+        name=", α ramped, outer lr 1.75, H₀=10 for 1000 steps",
+        changes={"algo.alpha": None, "outer_opt.lr": "1.75", "algo.sync_warmup_steps": "1000"},
+    ),
     _sparse(20, 0.01, 4, name=", α ramped", changes={"algo.alpha": None}),
     # At M = 4 the default α is scaled by (2/M)² to 0.125: θ_l keeps less of what e holds back.
     _sparse(20, 0.01, 4, name=", α=0.5 whatever M", changes=RAMPED_WHATEVER_M),

@@ -28,6 +28,7 @@ the launcher closes stdin or its lifeline, the server kills its children and exi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -113,9 +114,12 @@ def serve(paths: RunPaths, lifeline_fd: int, children: set[int]) -> None:
             *lines, pending = (pending + chunk).split(b"\n")
             for line in filter(None, lines):
                 request = json.loads(line)
-                pid = fork_child(request, paths, lifeline_fd)
+                pid, go = fork_child(request, paths, lifeline_fd)
                 children.add(pid)
                 send({"id": request["id"], "pid": pid})
+                with contextlib.suppress(BrokenPipeError):  # killed already: its exit report follows
+                    os.write(go, b"!")  # the launcher knows it now: it may start
+                os.close(go)
         reap(children)
 
 
@@ -145,11 +149,25 @@ def send(message: dict[str, Any]) -> None:
     os.write(sys.stdout.fileno(), (json.dumps(message) + "\n").encode())
 
 
-def fork_child(request: dict[str, Any], paths: RunPaths, lifeline_fd: int) -> int:
-    """Fork the worker or lighthouse ``request`` describes; returns its pid. The child never returns."""
+def fork_child(request: dict[str, Any], paths: RunPaths, lifeline_fd: int) -> tuple[int, int]:
+    """Fork the worker or lighthouse ``request`` describes; returns its pid and the pipe end that
+    lets it start once its pid is sent. The child never returns.
+
+    A server killed or stopped between the fork and its answer leaves a child the launcher never
+    heard of, and the launcher asks a fresh server again: two lighthouses on one port (the second
+    cannot listen and the job fails) or two workers of one rank. So the child waits for the
+    server's word that its pid went out; a server gone first (EOF) means it may be unknown, and
+    it kills itself: an unknown one is gone, a known one reads as killed and is restarted.
+    """
+    wait_end, go_end = os.pipe()
     pid = os.fork()
     if pid:
-        return pid
+        os.close(wait_end)
+        return pid, go_end
+    os.close(go_end)
+    if not os.read(wait_end, 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.close(wait_end)
     code = 1
     try:
         become_launched(request, lifeline_fd)

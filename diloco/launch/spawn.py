@@ -30,6 +30,9 @@ WAIT_POLL_S = 0.02
 # A fork server reports a child's exit within its reap interval (50 ms); a death unreported for
 # this long means the server is stopped or stuck.
 UNREPORTED_DEATH_S = 5.0
+# A server stopped (SIGSTOP) this long while asked is given up at once, not after the connect
+# timeout, which is for one still importing: meanwhile the supervisor restarts no other group.
+STOPPED_SERVER_S = 1.0
 
 
 class ForkServerError(RuntimeError):
@@ -134,12 +137,8 @@ class ForkedProcess:
     def _death_unreported(self) -> bool:
         """Dead (a zombie its server has not reaped) for ``UNREPORTED_DEATH_S``: the server, which
         reports an exit within milliseconds, is stopped or stuck, and nobody would learn of it."""
-        try:
-            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return False  # reaped: its report is on the way
-        if state != "Z":
-            return False
+        if process_state(self.pid) != "Z":
+            return False  # alive, or reaped (None): its report is on the way
         now = time.monotonic()
         self._dead_since = self._dead_since if self._dead_since is not None else now
         return now - self._dead_since > UNREPORTED_DEATH_S
@@ -247,16 +246,24 @@ class ForkServer:
         except BrokenPipeError:
             pass  # it exited: reading its answers to the end says so, after its last exit reports
         deadline = time.monotonic() + timeout_s
+        stopped_since = None
         while request_id not in self._started:
             if self.gone:
                 raise ForkServerGone(f"the fork server exited before it started {what}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if deadline <= now:
                 raise ForkServerSilent(
                     f"the fork server did not start {what} within {timeout_s:.0f}s "
                     "(cluster.timeouts.connect); raise it on a loaded machine"
                 )
-            select.select([self._answers_fd], [], [], remaining)
+            stopped = process_state(self.process.pid) in ("T", "t")
+            if not stopped:
+                stopped_since = None
+            elif stopped_since is None:
+                stopped_since = now
+            if stopped_since is not None and now - stopped_since >= STOPPED_SERVER_S:
+                raise ForkServerSilent(f"the fork server was stopped (SIGSTOP) before it started {what}")
+            select.select([self._answers_fd], [], [], min(deadline - now, STOPPED_SERVER_S / 4))
             self.read_answers()
         return self._started.pop(request_id)
 
@@ -306,6 +313,14 @@ class ForkServer:
             self.process.kill()
             self.process.wait()
         self.read_answers()
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/<pid>/stat (R, S, T stopped, Z zombie, ...); None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def become_subreaper() -> None:

@@ -53,6 +53,8 @@ CHAOS = [
 ]
 
 
+CHAOS_STEPS = 600
+END_FAULTS = 2
 STREAMING_CHAOS = [
     "logger=none",
     "cluster.groups=3",
@@ -63,7 +65,7 @@ STREAMING_CHAOS = [
     "algo.fragments=2",
     "algo.delay=1",
     "algo.quantize=fp4",
-    "trainer.max_steps=600",
+    f"trainer.max_steps={CHAOS_STEPS}",
     "trainer.seq_len=64",
     "trainer.batch_size=4",
     "trainer.eval_every=0",
@@ -221,7 +223,9 @@ def test_a_group_that_keeps_crashing_fails_the_job_with_its_last_lines(tmp_path,
 
 def _job_processes(run_dir: Path, lighthouse_url: str) -> dict[str, list[int]]:
     """The job's processes by role: the lighthouse (forked or exec'd: the pid its /status names),
-    the fork server, and the workers it forked."""
+    the fork server, and the workers it forked. Forked processes show the server's command line,
+    and a worker whose server died is the launcher's child (its subreaper), as the server is: a
+    worker is told by its output, which goes to its group's log, or by its parent, a server."""
     lighthouse = serving_pid(lighthouse_url)
     roles: dict[str, list[int]] = {"lighthouse": [], "forkserver": [], "worker": []}
     pids = _processes_mentioning(str(run_dir))
@@ -237,10 +241,15 @@ def _job_processes(run_dir: Path, lighthouse_url: str) -> dict[str, list[int]]:
             servers.add(pid)
     for pid in servers - {lighthouse}:
         try:
+            output = os.readlink(f"/proc/{pid}/fd/1")
             parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        roles["worker" if parent in servers else "forkserver"].append(pid)
+        logged = Path(output).parent == run_dir / "logs"
+        if parent in servers or (logged and Path(output).name not in ("lighthouse.log", "forkserver.log")):
+            roles["worker"].append(pid)  # a server's child just forked has no log as its output yet
+        elif not logged:  # logged otherwise: a replaced lighthouse on its way out, no one's target
+            roles["forkserver"].append(pid)
     return roles
 
 
@@ -248,12 +257,12 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
     """Not a planned fault plan: SIGKILL of any process of a running job (the lighthouse, the
     fork server, any worker of 3 groups x 2 workers), SIGSTOP of random workers for a while and
     of the lighthouse or the fork server for good, at random times, from outside the launcher, on
-    streaming DiLoCo, until the launcher exits: through the closing rounds and the second after
-    the job's end too. The job must still end with one trained model and exit 0; a group may
-    only lack a result if the lighthouse saw it end holding the final state (killed after the
-    end, before it wrote its result). A stopped lighthouse is alive, so only its silence tells:
-    the launcher kills it after ``cluster.timeouts.lighthouse`` and starts another on its address
-    before the groups' collectives time out."""
+    streaming DiLoCo, each once the job has committed a newer step than the last saw, and two in
+    its closing rounds or the second after its end. The job must still end with one trained
+    model and exit 0; a group may only lack a result if the lighthouse saw it end holding the
+    final state (killed after the end, before it wrote its result). A stopped lighthouse is
+    alive, so only its silence tells: the launcher kills it after ``cluster.timeouts.lighthouse``
+    and starts another on its address before the groups' collectives time out."""
     run_dir = tmp_path / "run"
     launcher, output, reader = _run_py(STREAMING_CHAOS, run_dir)
     rng = random.Random(7)
@@ -266,7 +275,19 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
         scripted = ["kill lighthouse", "kill worker", "stop forkserver", "kill worker", "stop worker"]
         scripted += ["stop lighthouse", "kill worker", "kill forkserver"]
         action = scripted[0]
+        step_at_last_fault, end_faults = -1, 0
         while launcher.poll() is None:
+            # Faults faster than the job recovers (a loaded machine recovers slowly) would lose its
+            # state again and again and never end it: each fault waits for a newer committed step
+            # than the last one saw. Once the last step is committed, END_FAULTS more come freely,
+            # in the closing rounds and the second after the end; more, and every group that holds
+            # the final state could die before another took it (lost, so trained again).
+            newest_step = _newest_committed_step(run_dir)
+            at_end = newest_step >= CHAOS_STEPS and end_faults < END_FAULTS
+            if step_at_last_fault >= newest_step and not at_end:
+                time.sleep(0.2)
+                continue
+            step_at_last_fault, end_faults = newest_step, end_faults + (newest_step >= CHAOS_STEPS)
             roles = _job_processes(run_dir, lighthouse_url)
             targets = {"kill lighthouse": roles["lighthouse"], "kill forkserver": roles["forkserver"]}
             targets |= {"kill worker": roles["worker"], "stop worker": roles["worker"]}
@@ -323,6 +344,12 @@ def _lighthouse_url(launcher: subprocess.Popen, output: list[str]) -> str:
     printed = process_exited(launcher, lambda: "".join(output))
     wait_until(lambda: any("status page" in line for line in output), 120, "the status page's address", gone=printed)
     return re.search(r"(http://\S+?)/?$", next(line for line in output if "status page" in line).strip()).group(1)
+
+
+def _newest_committed_step(run_dir: Path) -> int:
+    """The newest inner step any group committed a round at (-1 before the first)."""
+    records = [r for path in (run_dir / "commits").glob("*.jsonl") for r in read_jsonl(path)]
+    return max((r["inner_step"] for r in records if r["committed"]), default=-1)
 
 
 def _resume(pid: int) -> None:

@@ -14,9 +14,17 @@ from pathlib import Path
 import pytest
 
 from diloco.config.base import ConfigError, to_dict
+from diloco.launch.forkserver import fork_child
 from diloco.launch.launcher import launch
 from diloco.launch.local_cluster import LocalCluster, log_tail, serving_pid, wait_until
-from diloco.launch.spawn import ForkedProcess, ForkServer, WorkerSpec, become_subreaper, exec_worker
+from diloco.launch.spawn import (
+    ForkedProcess,
+    ForkServer,
+    ForkServerSilent,
+    WorkerSpec,
+    become_subreaper,
+    exec_worker,
+)
 from diloco.lifeline import Lifeline
 from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
@@ -170,6 +178,48 @@ def test_forked_process_reports_exit_codes_from_the_server_and_after_it_died(wai
     assert third.wait(timeout=30) == 3
     assert fourth.wait(timeout=30) == -signal.SIGKILL
     assert not is_running(third.pid) and not is_running(fourth.pid), "reaped, not left as zombies"
+
+
+@linux_only
+def test_a_forked_child_starts_only_once_the_server_said_its_pid(tmp_path):
+    """A server gone between its fork and its answer (killed, or stopped and then killed) leaves a
+    child the launcher may never have heard of: it must kill itself, not start a second
+    lighthouse on the port or a second worker of its rank. Told to go, it starts (here it fails
+    at once on an empty request, having made its log)."""
+    lifeline = Lifeline()
+    request = {"role": "worker", "env": {}, "threads": 1, "group": 0, "started_at": 0.0}
+    try:
+        for told in (False, True):
+            log = tmp_path / f"told-{told}.log"
+            pid, go = fork_child({**request, "log": str(log)}, RunPaths(tmp_path), lifeline.read_fd)
+            if told:
+                os.write(go, b"!")
+            os.close(go)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == (1 if told else -signal.SIGKILL)
+            assert log.exists() == told
+    finally:
+        lifeline.cut()
+
+
+@linux_only
+def test_a_request_to_a_stopped_fork_server_is_given_up_at_once(tmp_path):
+    """A stopped server (SIGSTOP) answers nothing: the request gives up once it has been stopped
+    for STOPPED_SERVER_S, not after the connect timeout (here 600 s), which is for a server still
+    importing; meanwhile the supervisor would restart no other group. One that merely does not
+    answer (running) waits out the timeout it was given."""
+    idle = [sys.executable, "-c", "import time; time.sleep(600)"]
+    for stop in (True, False):
+        server = ForkServer(subprocess.Popen(idle, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+        try:
+            if stop:
+                server.process.send_signal(signal.SIGSTOP)
+            match = "was stopped" if stop else "within 1s"
+            with pytest.raises(ForkServerSilent, match=match):
+                server.spawn_lighthouse("sig", tmp_path / "lighthouse.log", timeout_s=600 if stop else 1)
+        finally:
+            server.process.kill()
+            server.process.wait()
 
 
 FT = FAST + [
