@@ -125,6 +125,13 @@ CONFIGS = [
     _diloco(50, 2, "algo.alpha_warmup_steps=2000", name="diloco H=50, α warm-up 2000 steps"),
     _diloco(50, 2, "algo.sync_warmup_steps=0", name="diloco H=50, no H warm-up"),
     _diloco(50, 2, "algo.sync_warmup_steps=1000", name="diloco H=50, H₀=10 for 1000 steps"),
+    # The groups' models averaged every inner step or every 5: where does the distance to ddp come from?
+    *(
+        _diloco(
+            h, 2, "algo.sync_warmup_steps=0", "outer_opt=avg", "algo.alpha=0", name=f"local SGD H={h} (the plain mean)"
+        )
+        for h in (1, 5)
+    ),
     Config("streaming H=100 P=4 τ=1 fp4", 2, STREAMING),
     _diloco(100, 2, "algo.sync_warmup_every=20", name="diloco H=100, H₀=20"),
     _diloco(100, 2, "algo.sync_warmup_steps=0", name="diloco H=100, no H warm-up"),
@@ -157,6 +164,7 @@ CONFIGS = [
             (0.01, 4, "1.75"),
             (0.01, 4, "2"),
             (0.012, 4, "1.5"),
+            (0.02, 4, "1.75"),
         ]
     ),
     # Does what e holds back go stale as the inner lr anneals? A shorter memory for it (β 0.9, not 0.95).

@@ -36,6 +36,8 @@ def supervise(
     backoff_s: float = 0.0,
     spares: int = 0,
     lighthouse_watch: LighthouseWatch | None = None,
+    stopped_limit_s: float | None = None,
+    planned_stops: tuple[int, ...] = (),
 ) -> Supervisor:
     """A supervisor over a real LocalCluster of 3 groups holding ``processes`` (group -> its one
     worker); starting a group, or the lighthouse, records it in ``cluster.started`` and starts a
@@ -64,4 +66,6 @@ def supervise(
         end_grace_s=60.0,
         spares=spares,
         lighthouse_watch=lighthouse_watch,
+        stopped_limit_s=stopped_limit_s,
+        planned_stops=planned_stops,
     )

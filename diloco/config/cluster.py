@@ -77,7 +77,9 @@ class TimeoutsConfig:
     long a planned stop (Ctrl-C) waits for the groups to finish their round and save;
     ``recovery``: how much longer than its predicted return the survivors' rounds wait for a
     dead group's replacement (when the launcher chose to wait for it); ``lighthouse``: how long
-    a local job's lighthouse may leave /alive unanswered before the launcher replaces it (hung).
+    a local job's lighthouse may leave /alive unanswered before the launcher replaces it (hung);
+    ``stopped``: how long a worker of a local job may stay stopped (SIGSTOP, SIGTSTP) before the
+    launcher kills its group and restarts it (a group with a stopped worker cannot go on).
     """
 
     connect: float = 60.0
@@ -90,6 +92,7 @@ class TimeoutsConfig:
     stop: float = 90.0  # > quorum: a group waiting on a quorum its peers left gets no answer before that
     recovery: float = 1.0
     lighthouse: float = 10.0
+    stopped: float = 30.0  # < end: a group stopped just before the end still comes back for it
 
     def validate(self) -> None:
         for key in fields(self):

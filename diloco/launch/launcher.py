@@ -61,6 +61,14 @@ def _launch_claimed(
     start = time.monotonic()
     events = EventLog(paths.events, time.time())
     watch = LighthouseWatch(cluster.lighthouse_url, job.cluster.timeouts.lighthouse)
+    injector = FaultInjector(
+        cluster,
+        plan_faults(job.faults, job.cluster.groups, FAULT_HORIZON_S),
+        events,
+        hang_s=job.faults.hang_seconds,
+        down_s=job.faults.lighthouse_down_seconds,
+        min_alive=job.faults.min_alive,
+    )
     supervisor = Supervisor(
         cluster,
         events,
@@ -69,14 +77,8 @@ def _launch_claimed(
         end_grace_s=job.cluster.timeouts.quorum,
         spares=job.cluster.spares,
         lighthouse_watch=watch,
-    )
-    injector = FaultInjector(
-        cluster,
-        plan_faults(job.faults, job.cluster.groups, FAULT_HORIZON_S),
-        events,
-        hang_s=job.faults.hang_seconds,
-        down_s=job.faults.lighthouse_down_seconds,
-        min_alive=job.faults.min_alive,
+        stopped_limit_s=job.cluster.timeouts.stopped,
+        planned_stops=injector.resume_at,  # the fault plan resumes what it stopped
     )
     # Both explicitly: a launcher started with SIGINT ignored (a background job of a
     # non-interactive shell) still stops as planned on Ctrl-C.

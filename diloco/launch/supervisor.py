@@ -14,6 +14,7 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from diloco.files import append_text
 from diloco.launch.lighthouse_watch import LighthouseWatch
 from diloco.launch.local_cluster import JobFailed, LocalCluster, crash_report
 from diloco.launch.recovery import RecoveryPlanner
+from diloco.launch.stopped_watch import StoppedWatch
 from diloco.train.logger import read_jsonl_tail
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,10 @@ class Supervisor:
     restarted too late exits ``JOB_ENDED_EXIT_CODE``; from either on nothing is restarted,
     and groups still running ``end_grace_s`` later were left behind and are stopped. The
     lighthouse is restarted at once on the same address.
+
+    A group with a worker stopped for longer than ``stopped_limit_s`` (diloco.launch.stopped_watch)
+    is killed and restarted like a crashed one, unless the fault plan stopped it
+    (``planned_stops``: it resumes it).
     """
 
     def __init__(
@@ -96,6 +102,8 @@ class Supervisor:
         end_grace_s: float,
         spares: int = 0,
         lighthouse_watch: LighthouseWatch | None = None,
+        stopped_limit_s: float | None = None,
+        planned_stops: Container[int] = (),
     ) -> None:
         self.cluster = cluster
         self.events = events
@@ -104,6 +112,9 @@ class Supervisor:
         self.backoff_s = backoff_s
         self.end_grace_s = end_grace_s
         self.spares = spares
+        self.stopped_limit_s = stopped_limit_s
+        self.planned_stops = planned_stops
+        self.stopped = StoppedWatch()
         self.spare_crashes = 0  # spares that died in a row before one took a group over
         self.over_since: float | None = None
         self.crashes: dict[int, int] = {}
@@ -132,6 +143,8 @@ class Supervisor:
                 self._too_late(group)
             elif any(w.process.poll() not in (None, 0) for w in workers):
                 self._crashed(group, now)
+            elif not self.job_over:
+                self._check_stopped(group, now)
         if self.job_over:
             self.restart_at.clear()  # the job has ended: a restarted group could not take part any more
             self.over_since = self.over_since if self.over_since is not None else now
@@ -243,18 +256,44 @@ class Supervisor:
     def _crashed(self, group: int, now: float) -> None:
         workers = self.cluster.groups[group]
         failed = next(w for w in workers if w.process.poll() not in (None, 0))
-        leader_pid = next(w.process.pid for w in workers if w.rank == 0)
-        self.cluster.signal_group(group, signal.SIGKILL)  # a group missing a worker cannot go on
+        leader_pid = self._kill(group)  # a group missing a worker cannot go on
         if self.job_over:  # after the end: it was left behind (refused), there is nothing to restart
             self.events.write("left_behind", group, rank=failed.rank, code=failed.process.returncode)
             return
-        # Crashes in a row without progress count: a process that held the job's state ran fine until killed.
-        self.crashes[group] = 1 if self.holders.held_state(leader_pid) else self.crashes.get(group, 0) + 1
+        self._count_failure(group, leader_pid)
         self.events.write("crash", group, rank=failed.rank, code=failed.process.returncode)
+        self._restart_failed(group, now, lambda: crash_report(failed.log_path))
+
+    def _check_stopped(self, group: int, now: float) -> None:
+        """Kill and restart a running group whose worker has stayed stopped past the limit."""
+        if self.stopped_limit_s is None or group in self.planned_stops:
+            return
+        workers = self.cluster.groups[group]
+        found = self.stopped.stopped_for([w.process.pid for w in workers], now)
+        if found is None or found[1] <= self.stopped_limit_s:
+            return
+        pid, stopped_s = found
+        rank = next(w.rank for w in workers if w.process.pid == pid)
+        self._count_failure(group, self._kill(group))
+        self.events.write("hung", group, rank=rank, stopped_s=round(stopped_s, 1))
+        why = f"its rank {rank} stayed stopped (SIGSTOP) for {stopped_s:.0f}s, past cluster.timeouts.stopped"
+        self._restart_failed(group, now, lambda: f"{why}={self.stopped_limit_s:g}")
+
+    def _kill(self, group: int) -> int:
+        """SIGKILL every worker of ``group`` (stopped ones too) and forget it; its leader's pid."""
+        pids = {w.rank: w.process.pid for w in self.cluster.groups[group]}
+        self.cluster.signal_group(group, signal.SIGKILL)
+        self.stopped.forget(pids.values())
+        return pids[0]
+
+    def _count_failure(self, group: int, leader_pid: int) -> None:
+        """Failures in a row without progress count: a process that held the job's state ran fine until it failed."""
+        self.crashes[group] = 1 if self.holders.held_state(leader_pid) else self.crashes.get(group, 0) + 1
+
+    def _restart_failed(self, group: int, now: float, why: Callable[[], str]) -> None:
         if self.crashes[group] > self.max_restarts:
             raise JobFailed(
-                f"group {group} failed {self.crashes[group]} times (cluster.max_restarts={self.max_restarts}); "
-                f"{crash_report(failed.log_path)}"
+                f"group {group} failed {self.crashes[group]} times (cluster.max_restarts={self.max_restarts}); {why()}"
             )
         self._schedule_restart(group, now, self.crashes[group])
 

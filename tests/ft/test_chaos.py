@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,11 +48,23 @@ CHAOS = [
     "faults.kill_every=4",
     "faults.hang_every=60",
     "faults.hang_seconds=4",
+    "cluster.timeouts.stopped=2",  # shorter than the plan's hang: its stop is the plan's to end
     "faults.nan_every=60",
     "faults.break_lane_every=0",
     "faults.restart_lighthouse_every=0",
 ]
 
+# Three one-worker groups of a short job, for the tests that act on one group beside it.
+THREE_GROUPS = [
+    "logger=none",
+    "cluster.groups=3",
+    "cluster.workers_per_group=1",
+    "cluster.device=cpu",
+    "algo.sync_every=10",
+    "trainer.seq_len=64",
+    "trainer.batch_size=4",
+    "trainer.eval_every=0",
+]
 
 CHAOS_STEPS = 600
 END_FAULTS = 2
@@ -86,7 +99,7 @@ def test_chaos_run_completes_and_every_killed_group_recovers(tmp_path):
     kinds = [e["kind"] for e in events]
     kills = kinds.count("kill")
     assert kills >= 3 and kinds.count("hang") == 1 and kinds.count("nan") == 1, kinds
-    assert "crash" not in kinds, events
+    assert "crash" not in kinds and "hung" not in kinds, events
     assert kinds.count("restart") == kills
     assert summary["time_to_heal_s"]["count"] == kills, "every restarted group must commit again"
     # A group restarted before the job's first commit joins from the shared initial state (a
@@ -109,6 +122,22 @@ def test_chaos_run_completes_and_every_killed_group_recovers(tmp_path):
     assert nan_rounds, "the NaN group's round must not be committed"
 
 
+def _beside_the_job(action: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
+    """Run ``action`` in a daemon thread while the test's main thread runs a job; what it raised
+    is kept for the main thread to report."""
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action()
+        except BaseException as error:  # noqa: BLE001  (reported by the test's main thread)
+            failures.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, failures
+
+
 def test_a_group_killed_after_the_end_before_its_result_leaves_the_job_ok(tmp_path):
     """The race issue 9 found: every group finished and the lighthouse declared the end; one
     group is SIGKILLed while it evaluates the final model, before it writes its result. The
@@ -116,21 +145,12 @@ def test_a_group_killed_after_the_end_before_its_result_leaves_the_job_ok(tmp_pa
     restart of it (if any) comes too late and is refused: the job is still a success, and says
     which group it lost after the end."""
     job = compose_job(
-        ["logger=none", "cluster.groups=3", "cluster.workers_per_group=1", "cluster.device=cpu"]
-        + ["algo.sync_every=10", "trainer.max_steps=60", "trainer.seq_len=64", "trainer.batch_size=4"]
-        + ["trainer.eval_every=0", "trainer.eval_batches=400", "cluster.restart_backoff=0.1"]
+        [*THREE_GROUPS, "trainer.max_steps=60", "trainer.eval_batches=400", "cluster.restart_backoff=0.1"]
     )
     paths = RunPaths(tmp_path / "run")
     victims: list[int] = []
-    failures: list[BaseException] = []
 
     def kill_a_group_after_the_end() -> None:
-        try:
-            kill()
-        except BaseException as error:  # noqa: BLE001  (reported by the test's main thread)
-            failures.append(error)
-
-    def kill() -> None:
         log = paths.logs / "lighthouse.log"  # the lighthouse may be gone within milliseconds of the end
         wait_until(lambda: log.exists() and "the job ended at round" in log.read_text(), 120, "the job's end", 0.02)
         victim = next(g for g in range(3) if not paths.result(g).exists())
@@ -138,8 +158,7 @@ def test_a_group_killed_after_the_end_before_its_result_leaves_the_job_ok(tmp_pa
         assert not paths.result(victim).exists(), "the kill came after the result: lengthen the final eval"
         victims.append(victim)
 
-    killer = threading.Thread(target=kill_a_group_after_the_end, daemon=True)
-    killer.start()
+    killer, failures = _beside_the_job(kill_a_group_after_the_end)
     summary = launch(job, paths.root, out=io.StringIO())
     killer.join(5)
     assert victims and not failures, failures
@@ -149,6 +168,34 @@ def test_a_group_killed_after_the_end_before_its_result_leaves_the_job_ok(tmp_pa
     assert len({r["digest"] for r in summary["per_group"]}) == 1 and paths.weights.exists()
     kinds = [e["kind"] for e in read_jsonl(paths.events)]
     assert kinds.count("crash") <= 1, f"only the kill itself; a group refused after the end is no crash: {kinds}"
+
+
+def test_a_group_stopped_for_good_is_killed_and_restarted_and_the_job_ends_ok(tmp_path):
+    """SIGSTOP of a whole group (its only worker), never resumed: nothing in it fails or times
+    out, and the lighthouse only drops it. The launcher kills it once it has been stopped for
+    cluster.timeouts.stopped, restarts it, and it heals from a peer (mid-run, or from the
+    finished groups that wait for it at the end): one model, every group's result."""
+    job = compose_job(
+        [*THREE_GROUPS, "trainer.max_steps=200", "cluster.timeouts.heartbeat=2", "cluster.timeouts.stopped=2"]
+    )
+    paths = RunPaths(tmp_path / "run")
+    stopped: list[int] = []
+
+    def stop_group_1_for_good() -> None:
+        wait_until(lambda: any(r["committed"] for r in read_jsonl(paths.commits(1))), 120, "group 1's first commit")
+        stopped.append(read_jsonl(paths.commits(1))[-1]["pid"])
+        os.kill(stopped[0], signal.SIGSTOP)
+
+    stopper, failures = _beside_the_job(stop_group_1_for_good)
+    summary = launch(job, paths.root, out=io.StringIO())
+    stopper.join(5)
+    assert stopped and not failures, failures
+    assert summary["ok"], summary["failure"]
+    assert summary["groups_missing_results"] == [] and len({r["digest"] for r in summary["per_group"]}) == 1
+    events = [(e["kind"], e["group"]) for e in read_jsonl(paths.events)]
+    assert events[events.index(("hung", 1)) :].count(("restart", 1)) == 1, events
+    assert not Path(f"/proc/{stopped[0]}").exists(), "the stopped worker was left behind"
+    assert summary["recoveries"] >= 1, "the restarted group heals from a peer"
 
 
 def _processes_mentioning(text: str) -> list[int]:

@@ -6,7 +6,9 @@ import signal
 
 from diloco.exits import JOB_ENDED_EXIT_CODE
 from diloco.launch.lighthouse_watch import LighthouseWatch
-from diloco.launch.local_cluster import crash_report, last_exception
+from diloco.launch.local_cluster import crash_report, last_exception, wait_until
+from diloco.launch.spawn import process_state
+from diloco.launch.stopped_watch import StoppedWatch
 from diloco.train.logger import read_jsonl
 from tests.stand_ins import exited, running, supervise
 
@@ -88,6 +90,50 @@ def test_a_lighthouse_silent_past_its_limit_is_killed_and_restarted_and_one_that
     finally:
         answering.kill()
         supervisor.cluster.stop()
+
+
+def test_a_group_with_a_worker_stopped_past_the_limit_is_killed_and_restarted_unless_the_plan_stopped_it(tmp_path):
+    """A stopped worker is alive to poll() and, when its whole group is stopped, nothing in the
+    group ever times out: only its state in /proc tells. Group 1 is stopped by someone else,
+    group 2 by the fault plan (which resumes it)."""
+    stopped, planned = running(), running()
+    supervisor = supervise(tmp_path, {0: running(), 1: stopped, 2: planned}, stopped_limit_s=2.0, planned_stops=(2,))
+    try:
+        for process in (stopped, planned):
+            process.send_signal(signal.SIGSTOP)
+        wait_until(lambda: process_state(stopped.pid) == "T" == process_state(planned.pid), 10, "the stops")
+        for now in (1.0, 3.0):  # seen stopped from 1.0: for 2 s at 3.0, not past the limit
+            supervisor.check(now=now)
+        assert not supervisor.cluster.started and stopped.poll() is None
+        supervisor.check(now=3.5)
+        assert stopped.poll() == -signal.SIGKILL and supervisor.cluster.started == [1]
+        assert planned.poll() is None, "the plan's stop is the plan's to end"
+        events = read_jsonl(supervisor.cluster.paths.events)
+        assert [e["kind"] for e in events] == ["hung", "recovery", "restart"], events
+        assert (events[0]["group"], events[0]["rank"], events[0]["stopped_s"]) == (1, 0, 2.5)
+        assert supervisor.crashes[1] == 1, (
+            "a failure in a row, like a crash: a group stopped at every start fails the job"
+        )
+    finally:
+        planned.send_signal(signal.SIGCONT)
+        supervisor.cluster.stop()
+
+
+def test_a_stopped_watch_counts_only_an_unbroken_job_control_stop():
+    states = {1: "T", 2: "S"}
+    watch = StoppedWatch(state=states.get)
+    assert watch.stopped_for([1, 2], now=10.0) == (1, 0.0)
+    assert watch.stopped_for([1, 2], now=12.0) == (1, 2.0)
+    states[1] = "R"  # resumed once: the count starts again at the next stop
+    assert watch.stopped_for([1, 2], now=13.0) is None
+    states[1] = states[2] = "T"
+    watch.stopped_for([1, 2], now=14.0)
+    states[1] = "t"  # a debugger's tracing stop is not a hang
+    assert watch.stopped_for([1, 2], now=20.0) == (2, 6.0)
+    watch.forget([2])
+    assert watch.stopped_for([2, 3], now=21.0) == (2, 0.0), (
+        "a forgotten pid starts from zero; a gone one is not stopped"
+    )
 
 
 def test_a_crash_report_names_the_exception_of_the_last_traceback_first(tmp_path):
