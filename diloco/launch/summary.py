@@ -22,8 +22,9 @@ from diloco.train.checkpoint import whole_group_checkpoints
 from diloco.train.logger import perplexity, read_jsonl
 
 RESULT_POLL_S = 0.2
-FAILURES = ("kill", "hang", "crash")  # event kinds that take a group out: what stalls and recoveries follow
-DEATHS = ("kill", "crash")  # the failures after which a replacement takes the group's place
+# Event kinds that take a group out: what stalls and recoveries follow ("hung": killed, stopped too long).
+FAILURES = ("kill", "hang", "crash", "hung")
+DEATHS = ("kill", "crash", "hung")  # the failures after which a replacement takes the group's place
 
 
 def times_to_heal(events: list[dict], commits: dict[int, list[dict]]) -> list[float]:

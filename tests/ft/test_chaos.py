@@ -196,6 +196,7 @@ def test_a_group_stopped_for_good_is_killed_and_restarted_and_the_job_ends_ok(tm
     assert events[events.index(("hung", 1)) :].count(("restart", 1)) == 1, events
     assert not Path(f"/proc/{stopped[0]}").exists(), "the stopped worker was left behind"
     assert summary["recoveries"] >= 1, "the restarted group heals from a peer"
+    assert summary["death_to_ready_s"]["count"] == 1, "the stopped group's kill is a death its replacement follows"
 
 
 def _processes_mentioning(text: str) -> list[int]:
