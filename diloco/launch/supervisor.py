@@ -276,7 +276,7 @@ class Supervisor:
         rank = next(w.rank for w in workers if w.process.pid == pid)
         self._count_failure(group, self._kill(group))
         self.events.write("hung", group, rank=rank, stopped_s=round(stopped_s, 1))
-        why = f"its rank {rank} stayed stopped (SIGSTOP) for {stopped_s:.0f}s, past cluster.timeouts.stopped"
+        why = f"its rank {rank} stayed stopped (SIGSTOP or SIGTSTP) for {stopped_s:.0f}s, past cluster.timeouts.stopped"
         self._restart_failed(group, now, lambda: f"{why}={self.stopped_limit_s:g}")
 
     def _kill(self, group: int) -> int:
