@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 ARGUMENT = "--lifeline-fd"
 
@@ -63,4 +64,30 @@ def _die_at_eof(fd: int) -> None:
     except OSError as error:  # a closed or foreign descriptor: nothing would ever stop this process
         print(f"lifeline fd {fd} is unreadable ({error}): stopping as if the launcher were gone", file=sys.stderr)
         sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_parent(poll_s: float = 1.0) -> None:
+    """Kill this process within ``poll_s`` of its parent's end (it is re-parented then).
+
+    For a worker under torchrun, whose agent holds no pipe for it: an agent killed alone would
+    otherwise leave its workers training on, and the agent started again in its place would run
+    a second copy of the group beside them. One orphaned before this call (init adopted it) dies at
+    once; under another subreaper it fails instead at its group's store, which its agent served.
+    """
+    parent = os.getppid()
+    if parent == 1:
+        _die(f"parent is gone before {os.getpid()} started watching it")
+    threading.Thread(target=_die_when_orphaned, args=(parent, poll_s), name="parent watch", daemon=True).start()
+
+
+def _die_when_orphaned(parent: int, poll_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    _die(f"parent {parent} is gone")
+
+
+def _die(why: str) -> None:
+    print(f"{why}: stopping", file=sys.stderr)
+    sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)

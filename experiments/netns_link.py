@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 from types import TracebackType
+from typing import TypeVar
 
 LINK_IF = "lnk"  # a group's veth, inside its namespace (the same name in each)
 PREFIX = "dlk"  # of every namespace and root-namespace interface this module makes
@@ -43,7 +44,7 @@ MIN_BURST_BYTES = 3200  # at least two full frames, or tbf cannot send a 1514-by
 LATENCY_MS = 100  # how long a packet may queue before tbf drops it (TCP then backs off)
 SUBNET_TRIES = 256
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21  # <linux/capability.h>
-_NAMESPACE = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(?:hub|g\d+)$")
+_NAMESPACE = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(?:hub|[gh]\d+)$")  # h: netns_hosts.py's hosts
 
 
 class NetnsError(RuntimeError):
@@ -135,7 +136,40 @@ def _alive(pid: int) -> bool:
         return False
 
 
-class NetnsLink:
+Built = TypeVar("Built", bound="Namespaces")  # the subclass a with block built (typing.Self needs 3.11)
+
+
+class Namespaces:
+    """Namespaces made for a ``with`` block: the stale ones of killed runs deleted first, then
+    ``_build()``; on exit, also on Ctrl-C or an error mid-build, ``close()`` deletes them."""
+
+    _made: list[str]  # namespaces created so far, deleted on exit
+
+    def __enter__(self: Built) -> Built:
+        remove_stale()
+        try:
+            self._build()
+        except BaseException:  # Ctrl-C included: nothing half-built stays behind
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _netns(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self._made.append(name)
+        _ip(name, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class NetnsLink(Namespaces):
     """``groups`` namespaces behind a ``mbps`` link (0: unshaped veths), for a ``with`` block.
 
     ``host`` is the root namespace's address on the link (the lighthouse listens there);
@@ -169,23 +203,6 @@ class NetnsLink:
 
     def worker_prefix(self) -> dict[int, list[str]]:
         return {g: self.prefix(g) for g in range(self.groups)}
-
-    def __enter__(self) -> NetnsLink:  # noqa: PYI034 - typing.Self needs Python 3.11
-        remove_stale()
-        try:
-            self._build()
-        except BaseException:  # Ctrl-C included: nothing half-built stays behind
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-    def _netns(self, name: str) -> None:
-        _run("ip", "netns", "add", name)
-        self._made.append(name)
-        _ip(name, "link", "set", "lo", "up")
 
     def _shape(self, namespace: str, dev: str) -> None:
         if self.mbps > 0:

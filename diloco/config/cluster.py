@@ -78,8 +78,12 @@ class TimeoutsConfig:
     ``recovery``: how much longer than its predicted return the survivors' rounds wait for a
     dead group's replacement (when the launcher chose to wait for it); ``lighthouse``: how long
     a local job's lighthouse may leave /alive unanswered before the launcher replaces it (hung);
-    ``stopped``: how long a worker of a local job may stay stopped (SIGSTOP, SIGTSTP) before the
-    launcher kills its group and restarts it (a group with a stopped worker cannot go on).
+    ``stopped``: how long a worker may stay stopped (SIGSTOP, SIGTSTP) before it is killed and its
+    group restarted (a group with a stopped worker cannot go on): by the local launcher, or under
+    torchrun by the group's guard, after which the agent restarts the group; ``sit_out``: how long a
+    group is left out of rounds after rounds with it failed twice in a row (two groups that cannot
+    reach each other, a link too slow for the collective timeout), doubling each time it sits out
+    again (``diloco.ft.quorum.QuorumBook.sit_out``).
     """
 
     connect: float = 60.0
@@ -93,6 +97,7 @@ class TimeoutsConfig:
     recovery: float = 1.0
     lighthouse: float = 10.0
     stopped: float = 30.0  # < end: a group stopped just before the end still comes back for it
+    sit_out: float = 60.0
 
     def validate(self) -> None:
         for key in fields(self):
@@ -181,6 +186,7 @@ class ClusterConfig:
             expected_groups=self.groups,
             start_timeout_s=self.timeouts.start,
             end_timeout_s=self.timeouts.end,
+            sit_out_s=self.timeouts.sit_out,
         )
 
 
@@ -189,7 +195,8 @@ class QuorumRules:
     """``min_groups`` must ask before any quorum forms; ``join_timeout_s`` is the least the
     first asker waits for the rest (``join_wait`` in ``diloco.ft.quorum`` lengthens it, up to
     ``heartbeat_timeout_s``, while groups ask far apart); a group silent for
-    ``heartbeat_timeout_s`` is dropped.
+    ``heartbeat_timeout_s`` is dropped; one that rounds keep failing with sits out for ``sit_out_s``
+    (doubling each time it does again).
 
     ``expected_groups`` is the job's number of groups (0: unknown, which turns off the two
     waits it allows): a job's first quorum waits up to ``start_timeout_s`` for all of them,
@@ -203,6 +210,7 @@ class QuorumRules:
     expected_groups: int = 0
     start_timeout_s: float = 60.0
     end_timeout_s: float = 120.0
+    sit_out_s: float = 60.0
 
     def validate(self) -> None:
         check(self.min_groups >= 1, "cluster.min_groups", self.min_groups, "must be a positive integer")
@@ -216,3 +224,4 @@ class QuorumRules:
         check(self.expected_groups >= 0, "cluster.groups", self.expected_groups, "must be a positive integer")
         check(self.start_timeout_s > 0, "cluster.timeouts.start", self.start_timeout_s, "must be > 0 seconds")
         check(self.end_timeout_s > 0, "cluster.timeouts.end", self.end_timeout_s, "must be > 0 seconds")
+        check(self.sit_out_s > 0, "cluster.timeouts.sit_out", self.sit_out_s, "must be > 0 seconds")

@@ -105,11 +105,13 @@ class LighthouseClient:
         round_step: int = 0,
         finished: bool = False,
         digest: str = "",
+        lane_failed: bool = False,
     ) -> QuorumGrant | JobEnd:
         """Block (at most timeout_s + connect_timeout_s) until a quorum containing this group forms.
 
         ``round_step`` is the inner step the group asks at (see ``QuorumRequest``). A
         ``finished`` group (``digest``: its global state's) may instead learn that the job ended.
+        ``lane_failed``: its last round failed on the lane itself (see ``QuorumRequest``).
         """
         check(timeout_s > 0, "cluster.timeouts.quorum", timeout_s, "must be > 0 seconds")
         ask = QuorumAsk(
@@ -119,6 +121,7 @@ class LighthouseClient:
             step=step,
             round_step=round_step,
             commit_failed=commit_failed,
+            lane_failed=lane_failed,
             timeout_s=timeout_s,
             quorum_id=self._seen(0),
             finished=finished,

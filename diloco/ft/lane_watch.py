@@ -81,6 +81,7 @@ class LaneWatcher(Poller):
         if news.round_id != round_id or len(news.gone) <= self._told:
             return
         self._told = len(news.gone)
-        log.warning("group %s: %s; giving up what waits on %s", self.client.group, news.broken, ", ".join(news.gone))
         mine = self.client.group in news.gone  # this group was dropped: it gives up everything
+        what = "the whole round (it was dropped)" if mine else f"what waits on {', '.join(news.gone)}"
+        log.warning("group %s: %s; giving up %s", self.client.group, news.broken, what)
         cancel.set(news.broken, None if mine else frozenset(news.gone))

@@ -44,6 +44,9 @@ class LaneCancel:
         self._everything = False
         self._gone: frozenset[str] = frozenset()
         self.reason = ""
+        # The lane itself failed (a rendezvous or collective timed out or lost a peer), as opposed
+        # to being given up on word of a member that left: what the lighthouse's sit-out rule counts.
+        self.failed = False
 
     def set(self, reason: str, gone: frozenset[str] | None = None) -> None:
         """End every wait (``gone`` None) or those involving the groups in ``gone``."""
@@ -114,10 +117,14 @@ def wait_work(work: dist.Work, timeout_s: float, cancel: CancelScope | None = No
             raise LaneError(f"lane given up: {cancel.reason}")
         if not waited_in_thread and time.monotonic() >= deadline:
             break
-    if failure:
-        raise failure[0]
-    if not waited_in_thread:
-        _wait(work, max(deadline - time.monotonic(), 0.001))
+    try:
+        if failure:
+            raise failure[0]
+        if not waited_in_thread:
+            _wait(work, max(deadline - time.monotonic(), 0.001))
+    except LaneError:
+        cancel.cancel.failed = True
+        raise
 
 
 def _wait(work: dist.Work, timeout_s: float) -> None:
@@ -167,7 +174,11 @@ class Lanes:
         self.cancel = LaneCancel()
         if follow is not None:
             follow(self.cancel)
-        self.pg = self._rendezvous(quorum_id, rank, size, self._connect_store(store_address))
+        try:
+            self.pg = self._rendezvous(quorum_id, rank, size, self._connect_store(store_address))
+        except LaneError:
+            self.cancel.failed = not self.cancel.is_set()  # given up on a member that left: no failure of its own
+            raise
         self.quorum_id = quorum_id
         return self.pg
 

@@ -324,7 +324,10 @@ class Lighthouse:
             earlier.answer(superseded.status, superseded.to_json())
         self._waiters[group] = self._park_locked(ask, reply, store_host)
         self._steps[group] = ask.step
-        self._book.ask(QuorumRequest(group, ask.step, ask.commit_failed, ask.finished, ask.digest, ask.round_step), now)
+        request = QuorumRequest(
+            group, ask.step, ask.commit_failed, ask.finished, ask.digest, ask.round_step, ask.lane_failed
+        )
+        self._book.ask(request, now)
         self._asked = True  # round watchers: a round may have opened
         self._decide_now.set()
         if self._book.everyone_asked():

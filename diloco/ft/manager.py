@@ -368,6 +368,7 @@ class Manager:
                 round_step=round_step,
                 finished=self.finished,
                 digest=digest,
+                lane_failed=self.lanes.cancel.failed,  # the leader's lane: every lane crosses the same links
             )
         except LighthouseRefused as error:
             return {"refused": str(error), "code": error.code.value}

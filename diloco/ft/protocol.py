@@ -263,6 +263,7 @@ class QuorumAsk(GroupMessage):
     config: dict[str, Any] = field(default_factory=dict)
     known_quorum: int = 0
     config_digest: str = ""
+    lane_failed: bool = False
 
 
 @dataclass(frozen=True)

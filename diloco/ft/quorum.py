@@ -14,6 +14,8 @@ from diloco.config.cluster import QuorumRules
 SKEW_MARGIN = 3.0  # a round waits this many times the latest recent ask (30 groups on 2 cores: spikes of 2.5x)
 SKEW_ROUNDS = 10  # how many recent rounds' ask skews the join wait remembers
 BROKEN_KEPT = 1024  # broken rounds remembered, so a member that comes back late still learns its round broke
+SIT_OUT_AFTER = 2  # rounds failed in a row before a group sits out (see QuorumBook.sit_out)
+SIT_OUT_DOUBLINGS = 3  # a group that sits out again and again does so for at most 2**3 times the period
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,9 @@ class QuorumRequest:
     missed different numbers of windows without a quorum (a lighthouse outage) hold the
     same committed state at different inner steps, and only groups at the same
     ``(step, round_step)`` reduce together. ``commit_failed`` reports that its last
-    round failed, which forces a new quorum id (and so fresh lanes) even if nobody left.
+    round failed, which forces a new quorum id (and so fresh lanes) even if nobody left;
+    ``lane_failed`` that it failed on the lane itself (a rendezvous or an all-reduce that timed
+    out or lost a peer), not on a non-finite update or a member that left (``QuorumBook.sit_out``).
     A ``finished`` group has trained to the end: it asks only to serve its state to groups
     that are behind (or to take it, if it is behind itself) until the job ends; ``digest``
     is then the digest of its global state.
@@ -37,6 +41,7 @@ class QuorumRequest:
     finished: bool = False
     digest: str = ""
     round_step: int = 0
+    lane_failed: bool = False
 
     @property
     def position(self) -> tuple[int, int]:
@@ -112,6 +117,7 @@ class RoundBreak:
 
     reason: str
     gone: frozenset[str]
+    left: bool = True  # a member left it (died, went silent), not only gave it up on a failed lane
 
 
 def healthy_groups(last_heartbeat: dict[str, float], now: float, timeout_s: float) -> set[str]:
@@ -245,6 +251,11 @@ class QuorumBook:
     open_rounds: dict[int, set[str]] = field(default_factory=dict)
     broken: dict[int, RoundBreak] = field(default_factory=dict)  # the rounds members left (see break_rounds)
     granted_round: dict[str, int] = field(default_factory=dict)  # group -> the last round it was granted
+    failed_in_a_row: int = 0  # training rounds whose members all came back saying it failed (see sit_out)
+    failures_counted_at: int = 0  # the round whose outcome failed_in_a_row last counted
+    sitting_out: dict[str, float] = field(default_factory=dict)  # group -> until when it sits out
+    gave_up: dict[int, set[str]] = field(default_factory=dict)  # round -> members back saying its lane failed
+    sat_out: dict[str, int] = field(default_factory=dict)  # group -> times it sat out since a round with it worked
 
     def heartbeat(
         self, group: str, now: float, quorum_id_seen: int = 0, step: int | None = None, finished: bool = False
@@ -268,6 +279,9 @@ class QuorumBook:
             self.first_finished_at = now if self.first_finished_at is None else self.first_finished_at
         self.turned_away.pop(request.group, None)
         self.awaited.pop(request.group, None)
+        round_id = self.granted_round.get(request.group, 0)
+        if request.lane_failed and len(self.open_rounds.get(round_id, ())) > 1:  # others still wait in it
+            self.gave_up.setdefault(round_id, set()).add(request.group)
         self.leave_rounds(request.group)
         if request.group not in self.pending and self.last_round is not None and self.ask_skew:
             position, clock_start = self.last_round
@@ -305,7 +319,8 @@ class QuorumBook:
 
     def break_rounds(self, now: float) -> dict[str, str]:
         """Mark every open round a member left (silent for ``heartbeat_timeout_s``, or departed)
-        as broken by it; returns, for each group still in such a round, why.
+        or gave up (it asked again saying the round's lane failed) as broken by it; returns, for
+        each group still in such a round, why.
 
         A hung peer (SIGSTOP, a stuck GPU) keeps the others' all-reduce or heal with it waiting
         until ``timeouts.collective``; the lighthouse stops hearing it after
@@ -314,22 +329,33 @@ class QuorumBook:
         between two others goes on). The gone stay gone: a member that resumes later may not
         commit the round (``commit``), so it cannot hold a state nobody else has under the
         same round number.
+
+        A member gives a round up when its own wait on the lane ran out (two hosts that cannot
+        reach each other: one side's all-reduce times out while the other still waits for its
+        lane to form, up to ``timeouts.connect``): the others stop waiting for it at once.
         """
         healthy, told = self.healthy(now), {}
+        for round_id in [r for r in self.gave_up if r not in self.open_rounds]:  # closed meanwhile
+            del self.gave_up[round_id]
         for round_id, members in list(self.open_rounds.items()):
-            gone = members - healthy
-            if not gone:
+            gone, given_up = members - healthy, self.gave_up.pop(round_id, set())
+            if not gone and not given_up:
                 continue
-            first = min(gone)
-            why = (
-                "it departed (its process died)"
-                if first not in self.last_heartbeat
-                else f"no heartbeat for cluster.timeouts.heartbeat={self.rules.heartbeat_timeout_s:g} s"
-            )
+            if gone:
+                first = min(gone)
+                why = (
+                    "it departed (its process died)"
+                    if first not in self.last_heartbeat
+                    else f"no heartbeat for cluster.timeouts.heartbeat={self.rules.heartbeat_timeout_s:g} s"
+                )
+            else:
+                first = min(given_up)
+                why = "it gave the round up: its lane failed (cluster.timeouts.collective, or .connect while forming)"
             earlier = self.broken.get(round_id)
             self.broken[round_id] = RoundBreak(
                 earlier.reason if earlier else f"group {first} left round {round_id}: {why}",
-                (earlier.gone if earlier else frozenset()) | gone,
+                (earlier.gone if earlier else frozenset()) | gone | given_up,
+                (earlier is not None and earlier.left) or bool(gone),
             )
             told.update(dict.fromkeys(members, self.broken[round_id].reason))
             members -= gone
@@ -425,12 +451,16 @@ class QuorumBook:
             return self._closing_quorum(healthy, now)
         if self._awaiting(now):
             return None
+        self._keep_sitting_out(now)
         askers = set(self.pending)
         previous = self.previous.participants if self.previous else None
         clock_start = self.join_clock_start()
-        if not quorum_ready(askers, healthy, previous, clock_start, now, self.rules, self.join_wait()):
+        taking_part = healthy - self.sitting_out.keys()
+        if not quorum_ready(askers, taking_part, previous, clock_start, now, self.rules, self.join_wait()):
             return None
-        participants = tuple(sorted(askers))
+        participants = self.sit_out(tuple(sorted(askers)), now)
+        if len(participants) < self.rules.min_groups:
+            return None
         steps = {g: self.pending[g].step for g in participants}
         round_floor = 0
         if max(steps.values()) < self.high_water:
@@ -522,6 +552,57 @@ class QuorumBook:
             self.withdraw(group)
             self.granted_round[group] = self.rounds_formed
         return quorum
+
+    def sit_out(self, askers: tuple[str, ...], now: float) -> tuple[str, ...]:
+        """The askers who take part in the next round: all of them, unless rounds keep failing.
+
+        A round fails for every member when two of them cannot reach each other while both reach
+        the lighthouse (a partition between two hosts), or a member's link is too slow for the
+        collective timeout: nobody dies, so the same members would meet, and fail, forever. The
+        lighthouse cannot see which pair it is, so once ``SIT_OUT_AFTER`` training rounds in a
+        row failed on the lane for every member that asks again (each says so,
+        ``QuorumRequest.lane_failed``, or one gave the round up and the others were told to) and
+        no member left them (``break_rounds``), one asker sits out: the one that sat out most
+        since a round with it last worked (it came back and rounds failed again: then one failed
+        round is enough), else the last by name. It trains on alone and heals when it returns
+        after ``sit_out_s``, doubled for each time it sat out since. Each further failure sets
+        out one more, never the last asker, so a pair that cannot meet ends up apart and the
+        others go on.
+        """
+        previous = self.previous
+        if previous is not None and not previous.closing and previous.round_id != self.failures_counted_at:
+            self.failures_counted_at = previous.round_id  # once per round, however often a decision is tried
+            back = [g for g in askers if g in previous.participants]
+            # A round a member left (it died, went silent) failed for a reason the lighthouse knows.
+            broken = self.broken.get(previous.round_id)
+            lane_failed = broken is not None or all(self.pending[g].lane_failed for g in back)
+            failed = bool(back) and lane_failed and not (broken and broken.left)
+            self.failed_in_a_row = self.failed_in_a_row + 1 if failed else 0
+            if not failed:
+                for group in back:
+                    self.sat_out.pop(group, None)
+        candidates = [g for g in askers if g not in self.finished]
+        returned = any(self.sat_out.get(g) for g in candidates)  # one failure is enough with a suspect back
+        if self.failed_in_a_row < (1 if returned else SIT_OUT_AFTER) or len(askers) < 2 or not candidates:
+            return askers
+        group = max(candidates, key=lambda g: (self.sat_out.get(g, 0), g))
+        times = self.sat_out[group] = self.sat_out.get(group, 0) + 1
+        period = self.rules.sit_out_s * 2 ** min(times - 1, SIT_OUT_DOUBLINGS)
+        self.sitting_out[group] = now + period
+        self._turn_away(
+            group,
+            f"sits out rounds for {period:g} s (cluster.timeouts.sit_out): the last {self.failed_in_a_row} "
+            "rounds failed for every member (can it reach every other group?); train on, it heals when back",
+        )
+        return tuple(g for g in askers if g != group)
+
+    def _keep_sitting_out(self, now: float) -> None:
+        """Turn away the asks of groups sitting out (``sit_out``); those whose time is up take part again."""
+        for group, until in list(self.sitting_out.items()):
+            if now >= until:
+                del self.sitting_out[group]
+            elif group in self.pending:
+                self._turn_away(group, f"sits out rounds for {until - now:.0f} s more (cluster.timeouts.sit_out)")
 
     def _measure_skew(self, participants: tuple[str, ...], clock_start: float) -> None:
         """Remember how long after the join clock started the round's in-step askers asked.

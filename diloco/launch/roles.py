@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from diloco import lifeline
 from diloco.config.algo import ignore_unread_keys
 from diloco.config.base import ConfigError, to_dict
 from diloco.config.job import JobConfig, job_config_from_dict
@@ -40,6 +41,7 @@ from diloco.run_paths import RunPaths
 from diloco.train.data import DataError
 from diloco.worker.entry import refuse_finished_group, run_worker
 from diloco.worker.env import WorkerEnv
+from diloco.worker.stopped_guard import start_guard
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,13 @@ def run_role(raw: dict[str, Any], output_dir: Path, sweep: SweepJob | None, envi
             check_wandb_key(job.logger, environ)
         if job.role == "group":
             refuse_finished_group(paths, job.group.id)
+            if paths.summary.exists():  # the job ended; torchrun restarting a group after it gets a quick no
+                exit_without_teardown(
+                    JOB_ENDED_EXIT_CODE,
+                    f"error: the job in hydra.run.dir={paths.root} already ended ({paths.summary} is there): "
+                    f"group {job.group.id} came back too late and has nothing to do (for a new job, pick a new "
+                    "hydra.run.dir)",
+                )
         if job.role not in ("summary", "local"):  # the summary reads a run; the launcher claims its directory first
             write_text_atomically(paths.root / "config.yaml", to_yaml(redacted(as_resolved(raw, job))))
         if job.role == "group":
@@ -184,7 +193,15 @@ def trained_job_config(run_dir: Path, job: JobConfig) -> JobConfig:
 
 
 def run_group(job: JobConfig, paths: RunPaths, env: WorkerEnv) -> NoReturn:
-    """One worker of a multi-host job's group: exits 0 only if the group ends holding the job's final model."""
+    """One worker of a multi-host job's group: exits 0 only if the group ends holding the job's final model.
+
+    Under torchrun, which restarts the group when a worker exits, a worker dies with its agent,
+    and the leader starts the guard that kills a worker stopped for good (``stopped_guard``).
+    """
+    if env.under_agent:
+        lifeline.die_with_parent()
+        if env.local_rank == 0:
+            start_guard(job.cluster.timeouts.stopped)
     try:
         report = run_worker(job, env, paths)
     except (MembershipError, OutputError) as error:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.lifeline import Lifeline
+from diloco.stopped_watch import process_state
 from diloco.worker.env import WorkerEnv
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
@@ -313,14 +314,6 @@ class ForkServer:
             self.process.kill()
             self.process.wait()
         self.read_answers()
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of /proc/<pid>/stat (R, S, T stopped, Z zombie, ...); None if it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def become_subreaper() -> None:

@@ -23,7 +23,7 @@ from diloco.files import append_text
 from diloco.launch.lighthouse_watch import LighthouseWatch
 from diloco.launch.local_cluster import JobFailed, LocalCluster, crash_report
 from diloco.launch.recovery import RecoveryPlanner
-from diloco.launch.stopped_watch import StoppedWatch
+from diloco.stopped_watch import StoppedWatch
 from diloco.train.logger import read_jsonl_tail
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class Supervisor:
     and groups still running ``end_grace_s`` later were left behind and are stopped. The
     lighthouse is restarted at once on the same address.
 
-    A group with a worker stopped for longer than ``stopped_limit_s`` (diloco.launch.stopped_watch)
+    A group with a worker stopped for longer than ``stopped_limit_s`` (diloco.stopped_watch)
     is killed and restarted like a crashed one, unless the fault plan stopped it
     (``planned_stops``: it resumes it).
     """

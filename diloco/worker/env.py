@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from diloco.config.base import ConfigError
 
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+RESTART_KEY = "TORCHELASTIC_RESTART_COUNT"
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,10 @@ class WorkerEnv:
     master_addr: str
     master_port: int
     agent_hosts_store: bool = False  # torchrun's agent already serves the store at MASTER_PORT
+    # torchrun's restart of this group (TORCHELASTIC_RESTART_COUNT; 0 at its first start). The agent
+    # keeps one store for every restart, so each restart's keys need a prefix of their own.
+    restart_count: int = 0
+    under_agent: bool = False  # started by torch's elastic agent (torchrun), which restarts the group
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> WorkerEnv:
@@ -46,6 +51,8 @@ class WorkerEnv:
             master_addr=environ["MASTER_ADDR"],
             master_port=numbers["MASTER_PORT"],
             agent_hosts_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            restart_count=_integer(environ, RESTART_KEY) if environ.get(RESTART_KEY) else 0,
+            under_agent=bool(environ.get("TORCHELASTIC_RUN_ID")),
         )
 
     def to_environ(self) -> dict[str, str]:

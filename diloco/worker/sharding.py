@@ -31,14 +31,20 @@ def init_group(
     The store gets the connect timeout (how long to wait for peers to appear), the process
     group the collective timeout (how long one all-reduce may take), so neither wait is unbounded.
     On CUDA, CPU tensors still get Gloo, so small bookkeeping collectives work on either device.
+
+    Under torchrun the agent serves one store for all its restarts of the group: without a prefix
+    per restart, the restarted workers would read the dead incarnation's addresses from it and fail
+    to connect (Gloo's ``connectFullMesh ... Connection refused``) at every restart.
     """
-    store = dist.TCPStore(
+    store: dist.Store = dist.TCPStore(
         env.master_addr,
         env.master_port,
         env.world_size,
         is_master=env.rank == 0 and not env.agent_hosts_store,
         timeout=timedelta(seconds=connect_timeout_s),
     )
+    if env.agent_hosts_store:
+        store = dist.PrefixStore(f"restart{env.restart_count}", store)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,

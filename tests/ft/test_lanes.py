@@ -7,13 +7,14 @@ guard far below the timeouts the code was given, so a regression fails instead o
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from diloco.ft.lanes import LaneCancel, LaneError, Lanes
+from diloco.ft.lanes import CancelScope, LaneCancel, LaneError, Lanes, wait_work
 from diloco.ft.rendezvous import abandonable
 from tests.hang_guard import guarded
 
@@ -83,6 +84,7 @@ def test_a_rendezvous_held_up_by_a_hung_member_ends_at_the_cancel_and_the_next_l
     assert not forming.is_alive(), "the rendezvous was not given up at the cancel"
     assert isinstance(outcome[0], LaneError) and "given up while forming: group B left round 3" in str(outcome[0])
     assert lanes.pg is None and followed == [lanes.cancel], "the lane's own cancel is followed before it waits"
+    assert not lanes.cancel.failed, "given up on word of a member that left: not a failure of the lane"
 
     alone = guarded(lambda: lanes.ensure(2, 0, 1, store), GUARD_S)
     assert not isinstance(alone, Exception), alone
@@ -90,3 +92,30 @@ def test_a_rendezvous_held_up_by_a_hung_member_ends_at_the_cancel_and_the_next_l
     alone.allreduce([tensor]).wait()
     assert tensor.tolist() == [1.0, 1.0, 1.0]
     lanes.drop()
+
+
+def test_a_lane_that_times_out_is_marked_failed_and_one_given_up_on_a_cancel_is_not(store):
+    """What the lighthouse's sit-out rule hears (``QuorumRequest.lane_failed``): a rendezvous or a
+    collective that timed out or lost a peer, not one ended because a member left."""
+    lanes = Lanes(local_rank=0, connect_timeout_s=0.5, collective_timeout_s=0.5)
+    error = guarded(lambda: lanes.ensure(1, 0, 2, store), GUARD_S)  # rank 1 never comes
+    assert isinstance(error, LaneError) and "could not form" in str(error), error
+    assert lanes.cancel.failed
+
+    class Unfinished:  # a send or a recv: no future, and its wait fails at its timeout
+        def get_future(self) -> None:
+            raise RuntimeError("Work::getFuture not implemented")
+
+        def wait(self, timeout: timedelta) -> None:
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Timed out waiting 300ms for recv operation to complete")
+
+    timed_out = LaneCancel()
+    with pytest.raises(LaneError, match="lane collective failed"):
+        wait_work(Unfinished(), 0.3, CancelScope(timed_out))
+    assert timed_out.failed
+    left = LaneCancel()
+    left.set("group B left round 3", frozenset({"B"}))
+    with pytest.raises(LaneError, match="lane given up"):
+        wait_work(Unfinished(), 0.3, CancelScope(left))
+    assert not left.failed

@@ -70,6 +70,7 @@ def test_the_field_names_on_the_wire_are_fixed():
         "config": {"algo.name": "diloco"},
         "known_quorum": 0,
         "config_digest": "",
+        "lane_failed": False,
     }
     watch = RoundWatch(**WHO, step=3, round_step=40, timeout_s=2.0)
     assert watch.to_json() == {**WHO, "step": 3, "round_step": 40, "timeout_s": 2.0}

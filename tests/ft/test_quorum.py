@@ -386,6 +386,80 @@ class TestBook:
         assert q.quorum_id == first.quorum_id + 1 and q.heal_from == {"g0": "g2", "g1": "g2"}
 
 
+class TestSittingOut:
+    """Rounds that fail for every member, nobody dying (two groups that cannot reach each other
+    while both reach the lighthouse): one asker sits out per failure past the second in a row."""
+
+    RULES = QuorumRules(min_groups=1, join_timeout_s=5.0, heartbeat_timeout_s=1000.0, sit_out_s=60.0)
+
+    def _round(self, book: QuorumBook, groups: list[str], now: float, failed: bool = False) -> Quorum | None:
+        for g in groups:
+            book.ask(QuorumRequest(g, step=book.high_water, commit_failed=failed, lane_failed=failed), now=now)
+        return book.decide(now=now)
+
+    def test_a_pair_that_cannot_meet_ends_up_apart_and_the_others_go_on(self):
+        book = QuorumBook(self.RULES)
+        everyone = ["g0", "g1", "g2", "g3"]  # g1 and g2 cannot reach each other
+        assert self._round(book, everyone, now=0.0).participants == tuple(everyone)
+        assert self._round(book, everyone, now=30.0, failed=True).participants == tuple(everyone), "one failure: again"
+        q = self._round(book, everyone, now=60.0, failed=True)
+        assert q.participants == ("g0", "g1", "g2") and "g3" in book.turned_away, "the last by name sits out first"
+        assert "sits out rounds for 60 s" in book.turned_away["g3"]
+        book.turned_away.clear()
+        q = self._round(book, ["g0", "g1", "g2", "g3"], now=90.0, failed=True)
+        assert q.participants == ("g0", "g1") and "sits out rounds for 30 s more" in book.turned_away["g3"]
+        assert "sits out rounds for 60 s (" in book.turned_away["g2"], "still failing: one more sits out"
+        assert book.decide(now=90.0) is None, "a decision tried again counts the failed round once"
+        assert self._round(book, ["g0", "g1"], now=100.0).participants == ("g0", "g1"), "apart, rounds work"
+        assert book.failed_in_a_row == 0
+        # g3's time is up first: it comes back and works; then g2, which fails again with g1.
+        q = self._round(book, ["g0", "g1", "g3"], now=121.0)
+        assert q.participants == ("g0", "g1", "g3") and "g3" not in book.sitting_out
+        q = self._round(book, ["g0", "g1", "g2", "g3"], now=151.0)
+        assert q.participants == ("g0", "g1", "g2", "g3") and book.sat_out == {"g2": 1}
+        q = self._round(book, everyone, now=181.0, failed=True)
+        assert q.participants == ("g0", "g1", "g3"), "g2 came back and a round failed: it goes first, at once"
+        assert "sits out rounds for 120 s (" in book.turned_away["g2"], "its time doubles"
+
+    def test_a_failure_then_a_round_that_works_sets_nobody_out_and_two_never_go_below_one(self):
+        book = QuorumBook(self.RULES)
+        self._round(book, ["g0", "g1"], now=0.0)
+        self._round(book, ["g0", "g1"], now=1.0, failed=True)
+        self._round(book, ["g0", "g1"], now=2.0)
+        assert self._round(book, ["g0", "g1"], now=3.0, failed=True).participants == ("g0", "g1")
+        assert self._round(book, ["g0", "g1"], now=4.0, failed=True).participants == ("g0",)
+        assert self._round(book, ["g0"], now=5.0, failed=True).participants == ("g0",), "the last one stays"
+
+    def test_a_member_back_saying_the_lane_failed_ends_the_others_wait_and_the_round_counts_as_failed(self):
+        """One side of a cut times out in its all-reduce while the other still waits for its lane
+        to form (up to timeouts.connect): the first back breaks the round for the rest at once."""
+        book = QuorumBook(self.RULES)
+        first = self._round(book, ["g0", "g1", "g2"], now=0.0).round_id
+        book.ask(QuorumRequest("g0", step=0, commit_failed=True, lane_failed=True), now=30.0)
+        told = book.break_rounds(30.0)
+        assert set(told) == {"g1", "g2"} and "group g0 left round 1: it gave the round up" in told["g1"]
+        assert book.broken[first].gone == {"g0"} and not book.broken[first].left
+        assert book.commit("g0", first, step=1, now=30.0), "the one that gave it up commits nothing of it"
+        for g in ("g1", "g2"):  # told to give up, their own lanes did not fail (they were forming)
+            book.ask(QuorumRequest(g, step=0, commit_failed=True), now=31.0)
+        assert book.decide(now=31.0).participants == ("g0", "g1", "g2")
+        assert book.failed_in_a_row == 1, "a round given up on a failed lane is a failed round, not a departure"
+
+    def test_rounds_that_failed_on_non_finite_updates_or_a_member_that_left_set_nobody_out(self):
+        book = QuorumBook(self.RULES)
+        self._round(book, ["g0", "g1", "g2"], now=0.0)
+        for now in (1.0, 2.0, 3.0):  # every update NaN: nobody commits, but the lanes worked
+            for g in ("g0", "g1", "g2"):
+                book.ask(QuorumRequest(g, step=0, commit_failed=True), now=now)
+            assert book.decide(now=now).participants == ("g0", "g1", "g2")
+        for now in (4.0, 5.0):  # a member left each of two rounds (the lighthouse broke them)
+            assert len(self._round(book, ["g0", "g1", "g2"], now=now).participants) == 3
+            book.depart("g2")
+            assert book.break_rounds(now + 0.1)
+            assert self._round(book, ["g0", "g1"], now=now + 0.5, failed=True).participants == ("g0", "g1")
+        assert book.failed_in_a_row == 0 and not book.sitting_out
+
+
 @pytest.mark.parametrize("field,value", [("min_groups", 0), ("join_timeout_s", 0.0), ("heartbeat_timeout_s", -1.0)])
 def test_rules_validation_names_the_key(field, value):
     from diloco.config.base import ConfigError

@@ -1,29 +1,52 @@
 """A multi-host job on loopback, run as docs/fault-tolerance.md ("Many hosts") says: a lighthouse and each group
-under torchrun as separate commands sharing one run directory; the lighthouse writes the job's
-summary.json once it ends (``role=summary`` writes the same from the directory afterwards)."""
+under torchrun as separate commands sharing one run directory; torchrun restarts a group that
+lost a worker, the lighthouse writes the job's summary.json once it ends (``role=summary`` writes
+the same from the directory afterwards). Faults between hosts: tests/experiments/test_multihost_netns.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from diloco.exits import JOB_ENDED_EXIT_CODE
 from diloco.launch.local_cluster import free_port
+from diloco.worker.stopped_guard import children_of
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_multi_host_job_on_loopback_ends_with_one_summary_whose_digests_agree(tmp_path):
+def workers_of(agent: subprocess.Popen) -> list[int]:
+    """The pids of the workers torchrun's agent runs now (not the leader's stopped guard)."""
+    return sorted(pid for pid in children_of(agent.pid) if "role=group" in Path(f"/proc/{pid}/cmdline").read_text())
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s}s"
+        time.sleep(0.2)
+
+
+def test_groups_under_torchrun_come_back_from_a_killed_and_a_stopped_worker_and_end_with_one_summary(tmp_path):
+    """Two groups of two workers under ``torchrun --max-restarts``: a worker of group 0 SIGKILLed,
+    then a worker of group 1 SIGSTOPped for good; torchrun restarts each group (the stopped worker
+    killed by the group's guard after ``cluster.timeouts.stopped``), both heal from the other, and
+    the job ends ok with one digest."""
     token = secrets.token_hex(16)
     (tmp_path / "run42.token").write_text(token + "\n")  # outside the run directory, as the docs say
-    common = ["name=run42", "cluster.groups=2", "cluster.workers_per_group=1", "cluster.device=cpu", "logger=none"]
-    common += ["trainer.max_steps=40", "algo.sync_every=10", "trainer.eval_every=0", "trainer.eval_batches=2"]
-    common += [f"cluster.lighthouse.port={free_port('127.0.0.1')}"]
+    common = ["name=run42", "cluster.groups=2", "cluster.workers_per_group=2", "cluster.device=cpu", "logger=none"]
+    common += ["trainer.max_steps=300", "algo.sync_every=20", "trainer.eval_every=0", "trainer.eval_batches=2"]
+    common += ["cluster.timeouts.stopped=3", f"cluster.lighthouse.port={free_port('127.0.0.1')}"]
     common += [f"cluster.lighthouse.token_file={tmp_path / 'run42.token'}"]
     run_dir = tmp_path / "run"
     lighthouse = subprocess.Popen(
@@ -33,32 +56,50 @@ def test_a_multi_host_job_on_loopback_ends_with_one_summary_whose_digests_agree(
         stderr=subprocess.STDOUT,
         text=True,
     )
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     # Two "hosts" share this machine's cores: one thread each, or their spinning threads take turns
     # (each group's 10 steps took 3-8 s instead of 0.5).
     one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [tmp_path / f"group{g}.log" for g in range(2)]
     groups = [
         subprocess.Popen(
-            [*torchrun, "run.py", "role=group", f"group.id={g}", *common, f"hydra.run.dir={run_dir}"],
+            [
+                *torchrun,
+                "--max-restarts",
+                "2",
+                "run.py",
+                "role=group",
+                f"group.id={g}",
+                *common,
+                f"hydra.run.dir={run_dir}",
+            ],
             cwd=REPO,
             env=one_thread,
-            stdout=subprocess.PIPE,
+            stdout=logs[g].open("w"),
             stderr=subprocess.STDOUT,
-            text=True,
         )
         for g in range(2)
     ]
+    commits = [run_dir / "commits" / f"group{g}.jsonl" for g in range(2)]
     try:
-        outputs = [p.communicate(timeout=300)[0] for p in [*groups, lighthouse]]
+        for g, fault in [(0, signal.SIGKILL), (1, signal.SIGSTOP)]:
+            wait_for(lambda: all(c.exists() and c.read_text().count("\n") >= 2 for c in commits), 120, "rounds")
+            os.kill(workers_of(groups[g])[-1], fault)
+            healed = functools.partial(lambda log: "healed" in log.read_text(), logs[g])
+            wait_for(healed, 120, f"group {g} healing after its {fault.name}")
+        outputs = [p.communicate(timeout=300)[0] or "" for p in [*groups, lighthouse]]
     finally:
         for process in [*groups, lighthouse]:
             if process.poll() is None:
                 process.kill()
+    outputs[:2] = [log.read_text() for log in logs]
     for process, output in zip([*groups, lighthouse], outputs):
         assert process.returncode == 0, output[-3000:]
+    assert "stopped guard: worker pid" in outputs[1], outputs[1][-3000:]
     assert "job 'run42' ended at round" in outputs[-1] and "done: eval loss" in outputs[-1], outputs[-1]
     by_lighthouse = json.loads((run_dir / "summary.json").read_text())
     assert by_lighthouse["ok"] and by_lighthouse["groups_missing_results"] == [], by_lighthouse["failure"]
+    assert by_lighthouse["recoveries"] >= 2, by_lighthouse
     (run_dir / "summary.json").unlink()
     summarized = subprocess.run(
         [sys.executable, "run.py", "role=summary", *common, f"hydra.run.dir={run_dir}"],
@@ -77,7 +118,26 @@ def test_a_multi_host_job_on_loopback_ends_with_one_summary_whose_digests_agree(
         k: v for k, v in by_lighthouse.items() if k != "wall_seconds"
     }
     holding = [str(p) for p in run_dir.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
-    assert not holding and token not in "".join(outputs), holding  # DESIGN.md invariant 8
+    assert not holding and token not in "".join(outputs), holding  # the token stays out of every file
+    # A group torchrun restarts after the job's end (one that had died before it, say) is told so at
+    # once (exit 3), not after timeouts.
+    (run_dir / "results" / "group1.json").unlink()
+    late = subprocess.run(
+        [sys.executable, "run.py", "role=group", "group.id=1", *common, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env={
+            **one_thread,
+            "RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "1",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert late.returncode == JOB_ENDED_EXIT_CODE and "came back too late" in late.stderr, late.stderr
 
 
 def test_role_summary_of_a_directory_without_results_says_where_to_point_it(tmp_path):

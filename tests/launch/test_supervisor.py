@@ -7,8 +7,7 @@ import signal
 from diloco.exits import JOB_ENDED_EXIT_CODE
 from diloco.launch.lighthouse_watch import LighthouseWatch
 from diloco.launch.local_cluster import crash_report, last_exception, wait_until
-from diloco.launch.spawn import process_state
-from diloco.launch.stopped_watch import StoppedWatch
+from diloco.stopped_watch import process_state
 from diloco.train.logger import read_jsonl
 from tests.stand_ins import exited, running, supervise
 
@@ -117,23 +116,6 @@ def test_a_group_with_a_worker_stopped_past_the_limit_is_killed_and_restarted_un
     finally:
         planned.send_signal(signal.SIGCONT)
         supervisor.cluster.stop()
-
-
-def test_a_stopped_watch_counts_only_an_unbroken_job_control_stop():
-    states = {1: "T", 2: "S"}
-    watch = StoppedWatch(state=states.get)
-    assert watch.stopped_for([1, 2], now=10.0) == (1, 0.0)
-    assert watch.stopped_for([1, 2], now=12.0) == (1, 2.0)
-    states[1] = "R"  # resumed once: the count starts again at the next stop
-    assert watch.stopped_for([1, 2], now=13.0) is None
-    states[1] = states[2] = "T"
-    watch.stopped_for([1, 2], now=14.0)
-    states[1] = "t"  # a debugger's tracing stop is not a hang
-    assert watch.stopped_for([1, 2], now=20.0) == (2, 6.0)
-    watch.forget([2])
-    assert watch.stopped_for([2, 3], now=21.0) == (2, 0.0), (
-        "a forgotten pid starts from zero; a gone one is not stopped"
-    )
 
 
 def test_a_crash_report_names_the_exception_of_the_last_traceback_first(tmp_path):

@@ -1,12 +1,13 @@
-"""Which groups of a local job have a worker stopped, and for how long.
+"""Which workers are stopped, and for how long.
 
 A group with a stopped worker (SIGSTOP, SIGTSTP) cannot go on, but nothing in it
 fails: its workers are alive to ``poll()``, the lighthouse drops it after a heartbeat timeout,
 and when every worker of the group is stopped no collective inside it ever times out. The
-others train to the end without it, and the job then fails for want of its result. So the
-launcher, which owns every process, looks at each worker's state in ``/proc`` and treats a group
-with a worker stopped past ``cluster.timeouts.stopped`` as it treats a crashed one: it kills
-the group and restarts it, and the new workers heal from a peer.
+others train to the end without it, and the job then fails for want of its result. So whoever
+restarts the group looks at each worker's state in ``/proc`` and treats a worker stopped past
+``cluster.timeouts.stopped`` as a crashed one: the local launcher kills its group and restarts it
+(``diloco.launch.supervisor``); under torchrun the group's guard kills the worker and the agent
+restarts the group (``diloco.worker.stopped_guard``). The new workers heal from a peer.
 
 Only a job-control stop counts (state ``T``), not a tracing stop (``t``: a debugger attached
 on purpose).
@@ -15,10 +16,17 @@ on purpose).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-
-from diloco.launch.spawn import process_state
+from pathlib import Path
 
 JOB_CONTROL_STOP = "T"
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/<pid>/stat (R, S, T stopped, Z zombie, ...); None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 class StoppedWatch:

@@ -1,0 +1,157 @@
+"""A multi-host job across namespaced hosts (experiments/netns_hosts.py) through faults between
+hosts: a worker SIGKILLed (torchrun restarts its group, which heals from the peer), a group's link
+down and up again (the group is dropped, comes back and heals) and the lighthouse SIGKILLed (its
+restart loop starts it again). Each fault waits for the job's progress (new rounds in its commit
+logs), not for fixed times. The job must end as if nothing had happened: every part exits 0,
+summary.json ok with one digest, and no process nor namespace is left behind (slow; needs root,
+``ip`` and ``tc``: skipped with netns_link.unavailable()'s reason). And experiments/multihost_chaos.py's
+own arithmetic, on records made up here (fast).
+
+``multihost_chaos.py --quick`` itself is not run here: its two jobs take 75 s on two idle cores
+(2.5 min on busy ones), past the minute a test of it may take.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import netns_link
+import pytest
+from multihost_chaos import KINDS, Deck, Fault, commits, digest_mismatches, fault_stalls, is_back, survivor_gap
+from netns_hosts import MultihostJob, NetnsHosts
+
+NO_NETNS = netns_link.unavailable()
+GROUPS = 2
+# Enough steps that the job outlasts the three faults (about 45 s of them): at ~20 steps/s per group on
+# two idle cores, and fewer while the lighthouse is down (the groups train on, rounds skipped).
+OVERRIDES = ["trainer.max_steps=1400", "algo.sync_every=10"]
+LINK_DOWN_S = 8.0  # > cluster.timeouts.heartbeat (3 s): the group is dropped
+BACK_S = 60.0  # a restarted or cut-off group back at its peers' round; a lighthouse started again
+JOB_S = 240.0
+
+
+def _namespaces() -> set[str]:
+    return set(subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout.split())
+
+
+def _wait(job: MultihostJob, done: Callable[[], bool], what: str, timeout_s: float = BACK_S) -> None:
+    """Poll ``done``; fail naming ``what`` if the job ended first (too few steps) or it timed out."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert job.summary() is None, f"the job ended before {what}: raise trainer.max_steps"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.2)
+
+
+def _committed(job: MultihostJob, group: int) -> int:
+    return sum(r["committed"] for r in commits(job.run_dir, GROUPS)[group])
+
+
+def _more_rounds(job: MultihostJob, rounds: int, what: str) -> None:
+    """Wait for every group to commit ``rounds`` more rounds."""
+    start = [_committed(job, g) for g in range(GROUPS)]
+    _wait(job, lambda: all(_committed(job, g) >= start[g] + rounds for g in range(GROUPS)), what)
+
+
+def _back(job: MultihostJob, group: int, since: float, old_pids: set[int] = frozenset(), healed: bool = False) -> bool:
+    records = commits(job.run_dir, GROUPS)[group]
+    if healed:  # it took a peer's state after ``since``
+        return any(r.get("healed") and r["time"] > since for r in records)
+    return is_back(records, since, set(old_pids))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NO_NETNS is not None, reason=f"namespaced hosts: {NO_NETNS}")
+def test_a_multihost_job_rides_out_a_worker_kill_a_link_down_and_a_lighthouse_kill(tmp_path: Path):
+    with NetnsHosts(["lh", "g0", "g1"]) as hosts:
+        namespaces = {hosts.hub, *map(hosts.namespace, hosts.names)}
+        with MultihostJob(hosts, tmp_path, groups=GROUPS, overrides=OVERRIDES, max_restarts=2) as job:
+            job.start()
+            _more_rounds(job, 2, "first rounds")
+
+            # A worker SIGKILLed: torchrun starts the group again and the new worker heals from g1.
+            old = {r["pid"] for r in commits(job.run_dir, GROUPS)[0]}
+            killed_at = time.time()
+            old.add(job.kill_worker(0))
+            _wait(job, lambda: _back(job, 0, killed_at, old), "commit by group 0's restarted worker")
+            assert _back(job, 0, killed_at, healed=True), "the restarted worker healed from its peer"
+
+            # g1's link down past the heartbeat timeout: g1 is dropped, then comes back and heals.
+            _more_rounds(job, 1, "a round of both groups after the restart")
+            hosts.link_down("g1")
+            time.sleep(LINK_DOWN_S)
+            hosts.link_up("g1")
+            up_at = time.time()
+            _wait(job, lambda: _back(job, 1, up_at, healed=True), "heal of group 1 after its link came back")
+
+            # The lighthouse SIGKILLed: its loop starts it again and the groups commit rounds with it.
+            _more_rounds(job, 1, "a round of both groups after the heal")
+            lighthouse = job.kill_lighthouse()
+            _wait(job, lambda: any(p != lighthouse for p in job.lighthouse_pids()), "lighthouse started again")
+            restarted_at = time.time()
+            _wait(job, lambda: all(_back(job, g, restarted_at) for g in range(GROUPS)), "rounds after the restart")
+
+            ended = job.wait(timeout_s=JOB_S)
+            for host, end in ended.items():
+                assert end.returncode == 0 and not end.killed, f"{host}:\n{end.tail}"
+            summary = job.summary()
+            assert summary is not None and summary["ok"], summary and summary["failure"]
+            assert len({r["digest"] for r in summary["per_group"]}) == 1, summary["per_group"]
+            assert summary["recoveries"] >= 2, summary
+            assert job.leftovers() == []
+        logs = {g: (job.log_dir / f"g{g}.log").read_text() for g in range(GROUPS)}
+        assert all("healed" in log for log in logs.values()), "each group says it healed"
+        assert "lighthouse died; restarting" in (job.log_dir / "lh.log").read_text()
+    assert not _namespaces() & namespaces
+
+
+def _records(times: list[float], pid: int = 1, **extra: object) -> list[dict]:
+    return [
+        {"committed": True, "time": t, "inner_step": 20 * (i + 1), "pid": pid, **extra} for i, t in enumerate(times)
+    ]
+
+
+def test_survivor_gap_is_the_longest_time_without_a_commit_across_a_fault_beyond_the_usual():
+    every_second = _records([float(t) for t in range(10)] + [19.0, 20.0, 21.0, 22.0])
+    assert survivor_gap(every_second, start=9.5, end=21.5) == pytest.approx(9.0), "9 -> 19: 10 s, usually 1"
+    assert survivor_gap(every_second, start=2.5, end=5.5) == 0.0, "committing as usual: no stall"
+    assert survivor_gap(every_second, start=-1.0, end=3.0) is None, "nothing committed before the fault"
+    stalled = _records([0.0, 1.0, 2.0, 3.0, 30.0])
+    assert survivor_gap(stalled, start=3.5, end=10.0) == pytest.approx(6.0), "still stalled at the end: up to it"
+    finished = _records([0.0, 1.0, 2.0, 3.0])
+    assert survivor_gap(finished, start=2.5, end=60.0) == 0.0, "a group that finished waits for the end, no stall"
+
+
+def test_a_faults_stall_counts_only_the_groups_it_did_not_hit():
+    records = {g: _records(times, sync_ms=100.0) for g, times in enumerate([[0, 1, 2, 9, 10], [0, 1, 2, 3, 4]])}
+    gap, _ = fault_stalls(Fault("link_down", [0], started=2.5, undone=6.0, ended=9.5), records)
+    assert gap == pytest.approx(0.0), "group 0 was hit: its stall is not a survivor's"
+    gap, _ = fault_stalls(Fault("kill_lighthouse", [], started=2.5, undone=3.0, ended=9.5), records)
+    assert gap == pytest.approx(6.0), "the lighthouse: every group a survivor, the worst counts"
+
+
+def test_the_deck_deals_every_kind_before_repeating_one_and_hits_groups_as_each_kind_needs():
+    deck = Deck(KINDS, random.Random(3))
+    dealt = [deck.draw(4) for _ in range(2 * len(KINDS))]
+    assert sorted(k for k, _ in dealt[: len(KINDS)]) == sorted(KINDS) == sorted(k for k, _ in dealt[len(KINDS) :])
+    for kind, hit in dealt:
+        assert len(hit) == {"partition": 2, "kill_lighthouse": 0}.get(kind, 1) and set(hit) <= {0, 1, 2, 3}
+    again = Deck(KINDS, random.Random(3))
+    assert [again.draw(4) for _ in range(len(dealt))] == dealt, "seeded"
+
+
+def test_is_back_needs_a_commit_or_heal_after_the_fault_by_a_new_process():
+    records = _records([1.0, 2.0], pid=7) + [{"committed": False, "healed": True, "time": 5.0, "pid": 8}]
+    assert not is_back(records[:2], since=1.5, old_pids={7}), "the killed process's own commit"
+    assert is_back(records, since=1.5, old_pids={7})
+    assert is_back(records[:2], since=1.5, old_pids=set()), "a link back: the same process commits"
+
+
+def test_digest_mismatches_count_the_groups_off_the_common_digest():
+    assert digest_mismatches({"per_group": [{"digest": "a"}, {"digest": "a"}, {"digest": "b"}]}) == 1
+    assert digest_mismatches({"per_group": [{"digest": "a"}, {}]}) == 1
+    assert digest_mismatches({"per_group": [{"digest": "a"}] * 4}) == 0
