@@ -238,7 +238,7 @@ class QuorumBook:
     lost_since: float | None = None
     first_seen_at: float | None = None
     finished: dict[str, tuple[int, str]] = field(default_factory=dict)  # group -> (step, digest) it finished at
-    first_finished_at: float | None = None
+    finished_at: dict[str, float] = field(default_factory=dict)  # group -> when it said it finished
     ended: JobEnd | None = None
     turned_away: dict[str, str] = field(default_factory=dict)  # withdrawn requests -> why (answered at once)
     awaited: dict[str, tuple[float, float]] = field(default_factory=dict)  # restarting group -> (since, until)
@@ -270,13 +270,14 @@ class QuorumBook:
             self.high_water = max(self.high_water, step)
         if not finished:
             self.finished.pop(group, None)
+            self.finished_at.pop(group, None)
 
     def ask(self, request: QuorumRequest, now: float) -> None:
         """Register (or refresh) a request; asking is also a heartbeat."""
         self.heartbeat(request.group, now, step=request.step, finished=request.finished)
         if request.finished:
             self.finished[request.group] = (request.step, request.digest)
-            self.first_finished_at = now if self.first_finished_at is None else self.first_finished_at
+            self.finished_at.setdefault(request.group, now)
         self.turned_away.pop(request.group, None)
         self.awaited.pop(request.group, None)
         round_id = self.granted_round.get(request.group, 0)
@@ -477,22 +478,28 @@ class QuorumBook:
         return self._form(participants, steps, heal_from, fresh_lanes, round_floor=round_floor)
 
     def end_of_job(self, now: float) -> JobEnd | None:
-        """The job's end, once every expected group finished at one step or ``end_timeout_s`` passed.
+        """The job's end, once every expected group finished at one step or ``end_timeout_s`` passed
+        since the first group finished at the highest step any finished group holds.
 
-        Then the final state is the one at the highest step a finished group holds (the
-        first such group's, by id: a committed round has one state); groups that never
-        caught up are left behind.
+        Then the final state is the one at that step (the first such group's, by id: a committed
+        round has one state); groups that never caught up are left behind. Never while a healthy
+        unfinished group holds a newer state than every finished one: a group that trained to its
+        end apart (cut off, or sitting out) and finished first must not end the job with its older
+        state.
         """
         if self.ended is not None:
             return self.ended
         healthy = self.healthy(now)
         finished = {g: v for g, v in self.finished.items() if g in healthy}
-        if not finished or self.first_finished_at is None:
+        if not finished:
             return None
         top = max(step for step, _ in finished.values())
+        if any(self.reported.get(g, 0) > top for g in healthy - finished.keys()):
+            return None  # that group trains on to its end, then finishes (or dies) with the newer state
         level = all(step == top for step, _ in finished.values())
         everyone = healthy <= finished.keys() and len(finished) >= self.rules.expected_groups
-        if not (level and everyone) and now - self.first_finished_at < self.rules.end_timeout_s:
+        since = min(self.finished_at.get(g, now) for g, (step, _) in finished.items() if step == top)
+        if not (level and everyone) and now - since < self.rules.end_timeout_s:
             return None
         digest = finished[min(g for g, (step, _) in finished.items() if step == top)][1]
         holders = tuple(sorted(g for g, held in finished.items() if held == (top, digest)))

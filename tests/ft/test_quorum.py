@@ -607,6 +607,24 @@ class TestStartAndEnd:
         book.ask(QuorumRequest("g2", step=0), now=62.0)  # too late: nothing forms after the end
         assert book.decide(now=62.0) is None and book.end_of_job(now=62.0) is end
 
+    def test_a_group_that_finished_apart_with_an_older_state_waits_for_the_holders_of_the_newer(self):
+        """g2 sat out (or was cut off) and trained to its end first, at round 5; g0 and g1 went on
+        to round 10 and still train: the job ends with their state, not g2's, however long."""
+        book = self._book({"g0": 10, "g1": 10, "g2": 5})
+        self._finish(book, "g2", 5, now=1.0)
+        for t in (30.0, 61.0, 200.0):
+            for g in ("g0", "g1"):
+                book.heartbeat(g, now=t, step=10)
+            book.heartbeat("g2", now=t)
+            assert book.end_of_job(now=t) is None, "never with round 5 while round 10 lives"
+        for g in ("g0", "g1"):
+            self._finish(book, g, 10, now=201.0)
+        for t in (202.0, 321.0):
+            for g in ("g0", "g1", "g2"):
+                book.heartbeat(g, now=t, finished=True)
+        assert book.end_of_job(now=202.0) is None, "the end timeout runs from the first finish at round 10"
+        assert book.end_of_job(now=321.0) == JobEnd(round=10, digest="d10", holders=("g0", "g1"))
+
     def test_a_restarted_process_of_a_finished_group_trains_again(self):
         book = self._book({"g0": 10, "g1": 10, "g2": 10})
         self._finish(book, "g0", 10, now=1.0)
