@@ -10,8 +10,8 @@ of the agent in ``/proc`` and SIGKILLs one stopped past ``cluster.timeouts.stopp
 (``diloco.stopped_watch``); the agent sees a worker die, stops the others and starts the group
 again, and the new workers heal from a peer.
 
-The guard leaves when the leader that started it does (finished, crashed or killed: a restarted
-group's new leader starts a new guard) or when the agent is gone.
+The guard leaves when the leader that started it does (finished, crashed, killed, or gone with
+its agent: ``lifeline.die_with_parent``); a restarted group's new leader starts a new guard.
 """
 
 from __future__ import annotations
