@@ -62,8 +62,7 @@ def _die_at_eof(fd: int) -> None:
         while os.read(fd, 1):
             pass  # the launcher never writes: only EOF means something
     except OSError as error:  # a closed or foreign descriptor: nothing would ever stop this process
-        print(f"lifeline fd {fd} is unreadable ({error}): stopping as if the launcher were gone", file=sys.stderr)
-        sys.stderr.flush()
+        _die(f"lifeline fd {fd} is unreadable ({error}), as if the launcher were gone")
     os.kill(os.getpid(), signal.SIGKILL)
 
 

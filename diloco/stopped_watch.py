@@ -21,12 +21,18 @@ from pathlib import Path
 JOB_CONTROL_STOP = "T"
 
 
-def process_state(pid: int) -> str | None:
-    """The state letter of /proc/<pid>/stat (R, S, T stopped, Z zombie, ...); None if it is gone."""
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, ...); None if it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/<pid>/stat (R, S, T stopped, Z zombie, ...); None if it is gone."""
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
 
 
 class StoppedWatch:

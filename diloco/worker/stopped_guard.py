@@ -25,24 +25,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from diloco.stopped_watch import StoppedWatch
+from diloco.stopped_watch import StoppedWatch, stat_fields
 
 POLL_S = 1.0
 
 
 def children_of(parent: int) -> list[int]:
     """Every process whose parent is ``parent`` (a scan of ``/proc``)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if int(fields[1]) == parent:
-            found.append(int(entry.name))
-    return found
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    return [pid for pid in pids if (fields := stat_fields(pid)) and int(fields[1]) == parent]  # None: gone meanwhile
 
 
 def start_guard(stopped_limit_s: float) -> subprocess.Popen:
