@@ -2,7 +2,8 @@
 
 ``conf/`` presets are composed onto the dataclass defaults (``diloco.launch.compose``); the job
 runs per its role in ``diloco.launch.roles``, which gets plain values from here, nothing of
-hydra's. Invalid values stop the run before any process starts. Nothing imports this file.
+hydra's. Invalid values stop the run before any process starts, and a refused run takes back the
+output folder hydra made for it. Nothing imports this file.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from diloco.exits import exit_without_teardown
-from diloco.launch.compose import output_folder_problem, plain_config, store_base_config
+from diloco.launch.compose import (
+    existing_ancestor,
+    key_problem_on_command_line,
+    output_folder_problem,
+    plain_config,
+    remove_refused_run_folder,
+    store_base_config,
+)
 from diloco.launch.job_token import token_problem_on_command_line
 from diloco.launch.roles import SweepJob, exit_like, run_role
 
@@ -28,12 +36,22 @@ def main(cfg: DictConfig) -> float | None:
     sweep = None
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep = SweepJob(hydra_cfg.sweep.dir, hydra_cfg.job.num, hydra_cfg.job.override_dirname)
-    return run_role(plain_config(cfg), Path(hydra_cfg.runtime.output_dir), sweep, os.environ)
+    output_dir = Path(hydra_cfg.runtime.output_dir)
+    try:
+        return run_role(plain_config(cfg), output_dir, sweep, os.environ, list(hydra_cfg.overrides.task))
+    except SystemExit as stop:
+        if stop.code not in (None, 0) and not sweep:  # a sweep's sweep.md lists every job's folder
+            remove_refused_run_folder(output_dir, FOLDER_BEFORE, hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log")
+        raise
 
 
 if __name__ == "__main__":
-    if problem := token_problem_on_command_line(sys.argv[1:]) or output_folder_problem(sys.argv[1:]):
+    argv = sys.argv[1:]
+    if problem := (
+        token_problem_on_command_line(argv) or key_problem_on_command_line(argv) or output_folder_problem(argv)
+    ):
         exit_without_teardown(1, problem)
+    FOLDER_BEFORE = existing_ancestor(argv)  # what of the output folder's path is not hydra's to make
     store_base_config()
     try:
         main()

@@ -31,6 +31,11 @@ class RunPaths:
         return self.root / "events.jsonl"
 
     @property
+    def status_page(self) -> Path:
+        """The lighthouse's status page as it stood when the lighthouse stopped: opens from disk."""
+        return self.root / "status.html"
+
+    @property
     def launcher_lock(self) -> Path:
         """Locked by the launcher running a job here (it holds its pid): one launcher per directory."""
         return self.root / "launcher.lock"

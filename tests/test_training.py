@@ -87,37 +87,39 @@ def test_one_fsdp_step_equals_single_process_step_on_the_same_global_batch(fast_
 
 def test_a_sweeps_jobs_get_their_own_wandb_names_in_one_group_and_a_sweep_table(tmp_path):
     """``python run.py -m``: each job's wandb runs are named by its overrides and grouped by the
-    sweep; sweep.md in the sweep directory has one row per job. A failed job (the first: 15 steps
-    per round do not divide 20) does not stop the others, and the sweep exits 1 with its reason."""
+    sweep; sweep.md in the sweep directory has one row per job. A failed job (the first: 25 steps
+    per round do not divide 60) does not stop the others, and the sweep exits 1 with its reason.
+    Two values of H give two jobs: the sync warm-up (10-step windows up to step 500) is cut to
+    the job's share, so H=10 and H=20 make 6 and 3 rounds."""
     result = subprocess.run(
-        [sys.executable, "run.py", "-m", "cluster.groups=1", "cluster.workers_per_group=1", "trainer.max_steps=20"]
-        + ["trainer.eval_every=0", "algo.sync_every=15,5,10", f"hydra.sweep.dir={tmp_path}"],
+        [sys.executable, "run.py", "-m", "cluster.groups=1", "cluster.workers_per_group=1", "trainer.max_steps=60"]
+        + ["trainer.eval_every=0", "algo.sync_every=25,10,20", f"hydra.sweep.dir={tmp_path}"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 1, result.stdout + result.stderr
-    reason = "error: trainer.max_steps=20: is not a multiple of algo.sync_every=15"
+    reason = "error: trainer.max_steps=60: is not a multiple of algo.sync_every=25"
     assert f"sweep job 0: {reason}" in result.stderr, result.stderr
     lines = result.stderr.splitlines()
     at_end = next(i for i, line in enumerate(lines) if line.startswith("Error executing job with overrides"))
     assert lines[at_end + 1].startswith(reason), result.stderr  # hydra's last word: the first failure's reason
     names = []
-    for job, h in (("1", 5), ("2", 10)):
+    for job, h in (("1", 10), ("2", 20)):
         run = next((tmp_path / job / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
         name = f"algo.sync_every={h},cluster.groups=1,cluster.workers_per_group=1,trainer.eval_every=0,"
-        name += "trainer.max_steps=20-group0"
+        name += "trainer.max_steps=60-group0"
         assert name.encode() in run, (job, name)  # the run's name, in wandb's own record of it
         assert f"diloco sweep {tmp_path}".encode() in run
         names.append(name)
     assert names[0] != names[1]
     table = (tmp_path / "sweep.md").read_text().splitlines()
-    assert table[0] == "| job | overrides | ok | final eval loss | bytes/token | wall s |" and len(table) == 5, table
-    assert table[2].startswith("| 0 | cluster.groups=1 cluster.workers_per_group=1 trainer.max_steps=20 ")
-    assert table[2].endswith("algo.sync_every=15 | no | – | – | – |"), table
-    assert "algo.sync_every=5" in table[3] and "algo.sync_every=10" in table[4]
-    assert "| yes |" in table[3] and "| yes |" in table[4], table
+    assert table[0] == "| job | overrides | ok | rounds | final eval loss | bytes/token | wall s |", table
+    assert len(table) == 5, table
+    assert table[2].startswith("| 0 | cluster.groups=1 cluster.workers_per_group=1 trainer.max_steps=60 ")
+    assert table[2].endswith("algo.sync_every=25 | no | – | – | – | – |"), table
+    assert "algo.sync_every=10 | yes | 6 |" in table[3] and "algo.sync_every=20 | yes | 3 |" in table[4], table
 
 
 def test_python_run_py_end_to_end_with_offline_wandb_then_eval_and_sample(tmp_path):
@@ -141,6 +143,16 @@ def test_python_run_py_end_to_end_with_offline_wandb_then_eval_and_sample(tmp_pa
         assert key in summary, key
     assert summary["final_eval_loss"] < UNTRAINED_LOSS - 1.0
     assert summary["groups"] == 2 and summary["rounds"] >= 2 and summary["bytes_sent"] > 0
+    # The header's planned rounds are the job's; the last progress line and the done line give summary's tok/s.
+    assert f"; {summary['rounds']} rounds of ~" in transcript and f"watch: run directory {tmp_path}, " in transcript
+    lines = result.stdout.splitlines()
+    (last,) = [line for line in lines if line.startswith("step 40/40 ")]
+    done = lines[-1]
+    assert (
+        f"tok/s {summary['tokens_per_s'] / 1000:.1f}k " in last
+        and f"({summary['tokens_per_s'] / 1000:.1f}k tok/s" in done
+    )
+    assert f"{summary['syncs_committed']}/{summary['syncs_attempted']} syncs committed; no faults" in done, done
     assert len({g["digest"] for g in summary["per_group"]}) == 1
     assert (tmp_path / "config.yaml").read_text().startswith("model:")
     assert summary["model_sha256"] == hashlib.sha256((tmp_path / "model.pt").read_bytes()).hexdigest()

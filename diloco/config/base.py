@@ -9,6 +9,7 @@ library stays usable without it (``run.py`` hands it a plain, resolved dict).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -40,8 +41,11 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
+        guess = closest(unknown[0], fields)
         raise ConfigError(
-            f"unknown key {_join(prefix, unknown[0])}; allowed keys of {where}: {', '.join(sorted(fields))}"
+            f"unknown key {_join(prefix, unknown[0])}; "
+            + (f"did you mean {_join(prefix, guess)}? " if guess else "")
+            + f"allowed keys of {where}: {', '.join(sorted(fields))}"
         )
     hints = get_type_hints(cls)
     kwargs = {name: _convert(hints[name], data[name], _join(prefix, name)) for name in data}
@@ -58,6 +62,26 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
 def to_dict(obj: Any) -> dict[str, Any]:
     """The JSON-friendly form of a config dataclass (tuples become lists)."""
     return dataclasses.asdict(obj)
+
+
+def key_paths(cls: type, prefix: str = "") -> list[str]:
+    """Every key of dataclass ``cls`` as the command line names it (``trainer``, ``trainer.checkpoint``,
+    ``trainer.checkpoint.every``): what ``run.py`` checks a ``key=value`` against before hydra."""
+    keys = []
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.init:
+            key = _join(prefix, f.name)
+            keys.append(key)
+            if dataclasses.is_dataclass(hints[f.name]):
+                keys += key_paths(hints[f.name], key)
+    return keys
+
+
+def closest(word: str, options: typing.Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The option ``word`` is most likely a typo of, or None when none is ``cutoff`` close (difflib's ratio)."""
+    matches = difflib.get_close_matches(word, list(options), n=1, cutoff=cutoff)
+    return matches[0] if matches else None
 
 
 def _join(prefix: str, name: str) -> str:

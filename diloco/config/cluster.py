@@ -140,7 +140,8 @@ class ClusterConfig:
     # on loopback, or politeness on a shared one. 0: unlimited.
     lane_bandwidth_mbps: float = 0.0
     # One device's peak TFLOP/s, the denominator of MFU (train/mfu). 0: a known GPU's bf16 dense
-    # figure from its data sheet, else a matmul measured once per worker (diloco/train/flops.py).
+    # figure from its data sheet; on CPU, one core's matmul measured by the local launcher times a
+    # worker's share of the cores; else a matmul measured by each worker (diloco/train/flops.py).
     peak_tflops: float = 0.0
     lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)

@@ -120,6 +120,11 @@ def resolve_data_section(data: dict[str, Any]) -> dict[str, Any]:
     if data.get("corpus") != "tokens" or not data.get("path"):
         return data
     path = metadata_path(str(data["path"]))
+    if path == Path(str(data["path"])):  # corpus/tokens.json: the metadata given for its token file
+        raise ConfigError(
+            f"data.path={data['path']}: must be the token file, {path.with_suffix('.bin')}, not its metadata "
+            "(the .json beside the token file is read from there)"
+        )
     if not path.is_file():
         data["token_dtype"] = data.get("token_dtype") or "uint16"
         if data.get("vocab_size") is None:

@@ -12,7 +12,7 @@ from diloco.config.base import check
 class CheckpointConfig:
     """``every``: save after every N inner steps, at a planned stop and at the end (0: never).
     N must be a multiple of ``algo.sync_every``, so no round is in flight when it is taken.
-    ``search_dir``: where ``trainer.resume=latest`` looks for runs."""
+    ``search_dir``: where ``trainer.resume=latest`` (or ``auto``) looks for runs."""
 
     every: int = 0
     search_dir: str = "outputs"
@@ -44,6 +44,11 @@ class TrainerConfig:
     """
 
     max_steps: int = 500
+    # No outer warm-up (the sync warm-up's short windows, α's ramp, the outer momentum's ramp)
+    # takes more than this share of max_steps: a longer one is cut to it, the sync warm-up to
+    # whole algo.sync_every windows, and the job says so at start (diloco/config/warmups.py).
+    # A short job so runs at the H it was given. 1: each warm-up as configured.
+    warmup_share: float = 0.2
     batch_size: int = 8
     seq_len: int = 128
     grad_accum: int = 1
@@ -55,7 +60,9 @@ class TrainerConfig:
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     compile: bool = False
     microbatches: int | None = None
-    resume: str = ""  # a checkpoint, a run directory or "latest" (see diloco/train/checkpoint.resolve_resume)
+    # a checkpoint, a run directory, "latest", or "auto": latest's run where one has a whole checkpoint,
+    # else a fresh start (see diloco/train/checkpoint.resolve_resume)
+    resume: str = ""
 
     def validate(self) -> None:
         for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every"):
@@ -66,6 +73,12 @@ class TrainerConfig:
             "trainer.microbatches",
             self.microbatches,
             "must be a positive integer (or null: one per pipeline stage)",
+        )
+        check(
+            isinstance(self.warmup_share, (int, float)) and 0 <= self.warmup_share <= 1,
+            "trainer.warmup_share",
+            self.warmup_share,
+            "must be in [0, 1]: the most of trainer.max_steps an outer warm-up may take (1: as configured)",
         )
         check(self.eval_every >= 0, "trainer.eval_every", self.eval_every, "must be >= 0 (0: evaluate only at the end)")
         self.checkpoint.validate()

@@ -33,14 +33,12 @@ from diloco.ft.protocol import (
     RoundCommit,
     RoundNews,
     RoundWatch,
+    SignOfLife,
     authorization_header,
     quorum_answer_from_json,
     round_open_from_json,
 )
 from diloco.ft.quorum import JobEnd, Quorum
-
-# What the lighthouse's book takes as a heartbeat (``QuorumBook.heartbeat``): each is one.
-_SIGNS_OF_LIFE = (Heartbeat, QuorumAsk, RoundCommit)
 
 
 class LighthouseClient:
@@ -83,7 +81,7 @@ class LighthouseClient:
             step=step,
             quorum_id=quorum_id,
             finished=finished,
-            progress={} if progress is None else progress.to_json(),
+            progress=_progress_json(progress),
         )
         self._post(beat, self.connect_timeout_s)
 
@@ -106,12 +104,14 @@ class LighthouseClient:
         finished: bool = False,
         digest: str = "",
         lane_failed: bool = False,
+        progress: GroupProgress | None = None,
     ) -> QuorumGrant | JobEnd:
         """Block (at most timeout_s + connect_timeout_s) until a quorum containing this group forms.
 
         ``round_step`` is the inner step the group asks at (see ``QuorumRequest``). A
         ``finished`` group (``digest``: its global state's) may instead learn that the job ended.
         ``lane_failed``: its last round failed on the lane itself (see ``QuorumRequest``).
+        ``progress``: for the status page, as a heartbeat's (``SignOfLife``).
         """
         check(timeout_s > 0, "cluster.timeouts.quorum", timeout_s, "must be > 0 seconds")
         ask = QuorumAsk(
@@ -129,6 +129,7 @@ class LighthouseClient:
             config=self.config if self._held is None else {},
             known_quorum=0 if self._held is None else self._held.quorum_id,
             config_digest=self._config_digest,
+            progress=_progress_json(progress),
         )
         try:
             answer = quorum_answer_from_json(self._post(ask, timeout_s + self.connect_timeout_s), self._held)
@@ -164,9 +165,12 @@ class LighthouseClient:
         except ValueError as e:
             raise LighthouseUnavailable(f"lighthouse at {self.url}: {e}") from None
 
-    def commit(self, round_id: int, step: int) -> str:
-        """Ask to commit round ``round_id`` (the group then stands at ``step``): "" if it may, else why not."""
-        commit = RoundCommit(self.job_id, self.signature, self.group, round_id=round_id, step=step)
+    def commit(self, round_id: int, step: int, progress: GroupProgress | None = None) -> str:
+        """Ask to commit round ``round_id`` (the group then stands at ``step``): "" if it may, else why not.
+        ``progress``: for the status page, as a heartbeat's (``SignOfLife``)."""
+        commit = RoundCommit(
+            self.job_id, self.signature, self.group, round_id=round_id, step=step, progress=_progress_json(progress)
+        )
         try:
             return RoundNews.from_json(self._post(commit, self.connect_timeout_s)).broken
         except ValueError as e:
@@ -186,7 +190,7 @@ class LighthouseClient:
         path = message.path
         headers = {"Content-Type": "application/json", **authorization_header(self.token)}
         body = json.dumps(message.to_json()).encode()
-        signs_life = isinstance(message, _SIGNS_OF_LIFE)
+        signs_life = isinstance(message, SignOfLife)
         if signs_life:
             self._signed_at = time.monotonic()
         try:
@@ -216,3 +220,7 @@ class LighthouseClient:
         if isinstance(error, LighthouseUnavailable):
             return LighthouseUnavailable(f"lighthouse at {self.url} answered {got.status} to {path}: {error}")
         return error
+
+
+def _progress_json(progress: GroupProgress | None) -> dict[str, Any]:
+    return {} if progress is None else progress.to_json()

@@ -2,14 +2,16 @@
 
 Group leaders speak plain HTTP + JSON to it (standard library only; nothing received is ever
 unpickled, DESIGN.md invariant 5). Heartbeats carry a group's committed step and the last
-quorum id it saw; a quorum request is a long poll, answered once the pure ``QuorumBook``
-(quorum.py) forms a quorum that contains the group. The lighthouse also hosts the job's
-``TCPStore``, on which the outer lanes rendezvous, and a read-only status page for operators
-(the HTTP front is http_front.py). A round watch (time-bounded windows) and a lane watch are
-long polls too; a recovery notice from the launcher says whether rounds wait for a dead
-group's replacement. A long poll holds no thread: it is parked with the HTTP front's ``Reply``
-and answered by whichever step settles it (an ask, a decision, its deadline, ``stop``).
-Its whole memory is rebuilt from heartbeats, so a restarted lighthouse needs no saved state.
+quorum id it saw; every sign of life (a heartbeat, quorum request or commit) carries what the
+status page shows of the group. A quorum request is a long poll, answered once the pure
+``QuorumBook`` (quorum.py) forms a quorum that contains the group. The lighthouse also hosts
+the job's ``TCPStore``, on which the outer lanes rendezvous, and a read-only status page for
+operators (the HTTP front is http_front.py), which it saves to a file as it stops. A round
+watch (time-bounded windows) and a lane watch are long polls too; a recovery notice from the
+launcher says whether rounds wait for a dead group's replacement. A long poll holds no thread:
+it is parked with the HTTP front's ``Reply`` and answered by whichever step settles it (an
+ask, a decision, its deadline, ``stop``). Its whole memory is rebuilt from heartbeats, so a
+restarted lighthouse needs no saved state.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from diloco.config.cluster import LighthouseConfig, QuorumRules
+from diloco.files import write_text_atomically
 from diloco.ft import status_page
 from diloco.ft.http_front import LighthouseHTTPServer, Reply
 from diloco.ft.identity import JobIdentity, NotThisJob
@@ -294,10 +298,13 @@ class Lighthouse:
         poll.answer(200, self._lane_news_locked(poll.request)[0].to_json())
 
     def _commit(self, commit: RoundCommit) -> RoundNews:
+        progress = commit.group_progress if commit.progress else None  # none sent: the board keeps the last
         with self._lock:
             reason = self._book.commit(commit.group, commit.round_id, commit.step, self._clock())
             if not reason:
                 self._steps[commit.group] = commit.step
+            if progress is not None:
+                self._board.progress(commit.group, progress)
         if reason:
             log.warning("group %s may not commit round %d: %s", commit.group, commit.round_id, reason)
         return RoundNews(commit.round_id, reason)  # only ``broken`` is read
@@ -324,6 +331,8 @@ class Lighthouse:
             earlier.answer(superseded.status, superseded.to_json())
         self._waiters[group] = self._park_locked(ask, reply, store_host)
         self._steps[group] = ask.step
+        if ask.progress:  # none sent (a client that reports only in heartbeats): the board keeps the last
+            self._board.progress(group, ask.group_progress)
         request = QuorumRequest(
             group, ask.step, ask.commit_failed, ask.finished, ask.digest, ask.round_step, ask.lane_failed
         )
@@ -546,6 +555,7 @@ def serve_forever(
     job_id: str,
     model_signature: str | None = None,
     job_config: dict[str, Any] | None = None,
+    saved_page: Path | None = None,
 ) -> None:
     """Run a lighthouse until SIGINT or SIGTERM, or until its job has ended (call from the main thread).
 
@@ -553,6 +563,7 @@ def serve_forever(
     ``rules.end_timeout_s``), then returns: exiting 0 means the job is over, so an
     orchestrator restarts the lighthouse only when it exits any other way. Stopped by a
     signal before the end, it exits 1 (``SystemExit`` with the reason): it is not done.
+    Either way it first writes its status page as it stands to ``saved_page``, if given.
     """
     done = threading.Event()
     previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -562,17 +573,38 @@ def serve_forever(
             # every full collection, which had paused the lighthouse up to 240 ms at 1,000 groups (issue 33).
             gc.freeze()
             print(f"lighthouse for job {job_id!r} at {lighthouse.url}; status page {lighthouse.url}/", flush=True)
-            ended_at = None
-            while not done.wait(0.1):
-                if ended_at is None and lighthouse.ended is not None:
-                    ended_at = time.monotonic()
-                if ended_at is not None and (
-                    lighthouse.served_end() or time.monotonic() - ended_at > rules.end_timeout_s
-                ):
-                    lighthouse.wait_replies_sent(timeout_s=5.0)
-                    print(f"job {job_id!r} ended at round {lighthouse.ended.round}; lighthouse exiting", flush=True)
-                    return
+            ended = _serve_until_the_end(lighthouse, rules, done)
+            if saved_page is not None:
+                save_page(lighthouse, saved_page)
+            if ended:
+                print(f"job {job_id!r} ended at round {lighthouse.ended.round}; lighthouse exiting", flush=True)
+                return
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     sys.exit(f"lighthouse of job {job_id!r} stopped by a signal before the job ended")
+
+
+def _serve_until_the_end(lighthouse: Lighthouse, rules: QuorumRules, done: threading.Event) -> bool:
+    """True once the job has ended and every finished group was told (or ``rules.end_timeout_s``
+    passed); False when ``done`` is set first (a signal)."""
+    ended_at = None
+    while not done.wait(0.1):
+        if ended_at is None and lighthouse.ended is not None:
+            ended_at = time.monotonic()
+        if ended_at is not None and (lighthouse.served_end() or time.monotonic() - ended_at > rules.end_timeout_s):
+            lighthouse.wait_replies_sent(timeout_s=5.0)
+            return True
+    return False
+
+
+def save_page(lighthouse: Lighthouse, path: Path) -> None:
+    """Write the status page as it stands to ``path``, a file that opens without the lighthouse
+    (``status_page.render_saved_html``); one that cannot be written is logged, not raised: the
+    picture is no reason to fail a lighthouse whose job ended."""
+    try:
+        write_text_atomically(path, status_page.render_saved_html(lighthouse.status()))
+    except OSError as error:
+        log.warning("status page not saved: %s", error)
+        return
+    log.info("status page saved to %s", path)

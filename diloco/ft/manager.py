@@ -117,7 +117,7 @@ class Manager:
         self._retry_at = 0.0
         self._without_quorum = False
         self.refused: str | None = None
-        self._progress = GroupProgress()  # what the heartbeats show of the group on the status page
+        self._progress = GroupProgress()  # what its heartbeats, asks and commits show on the status page
         self._stop = threading.Event()
         self._heartbeats: threading.Thread | None = None
         self._round_step = 0  # the inner step of the last round this group asked for
@@ -174,7 +174,7 @@ class Manager:
         self.lanes.drop()
 
     def note_progress(self, **changes: Any) -> None:
-        """Update what the next heartbeats report for the status page (``GroupProgress`` fields)."""
+        """Update what the next heartbeat, ask or commit reports for the status page (``GroupProgress`` fields)."""
         self._progress = dataclasses.replace(self._progress, **changes)
 
     def adopt(self, committed: int) -> None:
@@ -287,7 +287,7 @@ class Manager:
         why = ""
         if self.client is not None:
             try:
-                why = self.client.commit(round_.quorum.round_id, committed)
+                why = self.client.commit(round_.quorum.round_id, committed, self._progress)
             except (LighthouseUnavailable, LighthouseRefused) as error:
                 why = f"the lighthouse did not confirm the commit: {error}"
             if why:
@@ -369,6 +369,7 @@ class Manager:
                 finished=self.finished,
                 digest=digest,
                 lane_failed=self.lanes.cancel.failed,  # the leader's lane: every lane crosses the same links
+                progress=self._progress,
             )
         except LighthouseRefused as error:
             return {"refused": str(error), "code": error.code.value}

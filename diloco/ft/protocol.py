@@ -178,18 +178,16 @@ class GroupMessage:
 
 
 @dataclass(frozen=True)
-class Heartbeat(GroupMessage):
-    """A sign of life: the group's committed step and the last quorum id it saw.
+class SignOfLife(GroupMessage):
+    """A message the lighthouse takes as a heartbeat (a heartbeat, a quorum ask, a commit).
 
-    ``progress`` is what the status page shows of the group (``GroupProgress``); the
-    lighthouse decides nothing from it.
+    Each carries ``progress``, what the status page shows of the group (``GroupProgress``; the
+    lighthouse decides nothing from it): a group skips the heartbeat due just after an ask or a
+    commit (``LighthouseClient.beat_due_in``), so with rounds faster than heartbeats (a sync
+    warm-up's) a page fed by heartbeats alone held a group's first figures for the whole run.
     """
 
-    path: ClassVar[str] = "/heartbeat"
-    step: int
-    quorum_id: int
-    finished: bool = False
-    progress: dict[str, Any] = field(default_factory=dict)
+    progress: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
     def __post_init__(self) -> None:
         _ = self.group_progress  # refused (400) here, with the field named, if malformed
@@ -198,6 +196,16 @@ class Heartbeat(GroupMessage):
     def group_progress(self) -> GroupProgress:
         """``progress`` parsed once, when the message is made (not a field: it is not sent)."""
         return GroupProgress.from_json(self.progress)
+
+
+@dataclass(frozen=True)
+class Heartbeat(SignOfLife):
+    """The group's committed step and the last quorum id it saw, when it has not otherwise spoken for a while."""
+
+    path: ClassVar[str] = "/heartbeat"
+    step: int
+    quorum_id: int
+    finished: bool = False
 
 
 MAX_DIGEST_CHARS = 64
@@ -239,7 +247,7 @@ class GroupProgress:
 
 
 @dataclass(frozen=True)
-class QuorumAsk(GroupMessage):
+class QuorumAsk(SignOfLife):
     """A long poll for the next quorum (see ``quorum.QuorumRequest`` for ``step`` and ``round_step``).
 
     It carries the last quorum id the group saw, so a restarted lighthouse never reuses an id
@@ -305,7 +313,7 @@ class LaneWatch(GroupMessage):
 
 
 @dataclass(frozen=True)
-class RoundCommit(GroupMessage):
+class RoundCommit(SignOfLife):
     """A group leader's ask to commit round ``round_id``, after which the group stands at
     committed ``step``: answered ``{"broken": ""}`` when it may (the step is recorded), else
     ``{"broken": why}`` and the group does not commit."""

@@ -3,12 +3,14 @@
 Pure functions of the lighthouse's state, so the page can be checked without a server. The
 page is self-contained (no scripts, no external assets: the loss curve and the timeline are
 inline SVG) and refreshes itself every 2 s; every value that came from a request (group ids
-above all) is escaped.
+above all) is escaped. The saved page (``render_saved_html``), written into the run directory
+as the lighthouse stops, is the same drawing with its data inlined: it opens from disk.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,19 +41,21 @@ EVENT_COLORS = {"joined": "#1f77b4", "lost": "#d62728", "heal": "#2ca02c", "end"
 
 
 class Curve:
-    """One group's (inner step, train loss) points from its heartbeats, at most ``CURVE_POINTS``."""
+    """One group's (inner step, train loss) points from its signs of life, at most ``CURVE_POINTS``."""
 
     def __init__(self, limit: int = CURVE_POINTS) -> None:
         self.limit = limit
         self.points: list[tuple[int, float]] = []
 
     def add(self, step: int, loss: float) -> bool:
-        """A new point (True); one at a step not past the last (a restarted group) starts the
-        curve over, one at the last step again adds nothing (False)."""
+        """A new point (True); one at the last step again adds nothing (False). One before the
+        last (a group restarted from a checkpoint or sent back by a heal, or a heartbeat overtaken
+        by the same group's commit) replaces the points from its step on: the curve goes on from
+        there, and an overtaken report costs the points after it, not the whole curve."""
         if self.points and step == self.points[-1][0]:
             return False
         if self.points and step < self.points[-1][0]:
-            self.points = []
+            self.points = [point for point in self.points if point[0] < step]
         self.points.append((step, loss))
         if len(self.points) > self.limit:
             self.points = self.points[::2]
@@ -97,8 +101,9 @@ class LossBand:
 
 
 class StatusBoard:
-    """What the lighthouse keeps for the status page only: each group's reported progress and
-    loss curve, and a timeline of joins, losses, heals and the end. It decides nothing."""
+    """What the lighthouse keeps for the status page only: each group's progress, as its latest
+    sign of life (heartbeat, quorum ask or commit) reported it, and loss curve, and a timeline of
+    joins, losses, heals and the end. It decides nothing."""
 
     def __init__(self) -> None:
         self.latest: dict[str, GroupProgress] = {}
@@ -225,7 +230,28 @@ def build_status(snap: StatusSnapshot) -> dict[str, Any]:
 
 
 def render_html(status: Mapping[str, Any]) -> str:
-    """A small page with the same content as ``status`` (the /status JSON), as tables."""
+    """The live page: ``status`` (the /status JSON) as tables and drawings, refreshed every ``REFRESH_S``."""
+    return _page(
+        status, f'<meta http-equiv="refresh" content="{REFRESH_S}">', '<p>JSON: <a href="/status">/status</a></p>'
+    )
+
+
+def render_saved_html(status: Mapping[str, Any]) -> str:
+    """The page as a file that outlives the lighthouse: the same tables and drawings, no refresh
+    and no link to the lighthouse, and ``status`` itself inlined (``<script id="status">``, data
+    only, never run) for whoever wants the numbers behind the drawings."""
+    data = json.dumps(status).replace("<", "\\u003c")  # no "</script>" in a group id ends the element early
+    return _page(
+        status,
+        "",
+        "<p>saved as the lighthouse stopped; its /status JSON is inlined in this file "
+        f'(script id="status")</p><script type="application/json" id="status">{data}</script>',
+    )
+
+
+def _page(status: Mapping[str, Any], head: str, foot: str) -> str:
+    """A small page with the same content as ``status`` (the /status JSON), as tables and inline SVG;
+    ``head`` and ``foot`` are what the live page and the saved one differ in."""
     groups = _table(
         ["group", "inner step", "train loss", "tokens/s", "committed round", "digest", "since heartbeat (s)"]
         + ["healthy", "waiting for quorum", "finished"],
@@ -269,7 +295,7 @@ def render_html(status: Mapping[str, Any]) -> str:
     rules = _table(["rule", "value"], [[k, v] for k, v in status["rules"].items()])
     job = escape(str(status["job"]))
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">
+<html><head><meta charset="utf-8">{head}
 <title>lighthouse: {job}</title>
 <style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse;margin-bottom:1em}}
 td,th{{border:1px solid #bbb;padding:.2em .6em;text-align:left}}th{{background:#eee}}</style></head>
@@ -278,7 +304,7 @@ td,th{{border:1px solid #bbb;padding:.2em .6em;text-align:left}}th{{background:#
 {ended}<h2>groups</h2>{groups}<h2>train loss</h2>{loss_svg(status["curves"], status["loss_band"], color)}
 <h2>timeline</h2>{timeline_svg(status["timeline"], status["history"], ids, status["now"])}
 <h2>current quorum</h2>{current}<h2>recent quorums</h2>{history}
-<h2>rules</h2>{rules}<p>JSON: <a href="/status">/status</a></p></body></html>
+<h2>rules</h2>{rules}{foot}</body></html>
 """
 
 

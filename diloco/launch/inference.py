@@ -2,7 +2,8 @@
 
 Both read the weights a job saved (``model.pt``: the final global model every group agreed
 on) on one CPU or GPU, with no process group. The model's shape comes from the run that
-trained it; the corpus and batch shape from the command line.
+trained it; so do the corpus and the windows, but for those the command line sets
+(``diloco.launch.trained_run``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diloco.config.base import ConfigError, check
+from diloco.config.base import ConfigError, check, to_dict
 from diloco.config.data import DataConfig
 from diloco.config.sample import SampleConfig
 from diloco.files import file_sha256
@@ -280,7 +281,8 @@ def held_out_tokens(job: JobConfig, trained: JobConfig) -> torch.Tensor:
 
 
 def evaluate_checkpoint(job: JobConfig, weights: Path, trained: JobConfig) -> dict[str, Any]:
-    """``role=eval``: the loss of the model in ``weights`` on the held-out windows of ``job``'s data.
+    """``role=eval``: the loss of the model in ``weights`` on the held-out windows of ``job``'s data,
+    with what was scored (the data, the windows), so a number can be told from another's.
 
     The windows a group of a training job with the same data and trainer options evaluated
     on (``batch_size`` sequences per worker), so a finished run's final eval loss reproduces.
@@ -289,17 +291,23 @@ def evaluate_checkpoint(job: JobConfig, weights: Path, trained: JobConfig) -> di
     device = select_device(job.cluster.device, 0)
     model = load_model(weights, trained, device)
     t = job.trainer
+    sequences = t.batch_size * job.parallel.dp(job.cluster.workers_per_group)
     batches = eval_batches(
-        held_out,
-        seq_len=t.seq_len,
-        batch_size=t.batch_size * job.parallel.dp(job.cluster.workers_per_group),
-        max_batches=t.eval_batches,
-        worker=0,
-        num_workers=1,
+        held_out, seq_len=t.seq_len, batch_size=sequences, max_batches=t.eval_batches, worker=0, num_workers=1
     )
     loss = mean_loss(model, batches, device)
     tokens = sum(b[1].numel() for b in batches)
-    return {"checkpoint": str(weights), "tokens": tokens, "eval_loss": loss, "eval_ppl": perplexity(loss)}
+    split = f"held out: the last {job.data.val_fraction:g} of the corpus (data.val_fraction)"
+    return {
+        "checkpoint": str(weights),
+        "eval_loss": loss,
+        "eval_ppl": perplexity(loss),
+        "tokens": tokens,
+        "data": to_dict(job.data) | {"split": split},
+        "seq_len": t.seq_len,
+        "batches": len(batches),
+        "sequences_per_batch": sequences,
+    }
 
 
 def sample_text(job: JobConfig, weights: Path, trained: JobConfig) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import signal
@@ -16,13 +17,14 @@ from diloco.config.base import ConfigError
 from diloco.config.job import JobConfig
 from diloco.files import write_json_atomically, writing
 from diloco.launch.faults import FaultInjector, plan_faults
+from diloco.launch.header import header_lines
 from diloco.launch.lighthouse_watch import LighthouseWatch
 from diloco.launch.local_cluster import POLL_INTERVAL_S, JobFailed, LocalCluster
 from diloco.launch.progress import ProgressView, say
 from diloco.launch.summary import build_summary, interrupted_summary
 from diloco.launch.supervisor import EventLog, Supervisor
 from diloco.run_paths import RunPaths
-from diloco.train.checkpoint import describe_checkpoints
+from diloco.train.checkpoint import describe_resume, resume_source
 from diloco.worker.builders import preflight, resume_folders
 
 FAULT_HORIZON_S = 7 * 24 * 3600.0  # the plan outlasts any local run; firing stops when the job ends
@@ -46,20 +48,31 @@ def launch(
         return _launch_claimed(job, paths, out, worker_prefix)
 
 
+def pin_resume(job: JobConfig, paths: RunPaths, out: TextIO) -> JobConfig:
+    """``job`` with ``trainer.resume`` resolved once, and said in one line: ``latest`` or ``auto``
+    becomes the run it found ("" for a fresh start), so the preflight and every worker, a group
+    restarted hours later too, read the same checkpoints, whatever other runs write meanwhile."""
+    if not job.trainer.resume:
+        return job
+    spec, search_dir = job.trainer.resume, Path(job.trainer.checkpoint.search_dir)
+    source = resume_source(spec, paths.root, search_dir)
+    pinned = dataclasses.replace(job, trainer=dataclasses.replace(job.trainer, resume=str(source or "")))
+    say(describe_resume(spec, resume_folders(pinned, paths), search_dir), out)
+    return pinned
+
+
 def _launch_claimed(
     job: JobConfig, paths: RunPaths, out: TextIO, worker_prefix: Mapping[int, Sequence[str]] | None = None
 ) -> dict[str, Any]:
-    n_params, signature = preflight(job, paths)
+    job = pin_resume(job, paths, out)
+    warnings: list[str] = []
+    n_params, signature = preflight(job, paths, warnings.append)
     cluster = LocalCluster(job, paths, signature, worker_prefix)
-    say(
-        f"model: {n_params:,} parameters; {job.cluster.groups} group(s) x {job.cluster.workers_per_group} "
-        f"worker(s); lighthouse status page {cluster.lighthouse_url}/",
-        out,
-    )
-    if job.trainer.resume:
-        say(f"resuming: {describe_checkpoints(resume_folders(job, paths))}", out)
+    status_url = cluster.lighthouse_url if job.algo.name != "local" else None  # algo=local runs no lighthouse
+    for line in [*header_lines(job, n_params, status_url, paths.root), *warnings]:
+        say(line, out)
     start = time.monotonic()
-    events = EventLog(paths.events, time.time())
+    events = EventLog(paths.events, time.time(), out)
     watch = LighthouseWatch(cluster.lighthouse_url, job.cluster.timeouts.lighthouse)
     injector = FaultInjector(
         cluster,
@@ -84,13 +97,13 @@ def _launch_claimed(
     # non-interactive shell) still stops as planned on Ctrl-C.
     previous = {s: signal.signal(s, _raise_keyboard_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     planned_stop = False
+    view = ProgressView.for_job(job, paths, out)
     try:
         if job.algo.name != "local":
             cluster.start_lighthouse()
             watch.start()
         for group in range(job.cluster.groups):
             cluster.start_group(group)
-        view = ProgressView([paths.metrics(g) for g in range(job.cluster.groups)], job.trainer.max_steps, out=out)
         while not supervisor.done():
             elapsed = time.monotonic() - start
             # Planned faults go on through the job's closing rounds, until a group has left.
@@ -98,7 +111,6 @@ def _launch_claimed(
             supervisor.check(elapsed)
             view.update(elapsed)
             cluster.nap(POLL_INTERVAL_S)
-        view.update(time.monotonic() - start, final=True)
     except JobFailed as failure:
         cluster.stop()
         summary = build_summary(job, paths, n_params, wall_seconds=time.monotonic() - start)
@@ -118,6 +130,7 @@ def _launch_claimed(
         write_json_atomically(paths.summary, summary)
         raise JobInterrupted(summary["failure"])
     write_json_atomically(paths.summary, summary)
+    view.finish(summary["wall_seconds"], summary["tokens_per_s"])  # the done line's rate, summary.json's
     return summary
 
 
@@ -146,25 +159,50 @@ def run_dir_claimed(paths: RunPaths) -> Iterator[None]:
         yield
         return
     paths.root.mkdir(parents=True, exist_ok=True)
-    with open(paths.launcher_lock, "a+") as lock:
+    with _locked_file(paths) as lock:
+        try:
+            with writing(paths.launcher_lock):  # a full disk: OutputError naming the file
+                lock.truncate(0)
+                lock.write(f"{os.getpid()}\n")
+                lock.flush()
+            _CLAIMED[paths.root] = lock
+            refuse_reused_run_dir(paths)
+            yield
+        finally:
+            _CLAIMED.pop(paths.root, None)
+            paths.launcher_lock.unlink(missing_ok=True)  # while still locked: no finished run keeps a stale lock
+
+
+def _locked_file(paths: RunPaths) -> TextIO:
+    """``launcher.lock`` opened and locked by this process, or ConfigError naming the launcher holding it.
+
+    The holder removes the file while it still holds the lock, so a lock won on a file opened
+    just before that removal locks a file no longer there: then it is opened and locked anew."""
+    while True:
+        lock = open(paths.launcher_lock, "a+")  # noqa: SIM115 - closed by the claim that gets it, or below
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.seek(0)
+            holder = lock.read().strip() or "?"
+            lock.close()
             raise ConfigError(
-                f"hydra.run.dir={paths.root}: another launcher (pid {lock.read().strip() or '?'}) is running a "
-                "job there; pick a new hydra.run.dir"
+                f"hydra.run.dir={paths.root}: another launcher (pid {holder}) is running a job there; "
+                "pick a new hydra.run.dir"
             ) from None
-        with writing(paths.launcher_lock):  # a full disk: OutputError naming the file
-            lock.truncate(0)
-            lock.write(f"{os.getpid()}\n")
-            lock.flush()
-        _CLAIMED[paths.root] = lock
-        try:
-            refuse_reused_run_dir(paths)
-            yield
-        finally:
-            del _CLAIMED[paths.root]
+        if _is_the_file_at(lock, paths.launcher_lock):
+            return lock
+        lock.close()
+
+
+def _is_the_file_at(handle: TextIO, path: Path) -> bool:
+    """Whether ``path`` still names the file ``handle`` has open (not removed or replaced since)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(handle.fileno())
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def refuse_reused_run_dir(paths: RunPaths) -> None:

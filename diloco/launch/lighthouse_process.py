@@ -16,6 +16,7 @@ from diloco import lifeline
 from diloco.config.job import job_config_from_dict, training_config
 from diloco.ft.lighthouse import serve_forever
 from diloco.process_logging import setup_process_logging
+from diloco.run_paths import RunPaths
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,7 +38,12 @@ def run_lighthouse(run_dir: Path, signature: str | None) -> None:
     setup_process_logging()
     job = job_config_from_dict(json.loads((run_dir / "job.json").read_text()))
     serve_forever(
-        job.cluster.lighthouse, job.cluster.quorum_rules(), job.name, signature, job_config=training_config(job)
+        job.cluster.lighthouse,
+        job.cluster.quorum_rules(),
+        job.name,
+        signature,
+        job_config=training_config(job),
+        saved_page=RunPaths(run_dir).status_page,
     )
 
 

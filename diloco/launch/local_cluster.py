@@ -10,6 +10,7 @@ launcher's lifeline (diloco.lifeline): none outlives the launcher, however it en
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -41,6 +42,8 @@ from diloco.launch.spawn import (
 )
 from diloco.lifeline import Lifeline
 from diloco.run_paths import RunPaths
+from diloco.train.block_wrappers import will_run_on_cpu
+from diloco.train.flops import Peak, launcher_cpu_peak
 from diloco.worker.env import WorkerEnv
 from diloco.worker.spares import Assignment, assign, make_pipes
 
@@ -110,9 +113,13 @@ def _ephemeral_low(ephemeral: Path) -> int:
 
 
 def threads_per_worker(total_workers: int) -> int:
-    """Split the cores this process may run on (its affinity: a Slurm or taskset share, not the
-    whole machine) between its workers so they do not oversubscribe them."""
-    return max(1, len(os.sched_getaffinity(0)) // total_workers)
+    """Split ``usable_cores`` between the workers so they do not oversubscribe them."""
+    return max(1, usable_cores() // total_workers)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity (a Slurm or taskset share), not the whole machine's."""
+    return len(os.sched_getaffinity(0))
 
 
 def resolve_lighthouse(job: JobConfig) -> JobConfig:
@@ -302,6 +309,17 @@ class LocalCluster:
         """
         self.groups[group] = self._start_workers(group, None)
 
+    @functools.cached_property
+    def worker_peak(self) -> Peak | None:
+        """Each CPU worker's peak, measured here just before the first worker starts (no worker
+        runs yet; a lighthouse or fork server started before it has done its imports) and handed
+        to every worker; None where ``cluster.peak_tflops`` is set or the workers run on GPUs."""
+        cluster = self.job.cluster
+        if cluster.peak_tflops > 0 or not will_run_on_cpu(cluster.device):
+            return None
+        workers = cluster.groups * cluster.workers_per_group
+        return launcher_cpu_peak(threads_per_worker(workers), workers, usable_cores())
+
     def start_spare(self) -> Spare:
         """Start a warm spare: N workers that build what any group builds, then wait to replace one."""
         index = self._spares_started
@@ -313,6 +331,7 @@ class LocalCluster:
 
     def _start_workers(self, group: int | None, spare: int | None) -> list[WorkerProcess]:
         n = self.job.cluster.workers_per_group
+        peak = self.worker_peak  # on the first call, measured before these workers' clock starts and port is picked
         port = free_port(self.job.cluster.master_addr)
         # A spare's workers get the cores of the group they replace.
         threads = threads_per_worker(self.job.cluster.groups * n)
@@ -320,7 +339,12 @@ class LocalCluster:
         workers = []
         for rank in range(n):
             env = WorkerEnv(
-                rank=rank, world_size=n, local_rank=rank, master_addr=self.job.cluster.master_addr, master_port=port
+                rank=rank,
+                world_size=n,
+                local_rank=rank,
+                master_addr=self.job.cluster.master_addr,
+                master_port=port,
+                peak=peak,
             )
             log_path = self.paths.worker_log(group, rank) if spare is None else self.paths.spare_log(spare, rank)
             prefix = self.worker_prefix.get(group, ()) if spare is None else ()

@@ -10,8 +10,9 @@ this module needs no hydra and reads no hidden input; the files kept in hydra's 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -33,8 +34,9 @@ from diloco.launch.job_token import with_job_token
 from diloco.launch.launcher import JobInterrupted, launch, run_dir_claimed
 from diloco.launch.local_cluster import JobFailed
 from diloco.launch.outcome import group_outcome
-from diloco.launch.progress import say
+from diloco.launch.progress import render_done, say
 from diloco.launch.summary import summarize_after_the_end, summarize_finished_run
+from diloco.launch.trained_run import RUN_SETTINGS, data_words, overridden_line, override_keys, with_run_settings
 from diloco.launch.wandb_key import check_wandb_key
 from diloco.prepare.pipeline import prepare_corpus
 from diloco.run_paths import RunPaths
@@ -54,10 +56,17 @@ class SweepJob:
     override_dirname: str
 
 
-def run_role(raw: dict[str, Any], output_dir: Path, sweep: SweepJob | None, environ: Mapping[str, str]) -> float | None:
+def run_role(
+    raw: dict[str, Any],
+    output_dir: Path,
+    sweep: SweepJob | None,
+    environ: Mapping[str, str],
+    overrides: Sequence[str] = (),
+) -> float | None:
     """Run the job ``raw`` composes in hydra's ``output_dir``; the objective a sweeper minimises
     (the final eval loss) or None. A failure exits 1 with its reason, or in a sweep raises
-    ``SweepJobFailed`` so hydra runs the other jobs."""
+    ``SweepJobFailed`` so hydra runs the other jobs. ``overrides``: the command line's, as hydra
+    got them (``data=text``): a trained model is used with its run's settings but those."""
     paths = RunPaths(output_dir)
     if sweep:
         name_sweep_job(raw, sweep)
@@ -85,13 +94,15 @@ def run_role(raw: dict[str, Any], output_dir: Path, sweep: SweepJob | None, envi
         if job.role == "group":
             run_group(job, paths, env)
         if job.role in ("eval", "sample", "export"):
-            return use_trained_model(job, paths)
+            return use_trained_model(job, paths, raw, override_keys(overrides))
         if job.role == "prepare":  # a corpus into tokens: no lighthouse, no groups
             prepare_corpus(job.prepare, lambda line: say(line, sys.stdout))
             return None
         if job.role == "lighthouse":
             try:
-                serve_forever(job.cluster.lighthouse, job.cluster.quorum_rules(), job.name)
+                serve_forever(
+                    job.cluster.lighthouse, job.cluster.quorum_rules(), job.name, saved_page=paths.status_page
+                )
             except OSError as error:  # a port it cannot take after all: the message names the key and the fix
                 raise ConfigError(str(error)) from None
             if not paths.all_commits():  # its own run directory, not the one the groups share
@@ -121,12 +132,7 @@ def run_role(raw: dict[str, Any], output_dir: Path, sweep: SweepJob | None, envi
             "the best state that survived",
             sys.stdout,
         )
-    say(
-        f"{'done' if summary['ok'] else 'failed'}: eval loss {summary['final_eval_loss']:.4f} "
-        f"(ppl {summary['final_eval_ppl']:.2f}), {summary['tokens_seen']:,} tokens in {summary['wall_seconds']:.0f}s; "
-        f"summary in {paths.summary}",
-        sys.stdout,
-    )
+    say(render_done(summary, paths.summary), sys.stdout)
     if not summary["ok"] and job.role != "lighthouse":  # a lighthouse's exit 0 says only that the job ended
         fail(f"job failed: {summary['failure']}", sweep)
     return summary["final_eval_loss"]
@@ -148,23 +154,36 @@ def name_sweep_job(raw: dict[str, Any], sweep: SweepJob) -> None:
     logger["name"] = logger.get("name") or sweep.override_dirname or f"job{sweep.num}"
 
 
-def use_trained_model(job: JobConfig, paths: RunPaths) -> float | None:
-    """``role=eval``: the loss of ``checkpoint``'s model on the data options' held-out windows
-    (also in eval.json); ``role=sample``: text continuing ``sample.prompt``; ``role=export``: a
-    Hugging Face directory (``diloco.launch.export``)."""
+def use_trained_model(job: JobConfig, paths: RunPaths, raw: dict[str, Any], explicit: frozenset[str]) -> float | None:
+    """``role=eval``: the loss of ``checkpoint``'s model on held-out windows (also in eval.json);
+    ``role=sample``: text continuing ``sample.prompt``; ``role=export``: a Hugging Face directory
+    (``diloco.launch.export``). Each reads its data and windows from the run that trained the
+    model, but for those the command line set (``explicit``, of the composed ``raw``): said in a line.
+
+    eval.json goes to this invocation's own directory, never the trained run's: that stays as its
+    job left it, and a second eval on other data would overwrite the first's record there."""
     weights, run_dir = locate_weights(job.checkpoint)
     trained = trained_job_config(run_dir, job)
+    used, given = with_run_settings(raw, trained, explicit, job.role)
+    if line := overridden_line(job.role, used, trained, given):
+        say(line, sys.stderr if job.role == "sample" else sys.stdout)  # sample's stdout is its text
+    with_tokenizer = dataclasses.replace(trained, data=used.data)  # the model's, found through the data used
     if job.role == "sample":
-        print(sample_text(job, weights, trained))
+        print(sample_text(used, weights, with_tokenizer))
         return None
     if job.role == "export":
-        say(f"exported {weights} to {export_checkpoint(weights, trained, paths.root / EXPORT_FOLDER)}", sys.stdout)
+        say(
+            f"exported {weights} to {export_checkpoint(weights, with_tokenizer, paths.root / EXPORT_FOLDER)}",
+            sys.stdout,
+        )
         return None
-    record = evaluate_checkpoint(job, weights, trained)
+    if not (run_dir / "config.yaml").is_file():  # a model.pt alone: every setting was the command line's
+        given = list(RUN_SETTINGS[job.role])
+    record = evaluate_checkpoint(used, weights, trained) | {"run_dir": str(run_dir), "from_command_line": given}
     write_json_atomically(paths.root / "eval.json", record)
     say(
         f"eval loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.2f}) on {record['tokens']:,} held-out "
-        f"tokens of {job.data.corpus}; {weights}",
+        f"tokens of {data_words(used.data)}; {weights}; recorded in {paths.root / 'eval.json'}",
         sys.stdout,
     )
     return record["eval_loss"]
@@ -178,9 +197,9 @@ def as_resolved(raw: dict[str, Any], job: JobConfig) -> dict[str, Any]:
 
 
 def trained_job_config(run_dir: Path, job: JobConfig) -> JobConfig:
-    """The job that trained a model (its shape, its algorithm): from the config.yaml its run
-    wrote, else the command line's. A checkpoint it started from that is gone since is not
-    needed: the saved shape is the one it gave."""
+    """The job that trained a model (its shape, its algorithm, its data and windows): from the
+    config.yaml its run wrote, else the command line's. A checkpoint it started from that is gone
+    since is not needed: the saved shape is the one it gave."""
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         return job

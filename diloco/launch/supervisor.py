@@ -11,38 +11,79 @@ is a live recovery: the restarted group heals from a peer, never a checkpoint.
 from __future__ import annotations
 
 import json
-import logging
 import signal
+import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable, Container
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from diloco.exits import JOB_ENDED_EXIT_CODE
 from diloco.files import append_text
 from diloco.launch.lighthouse_watch import LighthouseWatch
 from diloco.launch.local_cluster import JobFailed, LocalCluster, crash_report
+from diloco.launch.progress import format_duration, say
 from diloco.launch.recovery import RecoveryPlanner
 from diloco.stopped_watch import StoppedWatch
 from diloco.train.logger import read_jsonl_tail
 
-log = logging.getLogger(__name__)
-
 LIGHTHOUSE_SETTLED_S = 60.0  # a lighthouse that served this long and then died was not crash-looping
 
 
-class EventLog:
-    """``events.jsonl``: one line per fault, crash and restart, with wall and elapsed time."""
+# The console's words for each kind of event; a field the record lacks shows as ``?``.
+EVENT_LINES = {
+    "kill": "fault: kill group {group} (SIGKILL)",
+    "hang": "fault: hang group {group} (SIGSTOP)",
+    "break_lane": "fault: break an outer lane of group {group}",
+    "nan": "fault: a NaN update from group {group}",
+    "resume": "fault over: group {group} resumed (SIGCONT)",
+    "lighthouse_down": "fault: lighthouse killed",
+    "lighthouse_up": "fault over: lighthouse started again",
+    "skipped": "fault skipped: {fault} of group {group} (no group up may take it)",
+    "crash": "crash: group {group} rank {rank} exited with code {code}",
+    "hung": "hung: group {group} rank {rank} stopped for {stopped_s}s, killed",
+    "spare_crash": "crash: warm spare {spare} rank {rank} exited with code {code}",
+    "lighthouse_crash": "crash: lighthouse exited with code {code}",
+    "lighthouse_hung": "hung: lighthouse silent for {silent_s}s, killed",
+    "restart": "restart: group {group}",
+    "lighthouse_restart": "restart: lighthouse",
+    "forkserver_restart": "restart: fork server",
+    "recovery": "recovery: the others go on without waiting for group {group}",
+    "stopped_at_end": "stopped: group {group}, still running past the job's end",
+    "left_behind": "left behind: group {group}, back after the job's end",
+}
 
-    def __init__(self, path: Path, start: float) -> None:
+
+def event_line(record: dict[str, Any]) -> str:
+    """The console's line for an event: ``fault: kill group 1 (SIGKILL) at 0:15``."""
+    kind = record["kind"]
+    line = EVENT_LINES.get(kind, kind).format_map(defaultdict(lambda: "?", record))
+    if kind == "recovery" and record.get("choice") == "wait":
+        line = f"recovery: the others wait for group {record['group']} (ready in ~{record['ready_s']:.0f}s)"
+    if kind == "restart" and record.get("spare") is not None:
+        line += f" on warm spare {record['spare']}"
+    if "in_a_row" in record:
+        line += (
+            f" ({record['in_a_row']} in a row; more than cluster.max_restarts={record['max_restarts']} fail the job)"
+        )
+    return f"{line} at {format_duration(record['elapsed'])}"
+
+
+class EventLog:
+    """``events.jsonl``: one line per fault, crash and restart, with wall and elapsed time; each
+    also said on the console (and in run.log) as ``event_line`` words it."""
+
+    def __init__(self, path: Path, start: float, out: TextIO = sys.stdout) -> None:
         self.path = path
         self.start = start
+        self.out = out
 
     def write(self, kind: str, group: int | None = None, **extra: Any) -> None:
         now = time.time()
         record = {"time": now, "elapsed": now - self.start, "kind": kind, "group": group, **extra}
         append_text(self.path, json.dumps(record) + "\n")  # a full disk: OutputError naming events.jsonl
-        log.info("%s%s at %.1fs", kind, "" if group is None else f" group {group}", record["elapsed"])
+        say(event_line(record), self.out)
 
 
 class StateHolders:
@@ -261,7 +302,7 @@ class Supervisor:
             self.events.write("left_behind", group, rank=failed.rank, code=failed.process.returncode)
             return
         self._count_failure(group, leader_pid)
-        self.events.write("crash", group, rank=failed.rank, code=failed.process.returncode)
+        self.events.write("crash", group, rank=failed.rank, code=failed.process.returncode, **self._in_a_row(group))
         self._restart_failed(group, now, lambda: crash_report(failed.log_path))
 
     def _check_stopped(self, group: int, now: float) -> None:
@@ -275,7 +316,7 @@ class Supervisor:
         pid, stopped_s = found
         rank = next(w.rank for w in workers if w.process.pid == pid)
         self._count_failure(group, self._kill(group))
-        self.events.write("hung", group, rank=rank, stopped_s=round(stopped_s, 1))
+        self.events.write("hung", group, rank=rank, stopped_s=round(stopped_s, 1), **self._in_a_row(group))
         why = f"its rank {rank} stayed stopped (SIGSTOP or SIGTSTP) for {stopped_s:.0f}s, past cluster.timeouts.stopped"
         self._restart_failed(group, now, lambda: f"{why}={self.stopped_limit_s:g}")
 
@@ -289,6 +330,10 @@ class Supervisor:
     def _count_failure(self, group: int, leader_pid: int) -> None:
         """Failures in a row without progress count: a process that held the job's state ran fine until it failed."""
         self.crashes[group] = 1 if self.holders.held_state(leader_pid) else self.crashes.get(group, 0) + 1
+
+    def _in_a_row(self, group: int) -> dict[str, int]:
+        """A failure's count toward the limit, for its record: how close the group is to failing the job."""
+        return {"in_a_row": self.crashes[group], "max_restarts": self.max_restarts}
 
     def _restart_failed(self, group: int, now: float, why: Callable[[], str]) -> None:
         if self.crashes[group] > self.max_restarts:

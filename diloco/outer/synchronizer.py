@@ -92,7 +92,7 @@ class Synchronizer:
         return OuterOutcome()
 
     def observe(self, step: int, metrics: dict[str, float]) -> None:
-        """The trainer's latest numbers, for the lighthouse's status page (sent with heartbeats)."""
+        """The trainer's latest numbers, for the lighthouse's status page (sent with every heartbeat, ask and commit)."""
         loss, rate = (metrics.get(k) for k in ("train/loss", "train/tokens_per_s"))
         self.manager.note_progress(
             inner_step=step,

@@ -23,7 +23,14 @@ from diloco.config.tokens_meta import CorpusMeta, SourceFile, metadata_path, tok
 from diloco.files import write_text_atomically
 from diloco.prepare.shards import ShardCounts, TokenizerSpec, shard_process, split_runs, tokenize_run
 from diloco.prepare.sources import Source, documents, find_sources
-from diloco.prepare.tokenizer import ChosenTokenizer, given_tokenizer, save_tokenizer, train_bpe
+from diloco.prepare.tokenizer import (
+    ChosenTokenizer,
+    given_tokenizer,
+    save_tokenizer,
+    short_vocabulary_line,
+    train_bpe,
+    vocab_size_of,
+)
 from diloco.train.data import DataError
 
 TOKENS_FILE = "tokens.bin"
@@ -75,7 +82,12 @@ def _choose_tokenizer(cfg: PrepareConfig, sources: list[Source], say: Callable[[
     if cfg.tokenizer:
         return given_tokenizer(cfg.tokenizer, cfg.eos_token)
     say(f"prepare: training a byte-level BPE of {cfg.vocab_size} tokens on the first {cfg.train_mb} MB")
-    return train_bpe(_texts(sources, cfg), int(cfg.vocab_size or 0), cfg.train_mb)
+    asked = int(cfg.vocab_size or 0)
+    chosen = train_bpe(_texts(sources, cfg), asked, cfg.train_mb)
+    corpus_bytes = sum(source.bytes for source in sources)
+    if line := short_vocabulary_line(asked, vocab_size_of(chosen.tokenizer), corpus_bytes, cfg.train_mb):
+        say(line)
+    return chosen
 
 
 def _tokenize(

@@ -114,6 +114,22 @@ def train_bpe(texts: Iterator[str], vocab_size: int, train_mb: int) -> ChosenTok
     )
 
 
+def short_vocabulary_line(asked: int, trained: int, corpus_bytes: int, train_mb: int) -> str | None:
+    """The line ``role=prepare`` says when the trained BPE holds fewer tokens than ``prepare.vocab_size``
+    asked (every pair in the text read was merged before the count was reached), else None: the
+    model's vocabulary follows the smaller one, which no other line would show."""
+    if trained >= asked:
+        return None
+    if corpus_bytes > train_mb << 20:
+        why = f"the first {train_mb} MB read for training (prepare.train_mb) have no more pairs to merge"
+    else:
+        why = f"the corpus ({corpus_bytes:,} bytes) is too small to have that many merges"
+    return (
+        f"prepare: the trained vocabulary holds {trained:,} tokens, not the {asked:,} asked: {why}; "
+        f"tokens.json records {trained:,} and the model follows it"
+    )
+
+
 def _first_bytes(texts: Iterator[str], budget: int) -> Iterator[str]:
     for text in texts:
         if budget <= 0:

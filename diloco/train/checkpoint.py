@@ -35,6 +35,7 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 COMPLETE = "complete.json"
 LATEST = "latest"
+AUTO = "auto"
 
 
 class CheckpointError(ConfigError):
@@ -168,29 +169,18 @@ def complete_info(group_folder: Path) -> dict[str, Any] | None:
         return None
 
 
-def resolve_resume(spec: str, run_dir: Path, search_dir: Path, groups: int) -> dict[int, Path]:
-    """Each group's checkpoint folder for ``trainer.resume=spec``.
+def resolve_resume(spec: str, run_dir: Path, search_dir: Path, groups: int) -> dict[int, Path] | None:
+    """Each group's checkpoint folder for ``trainer.resume=spec``, or None: start fresh.
 
     ``spec`` is a checkpoint (``…/checkpoints/step-N``), a run directory (each group's newest
-    whole checkpoint in it), or ``latest`` (the run under ``search_dir`` whose newest whole
-    checkpoint is the newest of all, this run excluded). Every group needs one: a job resumes
-    with the state of each of its groups, or not at all.
+    whole checkpoint in it), ``latest`` (the run under ``search_dir`` whose newest whole
+    checkpoint is the newest of all, this run excluded), or ``auto`` (as ``latest`` where there is
+    such a run, else None: one command line both starts a job and resumes it). Every group needs
+    one: a job resumes with the state of each of its groups, or not at all.
     """
-    if spec == LATEST:
-        source = _newest_run(search_dir, exclude=run_dir)
-        if source is None:
-            raise CheckpointError(
-                f"trainer.resume=latest: no run under {search_dir} (trainer.checkpoint.search_dir) has a whole "
-                "checkpoint; name a run directory or a checkpoint instead"
-            )
-    else:
-        source = Path(spec)
-        _refuse_part_of_a_checkpoint(spec, source)
-        if not source.is_dir():
-            raise CheckpointError(
-                f"trainer.resume={spec}: no such directory; pass a checkpoint folder (RUN/checkpoints/step-N), "
-                "a run directory, or latest"
-            )
+    source = resume_source(spec, run_dir, search_dir)
+    if source is None:
+        return None
     if (source / CHECKPOINTS).is_dir():
         return {g: _newest_of_group(source / CHECKPOINTS, g) for g in range(groups)}
     found = {}
@@ -203,6 +193,29 @@ def resolve_resume(spec: str, run_dir: Path, search_dir: Path, groups: int) -> d
             )
         found[g] = folder
     return found
+
+
+def resume_source(spec: str, run_dir: Path, search_dir: Path) -> Path | None:
+    """The run directory or checkpoint ``trainer.resume=spec`` names (``latest`` and ``auto``
+    looked up under ``search_dir``), or None where ``auto`` finds no whole checkpoint."""
+    if spec in (LATEST, AUTO):
+        # auto continues a job that stopped (planned stop, failure); a finished one has nothing left to train
+        source = _newest_run(search_dir, exclude=run_dir, finished_too=spec == LATEST)
+        if source is None and spec == LATEST:
+            raise CheckpointError(
+                f"trainer.resume=latest: no run under {search_dir} (trainer.checkpoint.search_dir) has a whole "
+                "checkpoint; name a run directory or a checkpoint instead, or trainer.resume=auto to start fresh "
+                "when none has"
+            )
+        return source
+    source = Path(spec)
+    _refuse_part_of_a_checkpoint(spec, source)
+    if not source.is_dir():
+        raise CheckpointError(
+            f"trainer.resume={spec}: no such directory; pass a checkpoint folder (RUN/checkpoints/step-N), "
+            "a run directory, latest or auto"
+        )
+    return source
 
 
 def enclosing_checkpoint(path: Path) -> Path | None:
@@ -220,7 +233,7 @@ def _refuse_part_of_a_checkpoint(spec: str, source: Path) -> None:
     if enclosing is None:
         raise CheckpointError(
             f"trainer.resume={spec}: a file, not a checkpoint; a checkpoint is a folder (RUN/checkpoints/step-N): "
-            "pass one, a run directory, or latest"
+            "pass one, a run directory, latest or auto"
         )
     raise CheckpointError(
         f"trainer.resume={spec}: {what} the checkpoint {enclosing}; a checkpoint is a folder, so pass "
@@ -240,11 +253,11 @@ def whole_group_checkpoints(root: Path) -> list[Path]:
     return sorted(root.glob(f"**/{CHECKPOINTS}/step-*/group-*/{COMPLETE}"))
 
 
-def _newest_run(search_dir: Path, exclude: Path) -> Path | None:
+def _newest_run(search_dir: Path, exclude: Path, finished_too: bool) -> Path | None:
     newest: tuple[float, Path] | None = None
     for marker in whole_group_checkpoints(search_dir):
         run = marker.parents[3]
-        if run.resolve() == exclude.resolve():
+        if run.resolve() == exclude.resolve() or (not finished_too and finished(run)):
             continue
         written = marker.stat().st_mtime
         if newest is None or written > newest[0]:
@@ -252,13 +265,28 @@ def _newest_run(search_dir: Path, exclude: Path) -> Path | None:
     return None if newest is None else newest[1]
 
 
-def describe_checkpoints(folders: dict[int, Path]) -> str:
-    """One line: where each group resumes from (its folder, inner step and committed round)."""
+def finished(run: Path) -> bool:
+    """Whether ``run`` ended with its final model (summary.json says ok): no step of it is left to train."""
+    try:
+        return json.loads((run / "summary.json").read_text()).get("ok") is True
+    except (OSError, ValueError, AttributeError):  # no summary (stopped, running, killed) or an unreadable one
+        return False
+
+
+def describe_resume(spec: str, folders: dict[int, Path] | None, search_dir: Path) -> str:
+    """One line for the start of a job: where each group resumes from (its folder, inner step and
+    committed round), or that ``auto`` found nothing to resume."""
+    if folders is None:
+        return (
+            f"starting fresh: trainer.resume={spec} found no whole checkpoint of an unfinished run under "
+            f"{search_dir} (trainer.checkpoint.search_dir)"
+        )
     parts = []
     for group, folder in sorted(folders.items()):
         info = complete_info(folder) or {}
         parts.append(f"group {group} from {folder} (step {info.get('step')}, round {info.get('committed')})")
-    return "; ".join(parts)
+    how = f" (trainer.resume={spec})" if spec in (LATEST, AUTO) else ""  # a path given is in the folders named
+    return f"resuming{how}: " + "; ".join(parts)
 
 
 def check_compatible(group_folder: Path, expected: dict[str, Any]) -> None:

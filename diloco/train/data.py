@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from diloco.config.data import BYTE_VOCAB_SIZE, DataConfig
+from diloco.config.job import JobConfig
 
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 _DTYPES = {"uint16": (torch.uint16, 2), "uint32": (torch.uint32, 4)}
@@ -275,6 +276,29 @@ def shard_windows(train_tokens: int, num_groups: int, seq_len: int) -> int:
     """Training windows in each group's shard: with the seed, what fixes every group's stream."""
     shard_len = train_tokens // num_groups
     return max(shard_len - 1, 0) // seq_len
+
+
+def data_repeats_warning(job: JobConfig, train_tokens: int) -> str | None:
+    """The line a job says at start when its steps read each group's shard of the training split
+    more than once (or None): a run that cycles its data measures memorisation, and nothing else
+    would show it until the eval loss parts from the train loss."""
+    trainer, groups = job.trainer, job.cluster.groups
+    step_windows = trainer.batch_size * job.parallel.dp(job.cluster.workers_per_group) * trainer.grad_accum
+    shard = shard_windows(train_tokens, groups, trainer.seq_len)
+    epochs = trainer.max_steps * step_windows / shard if shard else 0.0
+    if epochs <= 1:
+        return None
+    read = trainer.max_steps * step_windows * trainer.seq_len * groups
+    more = "data=text data.path=... or data=tokens" if job.data.corpus == "stdlib" else "a larger corpus at data.path"
+    return (
+        f"warning: {trainer.max_steps} steps x {groups} groups read {_tokens(read)} tokens, {epochs:.1f} epochs "
+        f"of the {_tokens(train_tokens)}-token training split: the data repeats (more data: {more})"
+    )
+
+
+def _tokens(count: int) -> str:
+    """``8.2M``, ``640.0k``: a token count at a glance."""
+    return f"{count / 1e9:.1f}G" if count >= 1e9 else f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count / 1e3:.1f}k"
 
 
 def _epoch_seed(seed: int, group: int, epoch: int) -> int:

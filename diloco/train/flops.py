@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +64,12 @@ def known_peak_tflops(device_name: str) -> float | None:
     return next((tflops for needed, tflops in KNOWN_PEAK_TFLOPS if needed <= words), None)
 
 
+# How the local launcher hands its measured peak to a worker (``WorkerEnv`` carries it).
+PEAK_ENV = "DILOCO_PEAK_TFLOPS"
+PEAK_SOURCE_ENV = "DILOCO_PEAK_SOURCE"
+LAUNCHER_BUDGET_S = 0.5  # once per launcher, so it can afford to outwait a busy moment
+
+
 @dataclass(frozen=True)
 class Peak:
     """One device's peak TFLOP/s and where the figure comes from (said in the worker's log)."""
@@ -69,9 +77,21 @@ class Peak:
     tflops: float
     source: str
 
+    def to_environ(self) -> dict[str, str]:
+        """The variables that hand this figure to a worker (``handed_peak`` reads them)."""
+        return {PEAK_ENV: repr(self.tflops), PEAK_SOURCE_ENV: self.source}
 
-def device_peak(setting: float, device: torch.device) -> Peak:
-    """``cluster.peak_tflops`` when set; else a known GPU's data-sheet figure; else measured."""
+
+def handed_peak(environ: Mapping[str, str]) -> Peak | None:
+    """The peak the local launcher measured for this worker, if it handed one over."""
+    if PEAK_ENV not in environ:
+        return None
+    return Peak(float(environ[PEAK_ENV]), environ[PEAK_SOURCE_ENV])
+
+
+def device_peak(setting: float, device: torch.device, handed: Peak | None = None) -> Peak:
+    """``cluster.peak_tflops`` when set; else a known GPU's data-sheet figure; else the CPU figure
+    the local launcher ``handed`` over; else measured here (under torchrun nobody hands one over)."""
     if setting > 0:
         return Peak(setting, "cluster.peak_tflops")
     if device.type == "cuda":
@@ -79,30 +99,81 @@ def device_peak(setting: float, device: torch.device) -> Peak:
         known = known_peak_tflops(name)
         if known is not None:
             return Peak(known, f"{name}, bf16 dense, from its data sheet")
-    return measured_peak(device)
+    return handed or measured_peak(device)
 
 
 @functools.cache  # once per worker process: the figure does not change while it trains
-def measured_peak(device: torch.device, budget_s: float = 0.2) -> Peak:
-    """The best rate of square matmuls in the dtype the trainer computes in (fp32 on CPU, bf16
-    under autocast on CUDA) over about ``budget_s``; other processes on the same cores lower it,
-    as they lower training's."""
-    dtype, n = (torch.bfloat16, 8192) if device.type == "cuda" else (torch.float32, 512)
+def measured_peak(device: torch.device) -> Peak:
+    """This worker's own measurement (``best_matmul_tflops``); the other processes on the same
+    cores at that moment lower it, which is why a local launcher measures for its workers."""
+    dtype, n = matmul_shape(device)
+    return Peak(best_matmul_tflops(device), f"measured: best {dtype} {n}x{n} matmul on {device.type}")
+
+
+def matmul_shape(device: torch.device) -> tuple[torch.dtype, int]:
+    """The dtype the trainer computes in (fp32 on CPU, bf16 under autocast on CUDA) and a size that keeps the device busy."""
+    return (torch.bfloat16, 8192) if device.type == "cuda" else (torch.float32, 512)
+
+
+def best_matmul_tflops(
+    device: torch.device, budget_s: float = 0.2, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """The best rate of square matmuls over about ``budget_s`` of wall time: the best attempt is
+    the one least disturbed by whatever else runs on the device. ``clock`` times each attempt."""
+    dtype, n = matmul_shape(device)
     generator = torch.Generator(device).manual_seed(0)  # the global one seeds the model and data
     a, b = (torch.rand(n, n, device=device, dtype=dtype, generator=generator) for _ in range(2))
     best = 0.0
     deadline = time.perf_counter() + budget_s
-    for attempt in range(100):
-        started = time.perf_counter()
+    for attempt in itertools.count():
+        started = clock()
         torch.mm(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        finished = time.perf_counter()
+        finished = clock()
         if attempt > 0:  # the first call pays for allocation and kernel selection
             best = max(best, 2 * n**3 / (finished - started) / 1e12)
-        if attempt >= 3 and finished > deadline:
-            break
-    return Peak(best, f"measured: best {dtype} {n}x{n} matmul on {device.type}")
+        if attempt >= 3 and time.perf_counter() > deadline:
+            return best
+
+
+def one_core_tflops() -> float:
+    """``best_matmul_tflops`` on one CPU core: one intra-op thread (this process's own thread
+    count is restored after), timed by its own CPU time, which other processes taking turns on
+    the core do not stretch. Under a load of 7 on 2 cores the wall clock's median attempt read
+    0.02 TFLOP/s and its best 0.09, the CPU time's 0.08 and 0.09; all cores at once read as
+    little as a tenth of their idle rate, as one thread's wait holds up the others."""
+    own = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return best_matmul_tflops(torch.device("cpu"), LAUNCHER_BUDGET_S, clock=time.thread_time)
+    finally:
+        torch.set_num_threads(own)
+
+
+def cores_per_worker(threads: int, workers: int, cores: int) -> float:
+    """The cores a worker's peak counts: its threads, but never more than its share of the
+    machine, so ``workers`` of them together never claim more than ``cores`` (4 one-thread
+    workers on 2 cores count half a core each, not a whole one)."""
+    return min(threads, cores / workers)
+
+
+@functools.cache  # a process that launches several jobs of one shape measures once
+def launcher_cpu_peak(threads: int, workers: int, cores: int) -> Peak:
+    """The peak of each of ``workers`` CPU workers running ``threads`` threads on ``cores`` cores:
+    one core's, measured by the launcher before any worker starts, times ``cores_per_worker``.
+    The machine is idle then, so every worker gets one figure, alike from run to run (each
+    measuring its own while the others imported and built swung MFU several-fold); and a
+    core's rate times the cores is the machine's peak however many threads a worker runs."""
+    one_core = one_core_tflops()
+    share = cores_per_worker(threads, workers, cores)
+    dtype, n = matmul_shape(torch.device("cpu"))
+    plural = "s" if threads > 1 else ""
+    return Peak(
+        one_core * share,
+        f"measured once by the launcher on the idle machine: best {dtype} {n}x{n} matmul on one core "
+        f"({one_core:.4g}) x {share:.3g} cores per worker ({workers} x {threads} thread{plural} on {cores} cores)",
+    )
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from diloco.outer.synchronizer import Synchronizer
 from diloco.run_paths import RunPaths
 from diloco.train.block_wrappers import apply_block_wrappers, check_compile, will_run_on_cpu
 from diloco.train.checkpoint import check_compatible, rank_dir, resolve_resume, verify_rank
-from diloco.train.data import ShardedBatches, eval_batches, load_corpus, shard_windows
+from diloco.train.data import ShardedBatches, data_repeats_warning, eval_batches, load_corpus, shard_windows
 from diloco.train.device import check_device
-from diloco.train.flops import Utilization, device_peak, flops_per_token
+from diloco.train.flops import Peak, Utilization, device_peak, flops_per_token
 from diloco.train.hf_weights import check_pretrained, load_pretrained
 from diloco.train.inner_opt import build_inner_optimizer
 from diloco.train.logger import MetricsLogger, rename_wandb_run, start_wandb
@@ -84,12 +84,14 @@ def build_trainer(
     on_checkpoint: CheckpointCallback | None = None,
     stop_requested: Callable[[], bool] | None = None,
     pipeline: PipelineRunner | None = None,
+    handed_peak: Peak | None = None,
 ) -> Trainer:
     """The inner loop of one worker, complete: optimizer, schedule and data for its place in the job.
 
     ``worker`` and ``num_workers`` are its data-parallel index and the group's dp degree (the tp
     workers and pipeline stages of one dp index read the same batches). ``inner`` is the optimizer
-    ``outer`` was built with (``build_inner``); a new one otherwise.
+    ``outer`` was built with (``build_inner``); a new one otherwise. ``handed_peak``: the
+    device's peak the local launcher measured (``WorkerEnv.peak``), for MFU.
     ``outer`` is not started here: its owner starts and closes it around ``fit``.
     """
     optimizer, scheduler = inner if inner is not None else build_inner(job, model)
@@ -111,7 +113,7 @@ def build_trainer(
         pace=straggler_pace(job.faults, group),
         utilization=Utilization(
             flops_per_token(job.model, job.trainer.seq_len),
-            device_peak(job.cluster.peak_tflops, device).tflops
+            device_peak(job.cluster.peak_tflops, device, handed_peak).tflops
             * num_workers
             * job.parallel.tp
             * job.parallel.pp,  # devices
@@ -120,25 +122,28 @@ def build_trainer(
     )
 
 
-def preflight(job: JobConfig, paths: RunPaths) -> tuple[int, str]:
+def preflight(job: JobConfig, paths: RunPaths, warn: Callable[[str], None] | None = None) -> tuple[int, str]:
     """Check, in the launching process, what would otherwise fail inside every worker.
 
     Loads the data for every group (a missing or corrupt path, or a shard too small, is
     reported before any process starts), checks the device exists and that every group has
     a checkpoint of this job's shape to resume from; returns the model's parameter count and
-    signature.
+    signature. ``warn`` gets what is allowed but likely unmeant (steps that read the data more
+    than once), once, for the launcher to say with its start lines.
     """
     check_device(job.cluster.device)
     check_compile(job.trainer, on_cpu=will_run_on_cpu(job.cluster.device))
     for group in range(job.cluster.groups):
         build_data(job, group, 0, job.parallel.dp(job.cluster.workers_per_group))
+    if warn and (repeats := data_repeats_warning(job, load_corpus(job.data).train.numel())):
+        warn(repeats)
     model = meta_model(job.model)
     signature = param_signature(job.model, model)
     if job.model.init_from:  # a tensor missing or misshapen, from the headers, before any worker starts
         check_pretrained(model, job.model.init_from)
-    if job.trainer.resume:
+    if folders := resume_folders(job, paths):
         identity = checkpoint_identity(job, signature, job.cluster.workers_per_group)
-        for folder in resume_folders(job, paths).values():
+        for folder in folders.values():
             check_compatible(folder, identity)
             for rank in range(job.cluster.workers_per_group):
                 verify_rank(rank_dir(folder, rank))
@@ -158,8 +163,11 @@ class Replica:
     pipeline: PipelineRunner | None = None  # with parallel.pp > 1: the schedule that runs this worker's stages
 
 
-def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device, rank: int) -> Replica:
-    """Worker ``rank``'s part of the model, sharded, with its inner optimizer (and pipeline schedule)."""
+def build_replica(
+    job: JobConfig, mesh: DeviceMesh, device: torch.device, rank: int, handed_peak: Peak | None = None
+) -> Replica:
+    """Worker ``rank``'s part of the model, sharded, with its inner optimizer (and pipeline
+    schedule); its log says the device's peak (``handed_peak`` as ``build_trainer``'s)."""
     from diloco.worker.sharding import shard_model  # lazily: the launcher imports this module for preflight
 
     torch.manual_seed(job.trainer.seed)  # identical initial weights on every worker and group
@@ -168,7 +176,8 @@ def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device, rank: 
         load_pretrained(model, job.model)
     n_params, signature = count_parameters(model), param_signature(job.model, model)
     apply_block_wrappers(model.layers.values(), job.trainer, device)  # lazy: traced at the first forward
-    peak = device_peak(job.cluster.peak_tflops, device)  # measured (if it must be) before a spare takes over
+    # Measured (if it must be) before a spare takes over.
+    peak = device_peak(job.cluster.peak_tflops, device, handed_peak)
     print(f"peak {peak.tflops:.4g} TFLOP/s per device ({peak.source})", flush=True)
     parallel = job.parallel
     position = parallel.pp_index(rank, job.cluster.workers_per_group)
@@ -183,8 +192,11 @@ def build_replica(job: JobConfig, mesh: DeviceMesh, device: torch.device, rank: 
     return Replica(device, model, sharded, build_inner(job, model), n_params, signature, pipeline)
 
 
-def resume_folders(job: JobConfig, paths: RunPaths) -> dict[int, Path]:
-    """Each group's checkpoint folder for ``trainer.resume`` (see ``checkpoint.resolve_resume``)."""
+def resume_folders(job: JobConfig, paths: RunPaths) -> dict[int, Path] | None:
+    """Each group's checkpoint folder for ``trainer.resume`` (see ``checkpoint.resolve_resume``);
+    None: the job starts fresh."""
+    if not job.trainer.resume:
+        return None
     search_dir = Path(job.trainer.checkpoint.search_dir)
     return resolve_resume(job.trainer.resume, paths.root, search_dir, job.cluster.groups)
 

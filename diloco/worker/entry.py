@@ -31,7 +31,7 @@ from diloco.ft.manager import JobEndedError
 from diloco.ft.state import is_dtensor
 from diloco.process_logging import output_to, setup_process_logging
 from diloco.run_paths import RunPaths
-from diloco.train.checkpoint import check_compatible
+from diloco.train.checkpoint import check_compatible, describe_resume
 from diloco.train.device import select_device
 from diloco.train.logger import start_wandb
 from diloco.train.pipeline import StageChunks, gather_stages
@@ -90,7 +90,7 @@ def run_worker(
         collective_timeout_s=job.cluster.timeouts.collective,
     )
     try:
-        replica = build_replica(job, mesh, device, env.rank)
+        replica = build_replica(job, mesh, device, env.rank, env.peak)
         wandb_run = None
         if spare is not None:
             if env.rank == 0:
@@ -169,9 +169,13 @@ def _train_group(
         on_checkpoint=(lambda t: state.save(t, paths.root, group)) if job.trainer.checkpoint.enabled else None,
         stop_requested=stop.is_set,
         pipeline=replica.pipeline,
+        handed_peak=env.peak,
     )
-    if job.trainer.resume:
-        folder = resume_folders(job, paths)[group]
+    folders = resume_folders(job, paths)
+    if leader and job.trainer.resume:  # under role=group no launcher says it
+        print(describe_resume(job.trainer.resume, folders, Path(job.trainer.checkpoint.search_dir)), flush=True)
+    if folders:
+        folder = folders[group]
         check_compatible(folder, state.identity)
         state.restore(trainer, folder)
     try:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from diloco.config.base import ConfigError
+from diloco.train.flops import Peak, handed_peak
 
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 RESTART_KEY = "TORCHELASTIC_RESTART_COUNT"
@@ -15,7 +16,8 @@ RESTART_KEY = "TORCHELASTIC_RESTART_COUNT"
 
 @dataclass(frozen=True)
 class WorkerEnv:
-    """Where one worker sits in its replica group: torchrun's variables, read once at an entry point."""
+    """Where one worker sits in its replica group: torchrun's variables (and the peak the local
+    launcher measured for it), read once at an entry point."""
 
     rank: int
     world_size: int
@@ -27,6 +29,7 @@ class WorkerEnv:
     # keeps one store for every restart, so each restart's keys need a prefix of their own.
     restart_count: int = 0
     under_agent: bool = False  # started by torch's elastic agent (torchrun), which restarts the group
+    peak: Peak | None = None  # its CPU's peak, from the local launcher (diloco.train.flops); None: it measures its own
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> WorkerEnv:
@@ -53,6 +56,7 @@ class WorkerEnv:
             agent_hosts_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
             restart_count=_integer(environ, RESTART_KEY) if environ.get(RESTART_KEY) else 0,
             under_agent=bool(environ.get("TORCHELASTIC_RUN_ID")),
+            peak=handed_peak(environ),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -62,6 +66,7 @@ class WorkerEnv:
             "LOCAL_RANK": str(self.local_rank),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
+            **(self.peak.to_environ() if self.peak else {}),
         }
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from diloco.config.job import JobConfig, training_config
+from diloco.config.warmups import scheduled
 from diloco.ft.client import LighthouseClient
 from diloco.ft.fault_requests import FaultHook
 from diloco.ft.lane_watch import LaneWatcher
@@ -26,7 +27,7 @@ from diloco.outer.fragments import fragment_parameter_names
 from diloco.outer.synchronizer import Synchronizer
 from diloco.outer.update import global_copy
 from diloco.worker.env import WorkerEnv
-from outer_opt import MomentumWarmup, build_outer_optimizer
+from outer_opt import MomentumWarmup, OuterOptConfig, build_outer_optimizer
 
 HEARTBEATS_PER_TIMEOUT = 4
 
@@ -40,7 +41,9 @@ def lighthouse_url(job: JobConfig) -> str:
     return f"http://{job.cluster.lighthouse.host}:{job.cluster.lighthouse.port}"
 
 
-def build_fragments(job: JobConfig, model: nn.Module, device: torch.device) -> list[Fragment]:
+def build_fragments(
+    job: JobConfig, outer_opt: OuterOptConfig, model: nn.Module, device: torch.device
+) -> list[Fragment]:
     """Split this worker's shard of θ_l into P fragments, each with an fp32 CPU θ_g and an outer optimizer.
 
     A pipeline stage may hold no block of a fragment: it still takes part in that fragment's
@@ -53,8 +56,8 @@ def build_fragments(job: JobConfig, model: nn.Module, device: torch.device) -> l
         local = [local_tensor(params[n]).detach() for n in fragment_names] or [torch.zeros(0, device=device)]
         owned = [counted_here(params[n]) for n in fragment_names] or [True]
         global_ = global_copy(local, pin_memory=device.type == "cuda")
-        optimizer = build_outer_optimizer(global_, job.outer_opt)
-        warmup_steps = job.outer_opt.momentum_warmup_steps
+        optimizer = build_outer_optimizer(global_, outer_opt)
+        warmup_steps = outer_opt.momentum_warmup_steps
         warmup = MomentumWarmup(optimizer, warmup_steps) if warmup_steps else None
         fragments.append(
             Fragment(
@@ -120,19 +123,18 @@ def build_outer_sync(
         t = job.trainer
         tokens_per_step = t.batch_size * job.parallel.dp(env.world_size) * t.grad_accum * t.seq_len
         return GradientSync(params=params, tokens_per_step=tokens_per_step, heal_state=heal_state, **common)
-    fragments = build_fragments(job, model, device)
+    algo, outer_opt = scheduled(job)  # the warm-ups as this job runs them (diloco/config/warmups.py)
+    fragments = build_fragments(job, outer_opt, model, device)
     auto = None
-    if job.algo.auto:
-        auto = AutoOverlap(job.algo, max(sum(g.numel() for g in f.global_) for f in fragments))
+    if algo.auto:
+        auto = AutoOverlap(algo, max(sum(g.numel() for g in f.global_) for f in fragments))
     heal_state = HealState(
         global_params=[f.global_ for f in fragments],
         outer_optimizers=[f.optimizer for f in fragments],
         inner_optimizer=inner_optimizer,
         extra={} if auto is None else {"auto.plan": auto.plan},
     )
-    return OuterSync(
-        algo=job.algo, fragments=fragments, auto=auto, heal_state=heal_state, codec_device=device, **common
-    )
+    return OuterSync(algo=algo, fragments=fragments, auto=auto, heal_state=heal_state, codec_device=device, **common)
 
 
 def control_group(env: WorkerEnv, timeout_s: float) -> dist.ProcessGroup | None:

@@ -93,6 +93,16 @@ def test_metadata_that_does_not_describe_its_token_file_is_refused(tmp_path):
         resolve_data_section(tokens_data(path))
 
 
+def test_the_metadata_given_for_its_token_file_names_the_token_file(tmp_path):
+    meta = metadata_path(prepared(tmp_path / "corpus"))
+    with pytest.raises(ConfigError) as refused:
+        job_config_from_dict({"data": tokens_data(meta)})
+    assert str(refused.value) == (
+        f"data.path={meta}: must be the token file, {tmp_path / 'corpus' / 'tokens.bin'}, not its metadata "
+        "(the .json beside the token file is read from there)"
+    )
+
+
 def test_the_tokenizer_folder_must_hold_the_tokenizer_the_metadata_names(tmp_path):
     path = prepared(tmp_path)
     job = job_config_from_dict({"data": tokens_data(path)})

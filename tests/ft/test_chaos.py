@@ -252,8 +252,8 @@ def test_a_group_that_keeps_crashing_fails_the_job_with_its_last_lines(tmp_path,
         + ["data=text", f"data.path={data}"]
     )
 
-    def check_then_delete(job, paths):
-        found = preflight(job, paths)
+    def check_then_delete(job, paths, warn=None):
+        found = preflight(job, paths, warn)
         data.unlink()
         return found
 

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,50 @@ STREAMING_PP2 = [*ALGOS["streaming"], "cluster.workers_per_group=2", "parallel.p
 LAYOUTS = {"streaming, tp 2": STREAMING_TP2, "streaming, pp 2": STREAMING_PP2}
 
 
+def status_groups(job: Job) -> list[dict]:
+    """The groups as the lighthouse's /status shows them."""
+    with NO_PROXY.open(job.cluster.lighthouse_url + "/status", timeout=5.0) as answer:
+        return json.loads(answer.read())["groups"]
+
+
+def stale_figures(job: Job) -> tuple[list[str], int]:
+    """The groups whose inner step on /status is behind the round the lighthouse holds them at,
+    and how many groups past their first round were looked at. A round is committed after its
+    inner steps and every sign of life (heartbeat, quorum ask, commit) carries the group's
+    progress, so the figure is at least the inner step of the group's round before, less one
+    log line's steps (progress is noted at log lines)."""
+    stale, looked_at = [], 0
+    for group in status_groups(job):
+        shown = group.get("inner_step", 0)
+        steps = {
+            r["round"]: r["inner_step"] for r in committed_rounds(job.paths, int(group["id"].removeprefix("group")))
+        }
+        if (before := steps.get(group["step"] - 1)) is None:  # no round yet, or healed to this one
+            continue
+        looked_at += 1
+        if shown < before - job.job.trainer.log_every:
+            stale.append(f"{group['id']} at round {group['step']} shows inner step {shown}, round before was {before}")
+    return stale, looked_at
+
+
+@dataclasses.dataclass
+class StatusCheck:
+    """/status looked at each time a wait polls: what ``stale_figures`` found, and how many groups it looked at."""
+
+    job: Job
+    stale: list[str] = dataclasses.field(default_factory=list)
+    looked_at: int = 0
+
+    def alongside(self, condition: Callable[[], bool]) -> Callable[[], bool]:
+        def check() -> bool:
+            found, seen = stale_figures(self.job)
+            self.stale += found
+            self.looked_at += seen
+            return condition()
+
+        return check
+
+
 @pytest.mark.parametrize("algo", ["diloco", "streaming"])
 def test_three_groups_hold_identical_state_after_every_commit(job_factory, algo):
     """Two workers per group: with streaming the rounds run on a background thread beside FSDP."""
@@ -204,12 +249,18 @@ def test_a_warm_spare_takes_over_a_killed_group_and_heals(job_factory):
 
 
 def test_late_group_heals_and_joins(job_factory):
-    """Inside a sync warm-up (H = 20, windows of 10 through the job): the late group joins its schedule."""
+    """Inside a sync warm-up (H = 20, windows of 10 through the job): the late group joins its
+    schedule. Those rounds come faster than heartbeats: /status must still show each group's
+    progress as of its last word to the lighthouse (``stale_figures``)."""
     job = job_factory("trainer.max_steps=100000", *SYNC_WARMUP)
     job.start([0, 1])
-    job.cluster.wait_for(lambda: job.rounds_of(0) >= 3, 120, "two groups to commit three rounds")
+    status = StatusCheck(job)
+    job.cluster.wait_for(status.alongside(lambda: job.rounds_of(0) >= 3), 120, "two groups to commit three rounds")
     job.start([2])
-    job.cluster.wait_for(lambda: job.committed_with(2, ALL3), 120, "the late group2 to join a committed round")
+    joined = status.alongside(lambda: job.committed_with(2, ALL3))
+    job.cluster.wait_for(joined, 120, "the late group2 to join a committed round")
+    assert not status.stale, f"/status fell behind the groups (short rounds): {status.stale[:5]}"
+    assert status.looked_at >= 4, "too few groups past a round on /status: the check proved nothing"
     assert job.recoveries_of(2) == 1
     first = committed_rounds(job.paths, 2)[0]
     assert first["round"] > 3, "the late group must continue the job's rounds, not start its own"
@@ -231,8 +282,7 @@ def test_followers_outwait_a_leader_kept_waiting_for_its_first_quorum(job_factor
     job.start([0])
 
     def asked_for_a_quorum() -> bool:
-        with NO_PROXY.open(job.cluster.lighthouse_url + "/status", timeout=5.0) as answer:
-            return any(g["id"] == "group0" and g["waiting_for_quorum"] for g in json.loads(answer.read())["groups"])
+        return any(g["id"] == "group0" and g["waiting_for_quorum"] for g in status_groups(job))
 
     job.cluster.wait_for(asked_for_a_quorum, 60, "group0's leader to ask for its first quorum")
     time.sleep(2 * job.job.cluster.timeouts.collective + 1)

@@ -38,7 +38,7 @@ from diloco.ft import status_page
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lane_watch import LaneWatcher
 from diloco.ft.lanes import CancelScope, LaneCancel, LaneError, Lanes, wait_work
-from diloco.ft.lighthouse import Lighthouse
+from diloco.ft.lighthouse import Lighthouse, save_page
 from diloco.ft.manager import JobEndedError, Manager
 from diloco.ft.protocol import (
     ErrorCode,
@@ -667,10 +667,11 @@ def _report(lh: Lighthouse, group: str, inner_step: int, loss: float, digest: st
 def test_the_page_shows_each_groups_progress_a_loss_curve_and_a_timeline(start):
     lh = start()
     evil = "<b>x</b>"
+    beat(lh, ["A", evil])
+    quorums(ask_all(lh, {"A": 1, evil: 0}))  # evil is behind: it heals from A
     for step, loss in ((10, 3.0), (20, 2.5), (30, 2.0)):
         _report(lh, "A", step, loss, digest="d" * 64, committed=1)
         _report(lh, evil, step, loss + 0.1)
-    quorums(ask_all(lh, {"A": 1, evil: 0}))  # evil is behind: it heals from A
     wait_until(lambda: {e["kind"] for e in status(lh)["timeline"]} >= {"joined", "heal"})
     s = status(lh)
     groups = {g["id"]: g for g in s["groups"]}
@@ -687,6 +688,28 @@ def test_the_page_shows_each_groups_progress_a_loss_curve_and_a_timeline(start):
     assert "the job ended at round 4</b>; saved by A, &lt;b&gt;" in status_page.render_html(ended)
 
 
+def test_the_saved_page_is_the_drawing_with_its_data_inlined_asking_nothing_of_the_lighthouse(start, tmp_path):
+    """What a run leaves in status.html: it opens from disk once the lighthouse is gone, and holds
+    no token (a secret never reaches a file)."""
+    lh = start()
+    evil = "</script><b>x</b>"
+    beat(lh, ["A", evil])
+    quorums(ask_all(lh, {"A": 1, evil: 0}))
+    for step, loss in ((10, 3.0), (20, 2.5)):
+        _report(lh, "A", step, loss)
+        _report(lh, evil, step, loss + 0.1)
+    save_page(lh, tmp_path / "status.html")
+    html = (tmp_path / "status.html").read_text()
+    assert html.count("<svg") == 2 and html.count("<polyline") == 2 and "<circle" in html, "both drawings"
+    asks = ("http-equiv", "href=", "src=", "fetch(", "XMLHttpRequest", lh.url)
+    assert not [found for found in asks if found in html], "a saved page asks the gone lighthouse for nothing"
+    assert html.count("</script>") == 1, "a group id cannot end the inlined data early"
+    data = re.search(r'<script type="application/json" id="status">(.*?)</script>', html, re.DOTALL).group(1)
+    inlined = json.loads(data)
+    assert inlined["curves"]["A"] == [[10, 3.0], [20, 2.5]] and {g["id"] for g in inlined["groups"]} == {"A", evil}
+    assert TOKEN not in html and lh.cfg.token == TOKEN
+
+
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome", "headless_shell")
 
 
@@ -698,10 +721,11 @@ def test_the_page_renders_in_a_real_headless_browser(start, tmp_path):
     if browser is None:
         pytest.skip(f"no headless browser here (looked for {', '.join(BROWSERS)})")
     lh = start()
+    beat(lh, "AB")
+    quorums(ask_all(lh, {"A": 1, "B": 0}))
     for step, loss in ((10, 3.0), (20, 2.5)):
         _report(lh, "A", step, loss, digest="e" * 64)
         _report(lh, "B", step, loss + 0.2)
-    quorums(ask_all(lh, {"A": 1, "B": 0}))
     command = [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run(
         [*command, "--dump-dom", lh.url + "/"], capture_output=True, text=True, timeout=120, check=True
@@ -724,8 +748,12 @@ def test_a_loss_curve_keeps_the_whole_run_in_bounded_points():
     assert len(curve.points) <= 8 and curve.points[0][0] == 1 and curve.points[-1][0] > 50
     curve.add(curve.points[-1][0], 0.0)
     assert curve.points[-1][1] != 0.0, "a repeated step adds nothing"
+    middle = curve.points[len(curve.points) // 2][0]
+    kept = [point for point in curve.points if point[0] < middle]
+    curve.add(middle, 4.0)
+    assert curve.points == [*kept, (middle, 4.0)], "a group that went back goes on from there"
     curve.add(1, 5.0)
-    assert curve.points == [(1, 5.0)], "a group that went back (restarted) starts its curve over"
+    assert curve.points == [(1, 5.0)], "a group that went back to its start (restarted) starts its curve over"
 
 
 def test_the_loss_band_keeps_each_bins_mean_least_and_greatest_in_bounded_bins():
@@ -858,6 +886,26 @@ def test_the_heartbeat_thread_sends_no_beat_while_asks_and_commits_stand_for_the
     manager.stop()
 
 
+def test_asks_and_commits_report_progress_as_the_heartbeats_they_stand_for_would(start):
+    """Rounds faster than heartbeats (a sync warm-up's 10-step windows) leave no heartbeat due:
+    the page showed a group's first figures for the whole run while it trained on."""
+    lh = start()
+    a = client(lh, "A")
+    a.heartbeat(0, 0, progress=GroupProgress(inner_step=5, train_loss=3.0))
+    round_id = a.quorum(0, False, 3.0, progress=GroupProgress(inner_step=10, train_loss=2.5))[0].round_id
+    shown = status(lh)["groups"][0]
+    assert (shown["inner_step"], shown["train_loss"]) == (10, 2.5), "the ask's progress"
+    a.commit(round_id, step=1, progress=GroupProgress(inner_step=20, train_loss=2.0, digest="c" * 64))
+    s = status(lh)
+    assert {k: s["groups"][0][k] for k in ("step", "inner_step", "train_loss", "digest")} == {
+        "step": 1,
+        "inner_step": 20,
+        "train_loss": 2.0,
+        "digest": "c" * 64,
+    }, "the commit's progress"
+    assert s["curves"]["A"] == [[5, 3.0], [10, 2.5], [20, 2.0]]
+
+
 def test_the_hosted_store_is_reachable(start):
     lh = start()
     beat(lh, "A")
@@ -946,12 +994,15 @@ def test_no_pickle_anywhere_in_diloco_ft():
 
 
 @pytest.mark.slow
-def test_serve_forever_prints_its_address_and_a_sigterm_before_the_end_is_no_clean_exit():
-    """Exit 0 means the job ended (a supervisor or orchestrator then restarts nothing)."""
+def test_serve_forever_prints_its_address_and_a_sigterm_before_the_end_is_no_clean_exit(tmp_path):
+    """Exit 0 means the job ended (a supervisor or orchestrator then restarts nothing). Either way
+    the lighthouse leaves its page behind as it stops."""
+    page = tmp_path / "status.html"
     code = (
+        "import pathlib; "
         "from diloco.config.cluster import LighthouseConfig; from diloco.ft.lighthouse import serve_forever; "
         "from diloco.ft.quorum import JobEnd, QuorumRules; "
-        "serve_forever(LighthouseConfig(port=0), QuorumRules(), 'solo', 'sig')"
+        f"serve_forever(LighthouseConfig(port=0), QuorumRules(), 'solo', 'sig', saved_page=pathlib.Path({str(page)!r}))"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -964,6 +1015,7 @@ def test_serve_forever_prints_its_address_and_a_sigterm_before_the_end_is_no_cle
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 1
         assert "lighthouse of job 'solo' stopped by a signal before the job ended" in proc.stderr.read()
+        assert "<title>lighthouse: solo</title>" in page.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

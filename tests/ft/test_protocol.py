@@ -60,6 +60,7 @@ def test_the_field_names_on_the_wire_are_fixed():
     ask = QuorumAsk(**WHO, step=3, commit_failed=True, timeout_s=1.5, config={"algo.name": "diloco"})
     assert ask.to_json() == {
         **WHO,
+        "progress": {},
         "step": 3,
         "commit_failed": True,
         "timeout_s": 1.5,
@@ -78,8 +79,9 @@ def test_the_field_names_on_the_wire_are_fixed():
     assert notice.to_json() == {**WHO, "wait_ms": 1500}
     lane_watch = LaneWatch(**WHO, round_id=7, timeout_s=60.0, gone_seen=1)
     assert lane_watch.to_json() == {**WHO, "round_id": 7, "timeout_s": 60.0, "gone_seen": 1}
-    commit = RoundCommit(**WHO, round_id=7, step=4)
-    assert commit.to_json() == {**WHO, "round_id": 7, "step": 4}
+    commit = RoundCommit(**WHO, round_id=7, step=4, progress={"inner_step": 41})
+    assert commit.to_json() == {**WHO, "round_id": 7, "step": 4, "progress": {"inner_step": 41}}
+    assert commit.group_progress == GroupProgress(inner_step=41), "every sign of life reports progress"
     assert sorted(ENDPOINTS) == ["/commit", "/heartbeat", "/lane_watch", "/quorum", "/recovery", "/round_open"]
     for message in (beat, ask, watch, notice, lane_watch, commit):
         assert parse_request(message.path, json.dumps(message.to_json()).encode()) == message

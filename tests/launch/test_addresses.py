@@ -4,6 +4,7 @@ one line naming the key, the value and the fix, never a socket traceback."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 from diloco.config.base import ConfigError
 from diloco.launch.addresses import check_addresses
 from diloco.launch.local_cluster import free_port
+from diloco.train.flops import Peak
 from diloco.worker.env import WorkerEnv
 from tests.conftest import REPO, compose_job
 
@@ -92,6 +94,13 @@ def test_torchruns_variables_missing_or_malformed_are_a_config_error(environ, me
     with pytest.raises(ConfigError, match=message):
         WorkerEnv.from_environ(environ)
     assert WorkerEnv.from_environ(TORCHRUN_ENV).master_port == 29500
+
+
+def test_the_peak_the_launcher_measured_reaches_the_worker_beside_torchruns_variables():
+    env = WorkerEnv.from_environ(TORCHRUN_ENV)
+    assert env.peak is None  # under torchrun: nobody measured for it
+    handed = dataclasses.replace(env, peak=Peak(0.05, "measured once by the launcher"))
+    assert WorkerEnv.from_environ(handed.to_environ()) == handed
 
 
 def _run(args: list[str], run_dir, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

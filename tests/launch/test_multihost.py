@@ -117,6 +117,7 @@ def test_groups_under_torchrun_come_back_from_a_killed_and_a_stopped_worker_and_
     assert {k: v for k, v in summary.items() if k != "wall_seconds"} == {
         k: v for k, v in by_lighthouse.items() if k != "wall_seconds"
     }
+    assert "lighthouse: run42" in (run_dir / "status.html").read_text(), "role=lighthouse leaves its page behind"
     holding = [str(p) for p in run_dir.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
     assert not holding and token not in "".join(outputs), holding  # the token stays out of every file
     # A group torchrun restarts after the job's end (one that had died before it, say) is told so at

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
-from diloco.launch.progress import ProgressView, remaining_seconds, render_progress
-from diloco.train.logger import MetricsLogger, read_jsonl_tail
+from diloco.launch.progress import (
+    ProgressView,
+    remaining_seconds,
+    render_done,
+    render_progress,
+    render_starting,
+)
+from diloco.launch.supervisor import EventLog, event_line
+from diloco.train.logger import MetricsLogger, read_jsonl, read_jsonl_tail
 
 
 def test_render_progress_shows_step_bar_loss_throughput_and_eta():
@@ -78,3 +86,140 @@ def test_a_group_without_a_quorum_says_so_on_the_console(tmp_path):
     again = io.StringIO()
     ProgressView(files, max_steps=100, out=again).update(elapsed_s=6.0)
     assert "no quorum" not in again.getvalue()
+
+
+def _append(path: Path, record: dict) -> None:
+    with path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def test_before_the_first_step_the_console_says_what_the_job_waits_for():
+    assert render_starting(3.0, 2, 0, 0, 10) == "starting: workers importing torch and building the model (0:03)"
+    assert render_starting(12.0, 2, 1, 0, 10) == "starting: 1 of 2 groups built their model (0:12)"
+    assert render_starting(20.0, 2, 2, 0, 10) == (
+        "starting: 2 of 2 groups built their model; waiting for the first quorum (0:20)"
+    )
+    assert render_starting(25.0, 2, 2, 1, 10) == "starting: 1 of 2 groups joined the first quorum (0:25)"
+    assert render_starting(30.0, 2, 2, 2, 10) == "starting: training to step 10, the first one logged (0:30)"
+    assert render_starting(30.0, 2, 2, None, 10) == "starting: training to step 10, the first one logged (0:30)"
+
+
+def test_the_starting_line_follows_the_run_directory_every_ten_seconds(tmp_path):
+    """A leader opens its metrics file once its model is built; its first commit record is its
+    join; until a step is logged a plain console gets a line every 10 s, each with its time."""
+    metrics = [tmp_path / "m0.jsonl", tmp_path / "m1.jsonl"]
+    commits = [tmp_path / "c0.jsonl", tmp_path / "c1.jsonl"]
+    out = io.StringIO()
+    view = ProgressView(metrics, max_steps=100, out=out, commits=commits)
+    view.update(elapsed_s=2.0)
+    view.update(elapsed_s=5.0)  # nothing new is said before 10 s have passed
+    for path in metrics:
+        path.touch()
+    view.update(elapsed_s=12.0)
+    _append(commits[0], {"round": 0, "join": True})
+    view.update(elapsed_s=22.0)
+    assert out.getvalue().splitlines() == [
+        "starting: workers importing torch and building the model (0:02)",
+        "starting: 2 of 2 groups built their model; waiting for the first quorum (0:12)",
+        "starting: 1 of 2 groups joined the first quorum (0:22)",
+    ]
+
+
+def test_a_step_that_does_not_change_is_repeated_every_30_s_saying_for_how_long_nothing_was_logged(tmp_path):
+    """A slow model logs every 10 steps: its line is not reprinted every 10 s as if new, and it
+    has an ETA from its first logged steps' own time per step."""
+    files = [tmp_path / "g0.jsonl"]
+    _append(files[0], {"step": 10, "train/step_ms": 4000.0})
+    out = io.StringIO()
+    view = ProgressView(files, max_steps=100, out=out)
+    for elapsed in range(100, 141, 5):
+        view.update(elapsed_s=float(elapsed))
+    assert out.getvalue().splitlines() == [
+        "step 10/100 [##......................] 1:40<6:00",  # 90 steps at 4 s
+        "step 10/100 [##......................] 2:10<5:30 | nothing logged for 0:30 (trainer.log_every=10 steps)",
+    ]
+    _append(files[0], {"step": 20, "train/step_ms": 4000.0})
+    view.update(elapsed_s=150.0)  # now measured: 10 steps in 50 s
+    assert out.getvalue().splitlines()[-1] == "step 20/100 [#####...................] 2:30<6:40"
+
+
+def test_the_last_line_shows_the_jobs_average_rate_as_the_done_line_and_summary_do(tmp_path):
+    """While training the line sums the groups' last logged rates; the last one, drawn once
+    summary.json is written, has its tokens_per_s, TFLOP/s and MFU scaled alike, and the line
+    the loop would print at the last step is left to it."""
+    files = [tmp_path / "g0.jsonl", tmp_path / "g1.jsonl"]
+    for path in files:
+        _append(path, {"step": 100, "train/tokens_per_s": 20_000.0, "train/tflops": 0.02, "train/mfu": 0.1})
+    out = io.StringIO()
+    view = ProgressView(files, max_steps=100, out=out)
+    view.update(elapsed_s=80.0)
+    assert out.getvalue() == ""
+    view.finish(elapsed_s=82.0, job_tokens_per_s=24_500.0)
+    assert out.getvalue() == "step 100/100 [########################] tok/s 24.5k TFLOP/s 0.0245 MFU 6.1% 1:22<0:00\n"
+
+
+def test_on_a_terminal_the_line_is_redrawn_in_place_and_an_event_line_clears_it_first(tmp_path):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    files = [tmp_path / "g0.jsonl"]
+    _append(files[0], {"step": 10})
+    out = Terminal()
+    view = ProgressView(files, max_steps=100, out=out)
+    view.update(elapsed_s=10.0)
+    EventLog(tmp_path / "events.jsonl", 0.0, out).write("kill", 0)
+    assert out.getvalue().startswith("\r\x1b[Kstep 10/100 ")
+    assert "\r\x1b[Kfault: kill group 0 (SIGKILL) at " in out.getvalue()
+
+
+SUMMARY = {
+    "ok": True,
+    "algo": "diloco",
+    "final_eval_loss": 1.531,
+    "final_eval_ppl": 4.62,
+    "tokens_seen": 2_048_000,
+    "wall_seconds": 95.2,
+    "train_seconds": 83.6,
+    "tokens_per_s": 24_497.0,
+    "rounds": 18,
+    "syncs_committed": 35,
+    "syncs_attempted": 36,
+    "faults": {"kill": 2, "hang": 1, "recovery": 3, "restart": 2, "resume": 1, "skipped": 1},
+    "recoveries": 2,
+}
+
+
+def test_the_done_line_counts_tokens_rate_rounds_faults_and_recoveries():
+    path = Path("/run/summary.json")
+    assert render_done(SUMMARY, path) == (
+        "done: eval loss 1.5310 (ppl 4.62); 2,048,000 tokens in 95s (24.5k tok/s over 84s of training); "
+        "18 rounds, 35/36 syncs committed; faults: 2 kill, 1 hang, 2 recoveries; summary in /run/summary.json"
+    )
+    calm = SUMMARY | {"ok": False, "algo": "local", "faults": {}, "recoveries": 1}
+    assert render_done(calm, path) == (
+        "failed: eval loss 1.5310 (ppl 4.62); 2,048,000 tokens in 95s (24.5k tok/s over 84s of training); "
+        "no faults, 1 recovery; summary in /run/summary.json"
+    )
+
+
+def test_each_event_is_one_plain_console_line_and_one_record(tmp_path):
+    out = io.StringIO()
+    events = EventLog(tmp_path / "events.jsonl", 0.0, out)
+    events.write("kill", 1)
+    assert read_jsonl(tmp_path / "events.jsonl")[0]["kind"] == "kill"
+    assert out.getvalue().startswith("fault: kill group 1 (SIGKILL) at ") and out.getvalue().count("\n") == 1
+    assert event_line({"kind": "restart", "group": 1, "elapsed": 16.2}) == "restart: group 1 at 0:16"
+    assert event_line({"kind": "restart", "group": 1, "spare": 0, "elapsed": 16.2}) == (
+        "restart: group 1 on warm spare 0 at 0:16"
+    )
+    crash = {"kind": "crash", "group": 0, "rank": 1, "code": -9, "in_a_row": 1, "max_restarts": 3, "elapsed": 75.0}
+    assert event_line(crash) == (
+        "crash: group 0 rank 1 exited with code -9 (1 in a row; more than cluster.max_restarts=3 fail the job) at 1:15"
+    )
+    wait = {"kind": "recovery", "group": 2, "choice": "wait", "ready_s": 7.6, "elapsed": 5.0}
+    assert event_line(wait) == "recovery: the others wait for group 2 (ready in ~8s) at 0:05"
+    assert event_line({"kind": "lighthouse_down", "group": None, "elapsed": 0.0}) == "fault: lighthouse killed at 0:00"
+    assert (
+        event_line({"kind": "crash", "group": 1, "elapsed": 1.0}) == "crash: group 1 rank ? exited with code ? at 0:01"
+    )

@@ -132,6 +132,7 @@ def test_a_local_job_with_wandb_keeps_its_token_in_job_json_alone(tmp_path, sour
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert TOKEN not in result.stdout + result.stderr
     assert list(run_dir.rglob("*.wandb")), "wandb wrote no offline run: the test would prove nothing"
+    assert (run_dir / "status.html").is_file(), "the lighthouse leaves its status page behind"
     assert _files_holding(run_dir, TOKEN) == ["job.json"]
     assert stat.S_IMODE((run_dir / "job.json").stat().st_mode) == 0o600
     assert json.loads((run_dir / "job.json").read_text())["cluster"]["lighthouse"]["token"] == TOKEN  # it was used

@@ -83,6 +83,13 @@ def test_forked_and_execd_workers_train_the_same_model(tmp_path, shape):
         paths = RunPaths(tmp_path / spawn)
         rounds = [[(r["round"], r["digest"]) for r in committed(paths, g)] for g in range(job.cluster.groups)]
         assert all(rounds), f"spawn={spawn}: some group committed no round: {rounds}"
+        peaks = [
+            line
+            for log in paths.logs.glob("group*.log")
+            for line in log.read_text().splitlines()
+            if line.startswith("peak ")
+        ]
+        assert peaks and all("measured once by the launcher" in p for p in peaks), f"spawn={spawn}: {peaks}"
         outcomes[spawn] = (rounds, summary["final_eval_loss"])
     assert (tmp_path / "fork" / "logs" / "forkserver.log").exists()
     assert not (tmp_path / "exec" / "logs" / "forkserver.log").exists()

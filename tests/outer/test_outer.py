@@ -135,7 +135,7 @@ def test_streaming_update_matches_the_closed_form_over_several_syncs(
         + ["cluster.groups=1", "algo=streaming", f"algo.sync_every={H}", f"algo.fragments={P}"]
         + [f"algo.delay={tau}", f"algo.alpha={alpha}", "algo.quantize=none", f"trainer.max_steps={steps}"]
         + [f"outer_opt.momentum_warmup_steps={warmup}", f"algo.alpha_warmup_steps={alpha_warmup}"]
-        + [f"algo.sync_warmup_steps={sync_warmup}", "algo.sync_warmup_every=4"]
+        + [f"algo.sync_warmup_steps={sync_warmup}", "algo.sync_warmup_every=4", "trainer.warmup_share=1"]
     )
     sync = SyncWarmup(4, sync_warmup) if sync_warmup else None
     assert job.algo.sync_warmup_window() == (None if sync is None else (4, sync_warmup))
@@ -265,10 +265,11 @@ def _sgd_trainer(job, group: int, num_groups: int, tmp_path: Path | None = None)
 
 
 SGD_EXACT = ["inner_opt=sgd", "outer_opt=avg", "algo.sync_every=1", "trainer.max_steps=3", "trainer.seq_len=32"]
+AVERAGED = ["algo.alpha=0"]  # each group takes θ_g whole: the outer step is the plain mean
 
 
 def test_one_group_sync_every_step_with_sgd_and_averaging_is_plain_sgd(tmp_path):
-    job = compose_job(BASE + SGD_EXACT + ["cluster.groups=1", "trainer.batch_size=4"])
+    job = compose_job(BASE + SGD_EXACT + AVERAGED + ["cluster.groups=1", "trainer.batch_size=4"])
     plain = _sgd_trainer(job, 0, 1)
     plain.fit()
     with lighthouse_for(job) as job:
@@ -282,7 +283,7 @@ def test_one_group_sync_every_step_with_sgd_and_averaging_is_plain_sgd(tmp_path)
 
 def test_two_groups_sync_every_step_with_sgd_and_averaging_is_data_parallel_sgd(tmp_path):
     """M=2, H=1, inner SGD, outer SGD lr 1 equals SGD on both groups' batches together."""
-    job = compose_job(BASE + SGD_EXACT + ["cluster.groups=2", "trainer.batch_size=4"])
+    job = compose_job(BASE + SGD_EXACT + AVERAGED + ["cluster.groups=2", "trainer.batch_size=4"])
     # The reference: one model, each step's gradient on the union of the two groups' batches.
     reference = _sgd_trainer(job, 0, 2)
     reference_batches = [_sgd_trainer(job, g, 2).batches for g in range(2)]

@@ -23,6 +23,7 @@ from diloco.launch.roles import trained_job_config
 from diloco.prepare.pipeline import prepare_corpus, render_prepare_progress
 from diloco.prepare.shards import encode_chunks, split_runs
 from diloco.prepare.sources import Source, find_sources, format_of
+from diloco.prepare.tokenizer import short_vocabulary_line
 from diloco.train.corpus_meta import load_tokenizer, read_corpus_meta, tokenizer_folder
 from diloco.train.data import DataError, load_corpus, stdlib_files
 from tests.conftest import REPO, compose_job
@@ -114,7 +115,32 @@ def test_bad_prepare_values_name_the_key():
         PrepareConfig(vocab_size=300, tokenizer="t.json").validate()
 
 
+def test_a_trained_vocabulary_smaller_than_asked_is_said_with_why():
+    assert short_vocabulary_line(8192, 4328, 1_234_567, 256) == (
+        "prepare: the trained vocabulary holds 4,328 tokens, not the 8,192 asked: the corpus (1,234,567 bytes) "
+        "is too small to have that many merges; tokens.json records 4,328 and the model follows it"
+    )
+    assert "the first 1 MB read for training (prepare.train_mb) have no more pairs" in short_vocabulary_line(
+        8192, 4328, 5 << 20, 1
+    )
+    assert short_vocabulary_line(8192, 8192, 1_234_567, 256) is None
+
+
 # --- slow: real files through datasets and tokenizers ---------------------------------------------
+
+
+@pytest.mark.slow  # datasets' first read (~2 s of imports)
+def test_prepare_says_when_the_corpus_is_too_small_for_the_vocabulary_asked(tmp_path):
+    (tmp_path / "in.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)  # 900 bytes
+    said = []
+    cfg = PrepareConfig(input=str(tmp_path / "in.txt"), output=str(tmp_path / "out"), vocab_size=2000)
+    meta = prepare_corpus(cfg, said.append)
+    assert meta.tokenizer.vocab_size < 2000
+    assert (
+        f"prepare: the trained vocabulary holds {meta.tokenizer.vocab_size:,} tokens, not the 2,000 asked: the "
+        "corpus (900 bytes) is too small to have that many merges; tokens.json records "
+        f"{meta.tokenizer.vocab_size:,} and the model follows it"
+    ) in said
 
 
 def small_tokenizer(folder: Path) -> Path:

@@ -5,6 +5,7 @@ job equal bit for bit to an uninterrupted one, and Ctrl-C keeping summary, model
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import signal
@@ -17,13 +18,14 @@ import torch
 
 from diloco.config.base import ConfigError
 from diloco.launch.inference import locate_weights, read_weights
-from diloco.launch.launcher import launch
+from diloco.launch.launcher import launch, pin_resume
 from diloco.launch.local_cluster import wait_until
 from diloco.run_paths import RunPaths
 from diloco.train.checkpoint import (
     COMPLETE,
     CheckpointError,
     check_compatible,
+    describe_resume,
     group_dir,
     load_rank,
     mark_complete,
@@ -168,6 +170,43 @@ def test_resume_latest_is_the_run_with_the_newest_whole_checkpoint_but_this_one(
         resolve_resume("latest", this, tmp_path / "empty", 1)
 
 
+def test_resume_auto_starts_fresh_without_a_whole_checkpoint_and_else_resumes_as_latest(tmp_path):
+    """One command line both starts a job and resumes it: the README's tour on a fresh clone."""
+    outputs = tmp_path / "outputs"
+    this = outputs / "b" / "r2"
+    assert resolve_resume("auto", this, outputs, 1) is None  # no outputs folder at all
+    assert describe_resume("auto", None, outputs) == (
+        f"starting fresh: trainer.resume=auto found no whole checkpoint of an unfinished run under {outputs} "
+        "(trainer.checkpoint.search_dir)"
+    )
+    group_dir(step_dir(outputs / "a" / "r0", 10), 0).mkdir(parents=True)  # never completed
+    _save_group(this, 0, 30)  # this run's own
+    assert resolve_resume("auto", this, outputs, 1) is None
+    folder = _save_group(outputs / "a" / "r1", 0, 20)
+    assert resolve_resume("auto", this, outputs, 1) == {0: folder}
+    assert describe_resume("auto", {0: folder}, outputs) == (
+        f"resuming (trainer.resume=auto): group 0 from {folder} (step 20, round 2)"
+    )
+    (outputs / "a" / "r1" / "summary.json").write_text('{"ok": false, "interrupted": true}')  # a planned stop
+    assert resolve_resume("auto", this, outputs, 1) == {0: folder}
+    (outputs / "a" / "r1" / "summary.json").write_text('{"ok": true}')  # it ended with its final model
+    assert resolve_resume("auto", this, outputs, 1) is None, "a finished run has nothing left to train"
+    assert resolve_resume("latest", this, outputs, 1) == {0: folder}, "latest trains it further"
+
+
+def test_the_launcher_resolves_auto_once_for_every_process_and_says_which(tmp_path):
+    """Workers read the run it found (or none), not whatever run is newest when one restarts."""
+    outputs = tmp_path / "outputs"
+    job = compose_job(["logger=none", "trainer.resume=auto", f"trainer.checkpoint.search_dir={outputs}"])
+    said = io.StringIO()
+    assert pin_resume(job, RunPaths(outputs / "new"), said).trainer.resume == ""
+    assert said.getvalue().startswith("starting fresh: trainer.resume=auto found no whole checkpoint of an unfinished")
+    for group in (0, 1):
+        _save_group(outputs / "old", group, 20)
+    assert pin_resume(job, RunPaths(outputs / "new"), said).trainer.resume == str(outputs / "old")
+    assert said.getvalue().splitlines()[-1].startswith("resuming (trainer.resume=auto): group 0 from ")
+
+
 def test_checkpoint_every_must_fall_between_rounds():
     compose_job(["trainer.checkpoint.every=100", "algo.sync_every=50"]).validate()
     compose_job(["trainer.checkpoint.every=7", "algo=ddp"]).validate()
@@ -180,7 +219,7 @@ def test_checkpoint_every_must_fall_between_rounds():
 RESUMABLE = ["logger=none", "cluster.min_groups=2", "algo.sync_every=10", "trainer.eval_every=0"]
 RESUMABLE += ["trainer.checkpoint.every=20", "trainer.max_steps=40"]
 # H = 20 with windows of 10 up to step 20: rounds at 10, 20 and 40, the checkpoint where the warm-up ends.
-SYNC_WARMUP = ["algo.sync_every=20", "algo.sync_warmup_every=10", "algo.sync_warmup_steps=20"]
+SYNC_WARMUP = ["algo.sync_every=20", "algo.sync_warmup_every=10", "algo.sync_warmup_steps=20", "trainer.warmup_share=1"]
 
 
 @pytest.mark.slow

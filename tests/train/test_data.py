@@ -12,16 +12,20 @@ import torch
 
 from diloco.config.base import ConfigError
 from diloco.config.data import DataConfig
+from diloco.run_paths import RunPaths
 from diloco.train import data as data_module
 from diloco.train.data import (
     ByteTokenizer,
     DataError,
     ShardedBatches,
+    data_repeats_warning,
     eval_batches,
     load_corpus,
     read_corpus,
     stdlib_files,
 )
+from diloco.worker.builders import preflight
+from tests.conftest import compose_job
 
 
 @pytest.fixture(scope="module")
@@ -388,3 +392,27 @@ def test_eval_batches_drop_ragged_tail_and_too_small():
 def test_stdlib_eval_batches(stdlib_splits):
     out = eval_batches(stdlib_splits.val, seq_len=64, batch_size=4, max_batches=2, worker=0, num_workers=1)
     assert len(out) == 2 and out[0][0].dtype == torch.int64
+
+
+def test_a_job_that_reads_its_data_more_than_once_says_so():
+    """4 groups x 2 workers x 8 sequences of 128: 2,048 tokens per group step, 650k-token shards."""
+    job = compose_job(["cluster.groups=4", "trainer.max_steps=500"])
+    assert data_repeats_warning(job, 2_600_000) == (
+        "warning: 500 steps x 4 groups read 4.1M tokens, 1.6 epochs of the 2.6M-token training split: "
+        "the data repeats (more data: data=text data.path=... or data=tokens)"
+    )
+    assert data_repeats_warning(job, 4_200_000) is None  # 0.98 epochs: each window read at most once
+    tensor_parallel = compose_job(["cluster.groups=4", "trainer.max_steps=500", "parallel.tp=2"])
+    assert data_repeats_warning(tensor_parallel, 2_600_000) is None  # one batch per step for both tp workers
+    text = compose_job(
+        ["cluster.groups=4", "trainer.max_steps=500", "trainer.grad_accum=2", "data=text", f"data.path={__file__}"]
+    )
+    assert data_repeats_warning(text, 2_600_000).endswith(
+        "3.2 epochs of the 2.6M-token training split: the data repeats (more data: a larger corpus at data.path)"
+    )
+
+
+def test_preflight_says_it_once_for_the_launcher(tmp_path):
+    said = []
+    preflight(compose_job(["cluster.groups=4", "trainer.max_steps=5000"]), RunPaths(tmp_path), said.append)
+    assert len(said) == 1 and said[0].startswith("warning: 5000 steps x 4 groups read 41.0M tokens, 1.3 epochs of the ")

@@ -8,11 +8,16 @@ import pytest
 import torch
 
 from diloco.config.model import ModelConfig
+from diloco.train import flops
 from diloco.train.flops import (
+    Peak,
     Utilization,
+    cores_per_worker,
     device_peak,
     flops_per_token,
+    handed_peak,
     known_peak_tflops,
+    launcher_cpu_peak,
     measured_peak,
     non_embedding_parameters,
 )
@@ -61,6 +66,31 @@ def test_the_peak_is_the_setting_else_measured_on_cpu_and_said_so():
     peak = device_peak(0.0, torch.device("cpu"))
     assert peak.tflops > 0 and peak.source.startswith("measured: best torch.float32 512x512 matmul on cpu")
     assert measured_peak(torch.device("cpu")) is peak  # once per process
+
+
+def test_a_peak_handed_over_by_the_launcher_is_used_unless_the_setting_says_otherwise():
+    handed = Peak(0.05, "measured once by the launcher")
+    assert handed_peak({"PATH": "/bin", **handed.to_environ()}) == handed
+    assert handed_peak({"PATH": "/bin"}) is None  # under torchrun: the worker measures its own
+    assert device_peak(0.0, torch.device("cpu"), handed) == handed
+    assert device_peak(123.0, torch.device("cpu"), handed).source == "cluster.peak_tflops"
+
+
+def test_workers_together_never_claim_more_than_all_the_cores():
+    assert cores_per_worker(threads=1, workers=4, cores=2) == 0.5
+    assert cores_per_worker(threads=1, workers=2, cores=2) == 1
+    assert cores_per_worker(threads=2, workers=1, cores=2) == 2
+    assert cores_per_worker(threads=2, workers=2, cores=5) == 2  # the fifth core is no worker's
+
+
+def test_the_launchers_figure_says_how_it_was_measured_and_shared(monkeypatch):
+    monkeypatch.setattr(flops, "one_core_tflops", lambda: 0.1)
+    peak = launcher_cpu_peak.__wrapped__(threads=1, workers=4, cores=2)  # unmeasured: no cache
+    assert peak.tflops == pytest.approx(0.05)
+    assert peak.source == (
+        "measured once by the launcher on the idle machine: best torch.float32 512x512 matmul on one core "
+        "(0.1) x 0.5 cores per worker (4 x 1 thread on 2 cores)"
+    )
 
 
 def test_utilization_is_achieved_flops_over_the_groups_peak():

@@ -1,0 +1,80 @@
+"""The job's outer warm-ups as they run: each cut to ``trainer.warmup_share`` of ``trainer.max_steps``.
+
+Three schedules ramp in over a job's first inner steps: the sync warm-up (windows of H₀ < H
+steps up to step W), the mixing α's ramp and the outer momentum μ's ramp. Tuned on 5,000-step
+jobs, at their configured lengths they would fill a short job whole, so every value of
+``algo.sync_every`` would give the same job. ``scheduled`` cuts each to the share: the sync
+warm-up to whole H windows (W stays a multiple of H, so the rounds after it, checkpoints and
+the last round fall where they would without it), the ramps to the share in steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from diloco.config.algo import AlgoConfig
+from diloco.config.job import JobConfig
+from outer_opt import OuterOptConfig
+
+SYNCING = ("diloco", "streaming")  # the algorithms with outer rounds, and so with warm-ups
+
+
+def scheduled(job: JobConfig) -> tuple[AlgoConfig, OuterOptConfig]:
+    """The job's ``algo`` and ``outer_opt`` with each warm-up as it runs (a cut one shortened)."""
+    algo, outer_opt, max_steps = job.algo, job.outer_opt, job.trainer.max_steps
+    if algo.name not in SYNCING or job.trainer.warmup_share >= 1:
+        return algo, outer_opt
+    limit = int(job.trainer.warmup_share * max_steps)
+    H = algo.sync_every
+    sync_steps = min(-(-algo.sync_warmup_steps // H) * H, limit // H * H)
+    return (
+        replace(algo, sync_warmup_steps=sync_steps, alpha_warmup_steps=min(algo.alpha_warmup_steps, limit)),
+        replace(outer_opt, momentum_warmup_steps=min(outer_opt.momentum_warmup_steps, limit)),
+    )
+
+
+def planned_windows(job: JobConfig) -> int:
+    """How many sync windows a group runs in ``trainer.max_steps`` (the warm-up's short ones
+    included); each window syncs each of the P fragments once. 0 without outer rounds."""
+    if job.algo.name not in SYNCING:
+        return 0
+    max_steps = job.trainer.max_steps
+    short, warm = scheduled(job)[0].sync_warmup_window() or (job.algo.sync_every, 0)
+    warm = min(warm, max_steps)  # trainer.warmup_share=1: a warm-up may outlast the job
+    return warm // short + (max_steps - warm) // job.algo.sync_every
+
+
+def warmup_line(job: JobConfig) -> str | None:
+    """One line for the job's start: each warm-up as it will run, what was cut, and the key that
+    turns it off; None when the job has none."""
+    algo, outer_opt, max_steps = job.algo, job.outer_opt, job.trainer.max_steps
+    if algo.name not in SYNCING:
+        return None
+    run_algo, run_opt = scheduled(job)
+    parts = []
+    if window := run_algo.sync_warmup_window():
+        short, warm = window
+        key = _key("algo.sync_warmup_steps", warm, algo.sync_warmup_steps)
+        parts.append(f"windows of {short} steps up to step {warm}, then H={algo.sync_every} ({key})")
+    elif algo.sync_warmup_window():
+        parts.append(
+            f"none of the sync warm-up's short windows (algo.sync_warmup_steps={algo.sync_warmup_steps}, cut to 0)"
+        )
+    if run_algo.alpha_warmup_steps and algo.alpha:
+        key = _key("algo.alpha_warmup_steps", run_algo.alpha_warmup_steps, algo.alpha_warmup_steps)
+        parts.append(f"α 0→{algo.alpha:g} over {run_algo.alpha_warmup_steps} steps ({key})")
+    momentum = outer_opt.momentum if outer_opt.name in ("nesterov", "sgd") else 0.0
+    if run_opt.momentum_warmup_steps and momentum:
+        key = _key("outer_opt.momentum_warmup_steps", run_opt.momentum_warmup_steps, outer_opt.momentum_warmup_steps)
+        parts.append(f"outer momentum 0→{momentum:g} over {run_opt.momentum_warmup_steps} steps ({key})")
+    if not parts:
+        return None
+    return (
+        f"warm-ups (each at most {job.trainer.warmup_share:.0%} of the {max_steps} steps, trainer.warmup_share; "
+        f"its key =0 turns one off): {'; '.join(parts)}"
+    )
+
+
+def _key(name: str, run: int, configured: int) -> str:
+    """``algo.alpha_warmup_steps=1000, cut``: the key, and whether the share shortened it."""
+    return f"{name}={configured}" + (", cut" if run < configured else "")

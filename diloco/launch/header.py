@@ -1,0 +1,118 @@
+"""The few lines a local job prints at its start: what it trains, how its groups sync and how
+much they send, the tokens it reads, its warm-ups, and where to watch it.
+
+A new user learns here, before the first step, what the composed presets and overrides made
+of the job: every number is derived from the ``JobConfig`` the workers get.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from diloco.config.algo import AlgoConfig
+from diloco.config.base import to_dict
+from diloco.config.job import JobConfig
+from diloco.config.model import ModelConfig
+from diloco.config.warmups import planned_windows, warmup_line
+from diloco.launch.compose import CONF_DIR, load_saved_config
+from diloco.outer.perf_model import topk_bits_per_param
+from diloco.outer.quantize import packed_nbytes
+from diloco.outer.sparse import TopK
+
+# Fields a preset does not decide: the data sets the vocabulary, model.init_from a checkpoint's shape.
+NOT_SHAPE = ("vocab_size", "init_from")
+
+
+def header_lines(job: JobConfig, n_params: int, status_url: str | None, run_dir: Path) -> list[str]:
+    """The job's header, one fact per line (``status_url`` None: no lighthouse, so no page)."""
+    lines = [model_line(job, n_params), algo_line(job, n_params), tokens_line(job)]
+    if warmups := warmup_line(job):
+        lines.append(warmups)
+    page = f", status page {status_url}/" if status_url else ""
+    return [*lines, f"watch: run directory {run_dir}{page}"]  # the page last: tools read its URL off the end
+
+
+def model_line(job: JobConfig, n_params: int) -> str:
+    """``model: tiny (2 layers, dim 64, 4 heads, vocab 256), 131,392 parameters; 2 groups x 2
+    workers (dp 2)``: the preset or checkpoint, the shape, and each group's pp x dp x tp mesh."""
+    m = job.model
+    shape = f"{m.n_layers} layers, dim {m.dim}, {m.n_heads} heads, vocab {m.vocab_size}"
+    name = m.init_from or model_preset(m)
+    mesh = [("pp", job.parallel.pp), ("dp", job.parallel.dp(job.cluster.workers_per_group)), ("tp", job.parallel.tp)]
+    layout = " x ".join(f"{dim} {size}" for dim, size in mesh if size > 1 or dim == "dp")
+    groups = f"{_count(job.cluster.groups, 'group')} x {_count(job.cluster.workers_per_group, 'worker')}"
+    described = f"{name} ({shape})" if name else shape
+    return f"model: {described}, {n_params:,} parameters; {groups} ({layout})"
+
+
+def model_preset(model: ModelConfig) -> str | None:
+    """The ``conf/model`` preset whose shape ``model`` has, so the header names what was chosen;
+    None for a shape of one's own (a preset with a key overridden). A file of ``conf/model``
+    holding more than ``model.*`` keys names no shape."""
+    keys = to_dict(ModelConfig()).keys()
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        preset = load_saved_config(path)
+        if preset.keys() <= keys and _shape(replace(ModelConfig(), **preset)) == _shape(model):
+            return path.stem
+    return None
+
+
+def _shape(model: ModelConfig) -> dict[str, object]:
+    return {key: value for key, value in to_dict(model).items() if key not in NOT_SHAPE}
+
+
+def algo_line(job: JobConfig, n_params: int) -> str:
+    """How the groups sync and what each sends per round: ``algo: diloco H=50 P=1 τ=0, payload
+    fp32, outer nesterov lr 0.7; 18 rounds of ~526 kB per group``."""
+    algo = job.algo
+    if algo.name == "local":
+        return "algo: local, every group trains alone (no sync; the no-communication baseline)"
+    if algo.name == "ddp":
+        gradients = _size(packed_nbytes(n_params, "none"))
+        return (
+            f"algo: ddp, the gradients all-reduced every step: {job.trainer.max_steps} rounds of ~{gradients} per group"
+        )
+    payload, bytes_per_model = payload_of(algo, n_params)
+    rounds = planned_windows(job) * algo.fragments
+    auto = " (algo.auto re-picks τ and the format each round)" if algo.auto else ""
+    return (
+        f"algo: {algo.name} H={algo.sync_every} P={algo.fragments} τ={algo.delay}, payload {payload}{auto}, "
+        f"outer {job.outer_opt.name} lr {job.outer_opt.lr:g}; "
+        f"{rounds} rounds of ~{_size(bytes_per_model / algo.fragments)} per group"
+    )
+
+
+def payload_of(algo: AlgoConfig, n_params: int) -> tuple[str, float]:
+    """The payload's format, and its bytes for the whole model: a round sends one fragment's share."""
+    if algo.compress == "topk":
+        codec = TopK(density=algo.density, value_bits=algo.value_bits)
+        bits = topk_bits_per_param(codec, n_params)
+        return f"top {100 * algo.density:g}% in {algo.value_bits}-bit values", n_params * bits / 8
+    return ("fp32" if algo.quantize == "none" else algo.quantize), packed_nbytes(n_params, algo.quantize)
+
+
+def tokens_line(job: JobConfig) -> str:
+    """``tokens: 2,048 per step per group (batch 8 x dp 2 x accum 1 x seq 128), 4,096 per step;
+    2,048,000 in 500 steps``."""
+    t = job.trainer
+    dp = job.parallel.dp(job.cluster.workers_per_group)
+    per_group = t.batch_size * dp * t.grad_accum * t.seq_len
+    per_job = per_group * job.cluster.groups
+    return (
+        f"tokens: {per_group:,} per step per group (batch {t.batch_size} x dp {dp} x accum {t.grad_accum} "
+        f"x seq {t.seq_len}), {per_job:,} per step; {per_job * t.max_steps:,} in {t.max_steps} steps"
+    )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _size(n_bytes: float) -> str:
+    """``526 kB``, ``76.4 MB``: three significant digits, decimal units (as link speeds are)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n_bytes < 999.5:
+            return f"{n_bytes:.3g} {unit}"
+        n_bytes /= 1000
+    return f"{n_bytes:.3g} TB"
