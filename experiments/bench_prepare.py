@@ -97,7 +97,7 @@ def run_prepare(options: list[str]) -> tuple[float, float, str]:
 
 
 def table(rows: list[Measured]) -> str:
-    """The results as a markdown table (docs/results.md keeps it beside the command)."""
+    """The results as a markdown table (docs/results/parallelism.md keeps it beside the command)."""
     lines = [
         "| workers | corpus MB | documents | tokens | wall s | tokens/s | documents/s | MB/s | peak RSS MB |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts: compose the real conf/ tree, run jobs, read their records.
 
-The scripts use the library one way (STYLE rule 7): a job is composed from ``conf/`` with
+The scripts use the library one way (docs/design.md, code style 7): a job is composed from ``conf/`` with
 hydra exactly as ``python run.py`` would compose it, turned into a ``JobConfig`` once, and
 run through ``diloco.launch.local_cluster`` (``launch`` for a whole job, ``LocalCluster`` to kill and
 restart groups). Nothing here forks the training code.

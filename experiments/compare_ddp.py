@@ -192,7 +192,7 @@ CONFIGS = [
         )
         for lr in ("1.5", "2")
     ),
-    # Before algo.sparse_reference_groups (docs/results.md): the plain mean, the outer lr in its place.
+    # Before algo.sparse_reference_groups (docs/notes/sparseloco.md): the plain mean, the outer lr in its place.
     _sparse(20, 0.01, 4, name=", α ramped, plain mean", changes={"algo.alpha": None} | PLAIN_MEAN),
     _sparse(20, 0.01, 4, name=", α=0.5 whatever M, plain mean", changes=RAMPED_WHATEVER_M | PLAIN_MEAN),
     *(
@@ -382,7 +382,7 @@ def seed_table(results: list[RunResult]) -> str:
 
 
 def targets(results: list[RunResult]) -> list[str]:
-    """Issue 37's targets that this table decides (means and worst over the seeds): the gap closed
+    """The targets that this table decides (means and worst over the seeds): the gap closed
     at H=50, never worse than local, M=4 against ddp, Streaming against DiLoCo at the same H."""
     lines = []
     found = {(row.config.name, row.config.groups): row for row in by_config(results)}
@@ -420,7 +420,7 @@ def targets(results: list[RunResult]) -> list[str]:
 
 
 def _sparse_target(found: dict[tuple[str, int], Row], groups: int) -> str:
-    """Issue 38's target: the sparse row with the lowest mean loss among those sending >= 3,000x fewer
+    """The sparse target: the sparse row with the lowest mean loss among those sending >= 3,000x fewer
     bytes per token than ddp, against DiLoCo H=50 with the defaults, at M groups ("" without those runs).
     ``found``: the table's rows by (name, M)."""
     ddp = next((row for row in found.values() if row.config.algo == "ddp" and row.config.groups == groups), None)

@@ -1,8 +1,8 @@
 """What a topk job's error-feedback buffers hold when it ends, applied to its global model.
 
 SparseLoCo (``algo.compress=topk``) keeps what each group did not send of β·e + Δ in its buffer
-e, and the job's last round leaves it there. Is that progress θ_g never got (issue 38: the
-sparse rows lose ground to DiLoCo in the last rounds)? This reads the job's last checkpoint (run
+e, and the job's last round leaves it there. Is that progress θ_g never got (the
+measured sparse rows lose ground to DiLoCo in the last rounds)? This reads the job's last checkpoint (run
 the job with ``trainer.checkpoint.every`` a divisor of ``trainer.max_steps``), forms
 
     θ' = θ_g − c · lr · β · ē        (ē: the groups' mean e)

@@ -334,7 +334,8 @@ def _spread(stats: dict[str, float]) -> str:
 
 
 def digests_equal(summary: dict[str, Any]) -> tuple[bool, str]:
-    """Invariant 1 from outside: every group that reported ended holding the same θ_g and outer state."""
+    """docs/design.md, invariant 1, from outside: every group that reported ended holding the same
+    θ_g and outer state."""
     results = summary["per_group"]
     digests = {r.get("digest") for r in results}
     ok = len(digests) == 1 and None not in digests

@@ -29,7 +29,7 @@ own messages (``diloco.ft.protocol``), and answers are parsed with its functions
 
     python experiments/lighthouse_scale.py            # 100, 300 and 1,000 groups: ~5 min on two cores
     python experiments/lighthouse_scale.py --quick    # 100 groups, 4 rounds 2 s apart: ~20 s
-    python experiments/lighthouse_scale.py --nice -20 # as root on a shared machine (the table in docs/results.md)
+    python experiments/lighthouse_scale.py --nice -20 # as root on a shared machine (the table in docs/results/scale.md)
     python experiments/lighthouse_scale.py --lighthouse-cpus 0  # the lighthouse on a core of its own
     python experiments/lighthouse_scale.py --groups 1000 --rounds 20
 
@@ -83,7 +83,7 @@ TARGET_P99_MS = 100.0
 TARGET_CPU = 0.5
 TARGET_PAGE_S = 1.0
 ALL_REDUCE_S = 0.2  # from a grant to the group's commit: its round's all-reduce
-# The calls beside the quorum (issue 33): a group holds a "lane watch" long poll open across its
+# The calls beside the quorum: a group holds a "lane watch" long poll open across its
 # rounds (answered when a member leaves its round, or after the quorum timeout), and it confirms
 # its commit once per round. Looked up by path, so a protocol without them is simulated without.
 LANE_WATCH_PATH = "/lane_watch"
@@ -143,7 +143,7 @@ class _Channel:
     bytes (``SO_TIMESTAMPNS``): when it reached the group's socket. Each real group reads its own
     socket on a host of its own; here two senders simulate 1,000 groups on the cores the
     lighthouse uses, and one busy with its 500 grants of a round read some of them over 100 ms
-    after they had come (issue 33). When the sender read it is kept too (``read``).
+    after they had come. When the sender read it is kept too (``read``).
     """
 
     def __init__(self, sock: socket.socket) -> None:
@@ -789,7 +789,7 @@ def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
 
 
 def targets(run: dict[str, Any]) -> list[str]:
-    """The issue's targets, checked on the largest run."""
+    """The targets (``TARGET_*``), checked on the largest run."""
     n = f"{run['groups']:,} groups"
     return [
         f"- quorum p99 within {TARGET_P99_MS:g} ms at {n}: {run['quorum_p99_ms']:.1f} ms: "

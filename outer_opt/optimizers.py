@@ -47,7 +47,7 @@ def build_avg(params: Params, cfg: OuterOptConfig) -> torch.optim.Optimizer:
     """Parameter averaging: SGD with lr fixed at 1 and no momentum, ignoring every cfg field.
 
     θ_g ← θ_g − Δ̄ = θ_g − mean_i(θ_g − θ_l,i) = mean_i(θ_l,i): plain averaging of the
-    groups' models (federated averaging), the special case DESIGN section 2 pins down.
+    groups' models (federated averaging), a special case that holds exactly (docs/design.md, invariant 15).
     """
     return _sgd(params, 1.0, 0.0, False, 0.0)
 

@@ -3,7 +3,7 @@
 ``optimizer_state_tensors`` flattens every parameter's state to ``"p{index}.{key}"`` →
 tensor, where ``index`` counts parameters across param groups in order; Python scalars in the
 state (torch-optimizer's integer ``step``, AdaBelief's ``rho_inf``) become 0-d int64 / float64
-/ bool tensors, which hold them exactly. No pickle is involved (DESIGN invariant 5).
+/ bool tensors, which hold them exactly. No pickle is involved (docs/design.md, invariant 5).
 ``load_optimizer_state_tensors`` writes such a dict into an optimizer built the same way, so
 its next step is bit-identical to the original's.
 """

@@ -25,11 +25,12 @@ PACKAGES = ("diloco", "outer_opt")
 # The one module below run.py that speaks hydra: it composes conf/ for run.py, tests and experiments.
 HYDRA_DOOR = "diloco/launch/compose.py"
 
-# The layers of diloco/, top to bottom (DESIGN section 5): a module may import its own layer and
-# those below it, never one above. ``leaf`` is diloco/'s root: small shared modules (paths, files,
-# exit codes) that import only each other; ``config`` holds every config dataclass and imports
-# only itself, the leaves and outer_opt's config. ``prepare`` (role=prepare: a corpus into tokens)
-# sits just below launch: it uses train's data errors and config's metadata, and nothing trains.
+# The layers of diloco/, top to bottom (docs/architecture.md; docs/design.md, invariant 14): a module
+# may import its own layer and those below it, never one above. ``leaf`` is diloco/'s root: small
+# shared modules (paths, files, exit codes) that import only each other; ``config`` holds every
+# config dataclass and imports only itself, the leaves and outer_opt's config. ``prepare``
+# (role=prepare: a corpus into tokens) sits just below launch: it uses train's data errors and
+# config's metadata, and nothing trains.
 LAYERS = ("launch", "prepare", "worker", "outer", "train", "ft", "config", "leaf")
 # outer_opt (the outer optimizers) sits beside the layers: ft (a healing group's optimizer state),
 # outer and config import it, and it imports only diloco's config helpers.

@@ -66,7 +66,7 @@ _DOES = {
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """H inner steps per window, P fragments, overlap τ, mixing α, payload format (DESIGN section 2).
+    """H inner steps per window, P fragments, overlap τ, mixing α, payload format (docs/algorithm.md).
 
     ``ddp`` all-reduces gradients across every worker of every group each step (the
     data-parallel baseline); ``local`` trains every group alone with no outer sync at all:
@@ -87,10 +87,11 @@ class AlgoConfig:
     # After each outer step a group keeps α of its own weights (0: DiLoCo's reset to θ_g). α
     # ramps linearly from 0 over the job's first ``alpha_warmup_steps`` inner steps (0: α from
     # the first round): early windows, whose pseudo-gradients are the largest, reset to the
-    # global model; later ones keep half their own, which the 5,000-step runs need (docs/results.md).
+    # global model; later ones keep half their own, which the 5,000-step runs need
+    # (docs/notes/outer-recipe-defaults.md).
     # α is tuned for rounds of ``alpha_reference_groups`` groups (N); a round of M > N groups
     # averages a less noisy pseudo-gradient and keeps less of its own: α·(N/M)², which reaches
-    # DiLoCo's reset, tuned with eight workers, as M grows (docs/results.md; 0: α whatever M).
+    # DiLoCo's reset, tuned with eight workers, as M grows (docs/notes/outer-recipe-defaults.md; 0: α whatever M).
     alpha: float = 0.5
     alpha_warmup_steps: int = 1000
     alpha_reference_groups: int = 2
@@ -106,7 +107,7 @@ class AlgoConfig:
     # A kept entry is averaged over the groups that sent it, but over no fewer than N =
     # ``sparse_reference_groups`` (never more than the round's M): four groups' top 1% coincide
     # little, so M's plain mean shrinks each group's progress M-fold where SparseLoCo's outer lr 1
-    # was tuned at N = 2 (docs/results.md: at M = 4, 8.5% above DiLoCo H = 50 -> 5.4%).
+    # was tuned at N = 2 (docs/notes/sparseloco.md: at M = 4, 8.5% above DiLoCo H = 50 -> 5.4%).
     # Rounds of M <= N, and density 1 at any M, are the plain mean; 0: the plain mean always.
     sparse_reference_groups: int = 2
     weighting: Literal["uniform", "tokens"] = "uniform"

@@ -43,8 +43,12 @@ class LighthouseConfig:
         )
         check(self.history >= 1, "cluster.lighthouse.history", self.history, "must be >= 1 (quorums kept for /status)")
 
+    def url(self, port: int | None = None) -> str:
+        """Where the lighthouse answers HTTP; ``port``: the one it bound, where ``self.port`` is 0."""
+        return f"http://{self.host}:{self.port if port is None else port}"
+
     def check_bind(self) -> None:
-        """A lighthouse listening beyond loopback requires a token (DESIGN.md invariant 8)."""
+        """A lighthouse listening beyond loopback requires a token (docs/design.md, invariant 8)."""
         check(
             bool(self.token) or is_loopback(self.host),
             "cluster.lighthouse.host",
@@ -52,6 +56,11 @@ class LighthouseConfig:
             "listens beyond loopback, which needs the job's token: put it in a file and pass "
             f"cluster.lighthouse.token_file=PATH (or set {TOKEN_ENV}), or listen on 127.0.0.1",
         )
+
+
+def group_name(group: int) -> str:
+    """Replica group ``group``'s id as the lighthouse sees it (its quorums, end holders, status page)."""
+    return f"group{group}"
 
 
 def is_loopback(host: str) -> bool:

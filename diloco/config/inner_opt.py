@@ -10,7 +10,7 @@ from diloco.config.base import check
 
 @dataclass(frozen=True)
 class InnerOptConfig:
-    """Inner-step settings; ``sgd`` (no momentum) exists for the exactness checks of DESIGN section 2."""
+    """Inner-step settings; ``sgd`` (no momentum) exists for the exactness checks (docs/design.md, invariant 15)."""
 
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 3e-3

@@ -2,7 +2,7 @@
 
 A config is logged, printed, saved as a run's ``config.yaml`` and handed to wandb (whose
 files, ``debug.log`` and ``run-*.wandb``, others may read, and which an online run sends to
-a server): every such copy goes through ``redacted`` (DESIGN.md invariant 8). Only the
+a server): every such copy goes through ``redacted`` (docs/design.md, invariant 8). Only the
 local job's ``job.json`` (0600), which its workers read the token from, holds it in full.
 """
 

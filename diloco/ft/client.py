@@ -89,7 +89,7 @@ class LighthouseClient:
         """Seconds until the next heartbeat is due, ``interval_s`` after the last sign of life went out.
 
         The lighthouse takes a quorum ask or a commit as a heartbeat too, so the beat due just after
-        one need not be sent: an eighth fewer heartbeats at 1,000 groups, fewer amid a round's asks (issue 33).
+        one need not be sent: an eighth fewer heartbeats at 1,000 groups, fewer amid a round's asks.
         A request that failed or was refused counts for nothing: the next beat is due at once.
         """
         return self._signed_at + interval_s - time.monotonic()

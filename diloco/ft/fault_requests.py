@@ -1,5 +1,5 @@
 """Faults asked of a group's workers: the launcher appends a request to the group's file, the
-workers' ``FaultHook`` picks it up at their next round (DESIGN section 3, fault injection).
+workers' ``FaultHook`` picks it up at their next round (docs/fault-tolerance.md, "Injecting faults").
 
 Here, below the synchronizers that inject them and the launcher that asks for them, so neither
 imports the other.

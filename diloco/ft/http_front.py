@@ -9,8 +9,8 @@ answered on the spot; a long poll (a message with a ``timeout_s``) is parked: th
 keeps a ``Reply`` for it and calls it, from whichever thread decides its fate, with the answer.
 Replies are queued, and this thread writes them: no thread waits per open request. A thread
 per long poll cost every round at 1,000 groups 2,000 thread starts and their wake-ups fighting
-for the GIL, and the last ask's grant came 1.4 s late (issue 33,
-experiments/lighthouse_scale.py). Only the status page and /status, slow to render, get a
+for the GIL, and the last ask's grant came 1.4 s late
+(experiments/lighthouse_scale.py). Only the status page and /status, slow to render, get a
 thread, which queues its answer the same way; /alive (the pid, for the launcher's watch) is
 answered on the spot. An answer that does not fit the socket at once
 is finished when the socket can take more.
@@ -19,7 +19,7 @@ Connections are kept alive: an HTTP/1.1 request without ``Connection: close`` ge
 with ``Connection: keep-alive``, and the connection waits for the client's next request, at
 most ``KEEP_ALIVE_S``, then is closed (``LighthouseClient`` reuses one well within that). One
 connection per request had cost every round at 1,000 groups 3,000 connection set-ups and
-teardowns on the loop (the asks, lane watches and commits) besides the heartbeats' (issue 33).
+teardowns on the loop (the asks, lane watches and commits) besides the heartbeats'.
 Anything malformed or refused before its body was read closes the connection after the answer.
 """
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 SERVER = "diloco-lighthouse/1"
 # Every group asks for a round within the same second: the socketserver default of 5 pending
-# connections reset some of 30 groups' requests on a busy machine (issue 33).
+# connections reset some of 30 groups' requests on a busy machine.
 LISTEN_BACKLOG = 4096
 REQUEST_TIMEOUT_S = 30.0  # a client stalling mid-request, or not reading its answer, cannot hold a connection forever
 KEEP_ALIVE_S = 30.0  # an idle kept-alive connection is closed after this (clients reuse one idle far less long)
@@ -384,7 +384,7 @@ class LighthouseHTTPServer:
     def _watch(self, connection: _Connection, events: int) -> None:
         """Have the selector watch ``connection`` for ``events`` (0: not at all). A request answered on
         the spot leaves its connection watched for reading, as it was: unwatching and watching it again
-        were two system calls per heartbeat, about 7% of the loop's time at 1,000 groups (issue 33)."""
+        were two system calls per heartbeat, about 7% of the loop's time at 1,000 groups."""
         if events == connection.events:
             return
         if not connection.events:

@@ -1,7 +1,7 @@
 """The lighthouse: one per job, it decides which replica groups take part in each outer sync.
 
 Group leaders speak plain HTTP + JSON to it (standard library only; nothing received is ever
-unpickled, DESIGN.md invariant 5). Heartbeats carry a group's committed step and the last
+unpickled: docs/design.md, invariant 5). Heartbeats carry a group's committed step and the last
 quorum id it saw; every sign of life (a heartbeat, quorum request or commit) carries what the
 status page shows of the group. A quorum request is a long poll, answered once the pure
 ``QuorumBook`` (quorum.py) forms a quorum that contains the group. The lighthouse also hosts
@@ -66,7 +66,7 @@ DECIDE_EVERY_S = 0.02  # the join, heartbeat and long polls' timeouts are notice
 # Deciding takes at most this share of a core (and waits at most DECIDE_EVERY_S between passes): a pass
 # looks at every group, and at 1,000 groups a pass after each ask of a round's burst held the lock and
 # the GIL from the HTTP loop, which left up to 1,000 connections waiting to be accepted and answered the
-# last ask a second late (issue 33).
+# last ask a second late.
 DECIDE_SHARE = 0.1
 _WILDCARD_HOSTS = {"", "0.0.0.0"}
 _STOPPING = ErrorAnswer(ErrorCode.STOPPING, "the lighthouse is stopping; retry once it is back")
@@ -134,7 +134,7 @@ class Lighthouse:
         # (experiments/lighthouse_scale.py); the loop decides once for all the asks that came meanwhile.
         self._decide_now = threading.Event()
         # The round's last ask skips the pause between passes: it waited up to DECIDE_EVERY_S for a round
-        # that could form at once, 7-36 ms of a 1,000-group round's latency (issue 33).
+        # that could form at once, 7-36 ms of a 1,000-group round's latency.
         self._decide_at_once = threading.Event()
         self._grant_cache: tuple[Quorum | None, dict[tuple[str, bool], bytes]] = (None, {})
         self._server: LighthouseHTTPServer | None = None
@@ -191,7 +191,7 @@ class Lighthouse:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.port}"
+        return self.cfg.url(self.port)
 
     @property
     def store_address(self) -> tuple[str, int]:
@@ -239,7 +239,7 @@ class Lighthouse:
 
     def _grant_bytes(self, quorum: Quorum, store_host: str, known_quorum: int) -> bytes:
         """A grant's JSON, encoded once per quorum and form: every participant gets the same bytes, and
-        encoding 1,000 participants' names for each of 1,000 groups cost a second a round (issue 33).
+        encoding 1,000 participants' names for each of 1,000 groups cost a second a round.
         An asker that holds the quorum's participants (``QuorumAsk.known_quorum``) gets them left out."""
         if self._grant_cache[0] is not quorum:
             self._grant_cache = (quorum, {})
@@ -408,7 +408,7 @@ class Lighthouse:
 
         A group is counted as told the job's end when its answer is decided, a moment before
         the answer is on the wire: a lighthouse that left then cut off groups that finished
-        together (issue 33: 30 groups in lockstep), which then waited out their timeouts.
+        together (30 groups in lockstep), which then waited out their timeouts.
         """
         deadline = time.monotonic() + timeout_s
         while self._server is not None and self._server.posts_in_flight() > 0:
@@ -507,7 +507,7 @@ class Lighthouse:
         """What /alive serves: the pid, so a launcher tells its own lighthouse from another process
         on the port, asked twice a second by its watch. It takes the lock, as every request does: a
         lighthouse stuck holding it is silent here too. /status, a snapshot of every group, had
-        served the watch: about 1 MB and 0.4 s to build at 1,000 groups (issue 33)."""
+        served the watch: about 1 MB and 0.4 s to build at 1,000 groups."""
         with self._lock:
             return {"pid": os.getpid()}
 
@@ -531,7 +531,7 @@ class Lighthouse:
 def _stamp_sent(formed: dict[str, Any]) -> None:
     """A grant of the quorum ``formed`` (its history entry) is all handed to its socket; the last
     one's time stays: with ``formed_at`` it tells a round late in the lighthouse's writes from one
-    late on the way to the groups (issue 33). Set on the HTTP loop without the lock: the key
+    late on the way to the groups. Set on the HTTP loop without the lock: the key
     exists, so /status's snapshot, read meanwhile, sees the old time or the new."""
     formed["grants_sent_at"] = time.time()
 
@@ -570,7 +570,7 @@ def serve_forever(
     try:
         with Lighthouse(cfg, rules, job_id, model_signature, job_config=job_config) as lighthouse:
             # The ~170,000 objects of the modules (torch's mostly) live as long as the process: out of
-            # every full collection, which had paused the lighthouse up to 240 ms at 1,000 groups (issue 33).
+            # every full collection, which had paused the lighthouse up to 240 ms at 1,000 groups.
             gc.freeze()
             print(f"lighthouse for job {job_id!r} at {lighthouse.url}; status page {lighthouse.url}/", flush=True)
             ended = _serve_until_the_end(lighthouse, rules, done)

@@ -1,7 +1,7 @@
 """The lighthouse's wire protocol: the typed messages both sides send, and the errors clients see.
 
 Plain HTTP + JSON, shared by the server (lighthouse.py) and its clients (client.py), so the
-client never imports the server; nothing received is ever unpickled (DESIGN.md invariant 5).
+client never imports the server; nothing received is ever unpickled (docs/design.md, invariant 5).
 Every request is checked field by field, and a problem is a 400 that names the field. An
 error answer carries a machine-readable ``code`` next to the human ``error``: clients act on
 the code (``exception_for``), never on the wording.
@@ -254,7 +254,7 @@ class QuorumAsk(SignOfLife):
     even if a request reaches it before any heartbeat, and the group's flat training
     configuration, which must match the job's: in full until the group was granted a quorum, then
     its ``config_digest`` alone (2 KB less to read and parse, 1,000 times a round at 1,000 groups;
-    issue 33). ``known_quorum`` is the quorum whose participants the group holds: an id always
+    experiments/lighthouse_scale.py). ``known_quorum`` is the quorum whose participants the group holds: an id always
     names the same members (``quorum.next_quorum_id``; a restarted lighthouse issues ids above
     every asker's), so a grant of that id leaves them out, 12 KB less to write to each of 1,000
     groups between a round's last ask and its last grant.
@@ -380,7 +380,7 @@ def parse_request(path: str, body: bytes) -> GroupMessage:
     """The request to POST ``path`` (one of ``ENDPOINTS``); any problem is a 400 naming the field."""
     try:
         text = body.decode("utf-8")  # RFC 8259; and so no quote or bracket hides inside a multi-byte character
-        # Nesting needs as many opening brackets, counted in C: the exact scan took a quorum ask 0.1 ms (issue 33).
+        # Nesting needs as many opening brackets, counted in C: the exact scan took a quorum ask 0.1 ms.
         opening = body.count(b"[") + body.count(b"{")
         if opening > MAX_JSON_DEPTH and (depth := json_depth(body)) > MAX_JSON_DEPTH:
             raise ValueError(f"nested {depth} levels deep, over the limit of {MAX_JSON_DEPTH}")
@@ -410,7 +410,7 @@ def json_depth(body: bytes) -> int:
 def _schema(cls: type) -> tuple[dict[str, tuple[Callable[[Any], bool], str]], tuple[str, ...]]:
     """A message class's check and description by field, and its required fields, resolved once:
     resolving type hints and fields per request was most of a heartbeat's cost at the lighthouse
-    (issue 33, experiments/lighthouse_scale.py)."""
+    (experiments/lighthouse_scale.py)."""
     hints = get_type_hints(cls)
     fields = dataclasses.fields(cls)
     checks = {f.name: _TYPES[get_origin(hints[f.name]) or hints[f.name]] for f in fields}

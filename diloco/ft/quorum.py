@@ -1,7 +1,7 @@
 """Quorum rules: who takes part in the next outer sync, decided from heartbeats and requests alone.
 
 Pure logic with time passed in, no network: the lighthouse calls it under a lock, and tests
-drive it with plain numbers. Symbols follow DESIGN.md section 3.
+drive it with plain numbers. The rules, in words: docs/fault-tolerance.md, "The lighthouse and quorums".
 """
 
 from __future__ import annotations
@@ -409,7 +409,7 @@ class QuorumBook:
 
     def healthy(self, now: float) -> frozenset[str]:
         """The healthy groups at ``now``, computed once per moment: one decision asks several times, and
-        each is a pass over every group (at 1,000 groups, most of a decision's time; issue 33)."""
+        each is a pass over every group (at 1,000 groups, most of a decision's time)."""
         if self._healthy_at is None or self._healthy_at[0] != now:
             self._healthy_at = (
                 now,
@@ -424,7 +424,7 @@ class QuorumBook:
         Neither a newcomer asking between rounds nor a member's new process asking at once to
         heal (behind) may start it: their early requests would let the next round form the
         moment a majority asks, leaving out members about to ask (a round of 627 of 1,000
-        groups after a death, issue 33).
+        groups after a death, in experiments/lighthouse_scale.py).
         """
         members = set(self.previous.participants) if self.previous else set(self.pending)
         asks = [(self.pending[g].position, t) for g, t in self.asked_at.items() if g in members]

@@ -2,7 +2,7 @@
 
 θ_g of every fragment, every fragment's outer-optimizer state, the inner optimizer's state,
 and as JSON where the sender stood (``Position``). Received tensors are staged and
-copied into the live ones only once the whole group has them (DESIGN invariant 2).
+copied into the live ones only once the whole group has them (docs/design.md, invariant 2).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class HealState:
         self.extra = extra or {}
 
     def global_tensors(self) -> dict[str, torch.Tensor]:
-        """θ_g and outer-optimizer state: what invariant 1 says must match across groups."""
+        """θ_g and outer-optimizer state: what docs/design.md, invariant 1 says must match across groups."""
         named: dict[str, torch.Tensor] = {}
         for p in range(len(self.global_params)):
             named.update(self.fragment_tensors(p))

@@ -24,7 +24,7 @@ from diloco.ft.quorum import JobEnd, Quorum, QuorumBook
 REFRESH_S = 2
 TIMELINE_EVENTS = 500
 CURVE_POINTS = 400  # per group; a full curve is thinned to every other point, so the whole run fits
-# What /status and the page show at many groups (issue 33, experiments/lighthouse_scale.py): at 1,000
+# What /status and the page show at many groups (experiments/lighthouse_scale.py): at 1,000
 # groups every point of every curve made /status 12 MB (1.6 s to encode, asked twice a second by the
 # launcher's watch) and the page 9 MB; beyond these, curves are thinned, names cut short and the
 # timeline marks each quorum once rather than once per member.
@@ -139,7 +139,7 @@ class StatusSnapshot:
     """What /status shows, copied under the lighthouse's lock: containers copied, their immutable
     records (progress, quorums, the end) shared. Building the JSON from it happens after the lock
     is released: at 1,000 groups building it under the lock took 40-380 ms, during which every
-    heartbeat, ask and commit waited on the request loop (issue 33)."""
+    heartbeat, ask and commit waited on the request loop."""
 
     job_id: str
     signature: str | None

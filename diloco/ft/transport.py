@@ -1,7 +1,7 @@
 """Healing transport: one lane moves its shard of the live state from a peer group, as raw bytes.
 
 A group that is behind receives θ_g, the outer-optimizer state and the inner state from a
-live peer over its lane (DESIGN.md section 3), never from a checkpoint; each lane carries its
+live peer over its lane, never from a checkpoint (docs/design.md, invariant 12); each lane carries its
 own FSDP shard, so lanes transfer in parallel. Wire protocol, one tag (S sender, R receiver):
   1. S→R int64 ``[header_nbytes, payload_nbytes, chunk_nbytes]``; the chunk size travels
      because Gloo aborts a process that receives a message larger than the buffer it posted;
@@ -11,7 +11,7 @@ own FSDP shard, so lanes transfer in parallel. Wire protocol, one tag (S sender,
      its timeout, and both sides end at the same message, so no stale message stays queued;
   4. S→R the payload, every tensor's raw bytes 64-byte aligned, in chunks of chunk_nbytes;
   5. R→S int64 verdict on the payload's checksum: send_state returns only on verified arrival.
-Invariant 5: nothing received is unpickled; the header is checked field by field against a
+docs/design.md, invariant 5: nothing received is unpickled; the header is checked field by field against a
 template of the state the receiver holds, and bytes land in new staging buffers, so a failed
 transfer leaves the live state untouched. All waits share one deadline. After a timeout or a
 lost peer the lane may still hold posted operations: rebuild it (lanes are per quorum anyway).

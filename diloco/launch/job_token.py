@@ -4,7 +4,7 @@ environment's ``DILOCO_LIGHTHOUSE_TOKEN``, never given as a value.
 A value on the command line would be saved by hydra before any of our code runs (the run
 directory's ``.hydra/overrides.yaml``, ``config.yaml``, ``hydra.yaml``), which every group of a
 multi-host job shares, and kept in the shell's history: ``token_problem_on_command_line`` refuses
-it before hydra writes anything (DESIGN.md invariant 8).
+it before hydra writes anything (docs/design.md, invariant 8).
 """
 
 from __future__ import annotations

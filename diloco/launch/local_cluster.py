@@ -258,7 +258,7 @@ class LocalCluster:
 
     @property
     def lighthouse_url(self) -> str:
-        return f"http://{self.job.cluster.lighthouse.host}:{self.job.cluster.lighthouse.port}"
+        return self.job.cluster.lighthouse.url()
 
     def _lifeline(self) -> Lifeline:
         if self.lifeline is None:

@@ -1,6 +1,6 @@
 """An honest outcome: is the saved model the trained global model every group agrees on?
 
-DESIGN invariant 6. Pure functions over the result records the groups' leaders write (see
+docs/design.md, invariant 6. Pure functions over the result records the groups' leaders write (see
 ``worker.run_worker``): the local launcher judges the whole job, a multi-host group judges
 its own part. Any problem is a one-line reason; a job with a reason exits non-zero.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from diloco.config.cluster import group_name
 
 SHOWN_DIGEST_CHARS = 12
 # How far above the loss of guessing uniformly a final model may evaluate before it counts as
@@ -42,7 +44,7 @@ def job_outcome(results: list[dict[str, Any]], groups: int, algo: str, model_sav
     problems = []
     end = next((r["end"] for r in results if r.get("end")), None)
     reported = {r["group"] for r in results}
-    held_at_end = {g for g in range(groups) if end and f"group{g}" in end["holders"]}
+    held_at_end = {g for g in range(groups) if end and group_name(g) in end["holders"]}
     missing = sorted(set(range(groups)) - reported - held_at_end)
     if missing:
         problems.append(f"group(s) {_ids(missing)} wrote no result (died, stopped or refused before the job's end)")

@@ -17,13 +17,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from diloco.config.cluster import group_name
 from diloco.config.job import JobConfig
 from diloco.ft.client import LighthouseClient
 from diloco.ft.protocol import LighthouseRefused, LighthouseUnavailable
 from diloco.outer.perf_model import choose_recovery, recovery_costs
 from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
-from diloco.worker.outer_builder import group_name, lighthouse_url
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class RecoveryPlanner:
         """Best effort: a lighthouse that is down learns nothing, and its rules apply unchanged."""
         job = self.job
         client = LighthouseClient(
-            lighthouse_url(job),
+            job.cluster.lighthouse.url(),
             token=job.cluster.lighthouse.token,
             job_id=job.name,
             signature=self.signature,

@@ -163,7 +163,7 @@ def read_results(job: JobConfig, paths: RunPaths) -> list[dict[str, Any]]:
 
 
 def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: float) -> dict[str, Any]:
-    """Job-level numbers and the honest outcome (DESIGN invariant 6): ``ok`` only if model.pt is
+    """Job-level numbers and the honest outcome (docs/design.md, invariant 6): ``ok`` only if model.pt is
     the final global model every group holds; otherwise ``failure`` says why, in one line."""
     results = read_results(job, paths)
     outcome = job_outcome(results, job.cluster.groups, job.algo.name, model_saved=paths.weights.exists())

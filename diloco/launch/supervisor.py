@@ -122,8 +122,8 @@ class Supervisor:
     after its start; the backoff doubles with each.
 
     Until the job's end a group that dies is restarted, even one killed just before the
-    end: the groups that finished wait for it and hand it their final state (DESIGN
-    invariant 7). A group exits 0 only once the lighthouse has declared the end, and one
+    end: the groups that finished wait for it and hand it their final state
+    (docs/design.md, invariant 7). A group exits 0 only once the lighthouse has declared the end, and one
     restarted too late exits ``JOB_ENDED_EXIT_CODE``; from either on nothing is restarted,
     and groups still running ``end_grace_s`` later were left behind and are stopped. The
     lighthouse is restarted at once on the same address.

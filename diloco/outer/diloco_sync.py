@@ -5,7 +5,7 @@ one outer optimizer per fragment. Fragment p's round: after inner step s − τ 
 pseudo-gradient Δ_p = θ_g,p − θ_l,p is all-reduced over the lane (launch); after step s the
 average over contributing groups is the outer gradient, the group commits only if every
 rank succeeded, and θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p (apply). A failed round resets
-θ_l,p ← θ_g,p and leaves θ_g and the committed count as they were (DESIGN invariant 2).
+θ_l,p ← θ_g,p and leaves θ_g and the committed count as they were (docs/design.md, invariant 2).
 With ``algo.compress=topk`` each group sends a sparse payload of β·e + Δ_p instead and keeps
 the rest in its error-feedback buffer e (``sparse.feedback``), which only a commit updates:
 a failed round's Δ_p is dropped with the θ_l reset, and its residual with it.
@@ -58,7 +58,7 @@ class Fragment:
     owned: list[bool] | None = None  # None: every tensor (a worker that holds them alone)
     tokens_since_sync: int = 0
     # algo.compress=topk: this group's error-feedback buffer e (flat fp32, CPU). Local state
-    # (DESIGN invariant 10): checkpointed, never healed from a peer nor in the digest.
+    # (docs/design.md, invariant 10): checkpointed, never healed from a peer nor in the digest.
     error: torch.Tensor | None = None
 
 
@@ -271,7 +271,7 @@ class OuterSync(Synchronizer):
         """All-reduce every fragment's weighted Δ over the lane and average; None where it failed.
 
         A Δ that is not finite on some rank of the group goes out as zeros with weight 0:
-        the others' average is untouched, and this group does not commit (DESIGN invariant 4).
+        the others' average is untouched, and this group does not commit (docs/design.md, invariant 4).
         """
         round_ = flight.round
         local_ok, pending = [], []
@@ -412,7 +412,8 @@ class OuterSync(Synchronizer):
         outcome.metrics.update(self._record(flight.round, False, step, sync_ms))
 
     def _joining_flight(self, round_: Round, round_step: int) -> Flight:
-        """After healing: the peers' round, which this group joins with zeros and weight 0 (DESIGN invariant 3)."""
+        """After healing: the peers' round, which this group joins with zeros and weight 0
+        (docs/design.md, invariant 3)."""
         due = self._schedule(fragments_to_launch, round_step) if round_step > 0 else []
         fragments = [self.fragments[p] for p in due]
         deltas = [torch.zeros(sum(g.numel() for g in f.global_)) for f in fragments]
@@ -458,21 +459,25 @@ class OuterSync(Synchronizer):
         return self._record(flight.round, committed, step, sync_ms, tokens) | schedule
 
     def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int, groups: int) -> dict[str, float]:
-        """``outer_update`` with this round's schedules: μ warmed up to the launch step, α(s, M).
-
-        Both read only the round's launch step and group count, which every group of the
-        round shares (a healing group joins its peers' round), so all groups step alike.
-        Returns them with the fragment's ‖Δ̄‖ over the whole group (a collective), as metrics.
-        """
-        if fragment.momentum_warmup is not None:
-            fragment.momentum_warmup.apply(launch_step)
-        alpha = self.algo.mixing_alpha(launch_step, groups)
+        """``outer_update`` with this round's α and μ (``_warmed_up``); returns them with the
+        fragment's ‖Δ̄‖ over the whole group (a collective), as metrics."""
+        alpha, momentum = self._warmed_up(fragment, launch_step, groups)
         squares = self.manager.sum_over_ranks(owned_square_sum(average, fragment))
         outer_update(fragment.global_, fragment.local, average, fragment.optimizer, alpha)
         self._state_changed(fragment.index)
         schedule = {"outer/pseudo_grad_norm": math.sqrt(squares), "outer/alpha": alpha}
-        momentum = fragment.optimizer.param_groups[0].get("momentum")
         return schedule | ({"outer/momentum": float(momentum)} if momentum is not None else {})
+
+    def _warmed_up(self, fragment: Fragment, launch_step: int, groups: int) -> tuple[float, float | None]:
+        """α(s, M) and the optimizer's μ warmed up to s, for a round launched after inner step s
+        with M groups (μ None: an optimizer without momentum).
+
+        Both read only the round's launch step and group count, which every group of the
+        round shares (a healing group joins its peers' round), so all groups step alike.
+        """
+        if fragment.momentum_warmup is not None:
+            fragment.momentum_warmup.apply(launch_step)
+        return self.algo.mixing_alpha(launch_step, groups), fragment.optimizer.param_groups[0].get("momentum")
 
 
 def owned_square_sum(average: torch.Tensor, fragment: Fragment) -> float:

@@ -2,7 +2,7 @@
 
 ``OuterSync`` (DiLoCo, Streaming DiLoCo) and ``GradientSync`` (the data-parallel baseline)
 differ only in what they all-reduce and when; the trainer talks to either through the
-hooks defined here.
+hooks of ``SyncHooks`` (diloco/train/sync_hooks.py), whose no-op defaults they override.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from diloco.ft.quorum import JobEnd
 from diloco.ft.state import HealState, Position
 from diloco.outer.bandwidth import TokenBucket
 from diloco.outer.digest import state_digest
-from diloco.train.sync_hooks import OuterOutcome
+from diloco.train.sync_hooks import SyncHooks
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ NO_QUORUM_PAUSE_S = 0.2  # between a finished group's asks while the lighthouse 
 _COUNTERS = ("attempted", "committed_here", "bytes_sent", "tokens", "tokens_committed", "recoveries")
 
 
-class Synchronizer:
+class Synchronizer(SyncHooks):
     """Bookkeeping and healing shared by the synchronizers; subclasses add the all-reduce.
 
     ``faults`` is composed in only when the job injects faults into workers (see ``FaultHook``);
@@ -79,18 +79,6 @@ class Synchronizer:
         """Leave the job: stop heartbeating and abort the lane (also after a failure)."""
         self.manager.stop()
 
-    def join(self) -> OuterOutcome:
-        """A starting group's first round: take the live state from a peer if the job is ahead."""
-        return OuterOutcome()
-
-    def before_optimizer_step(self, step: int) -> OuterOutcome:
-        """Between backward and the inner optimizer step of inner step ``step``."""
-        return OuterOutcome()
-
-    def after_inner_step(self, step: int, tokens: int) -> OuterOutcome:
-        """After inner step ``step`` consumed ``tokens``."""
-        return OuterOutcome()
-
     def observe(self, step: int, metrics: dict[str, float]) -> None:
         """The trainer's latest numbers, for the lighthouse's status page (sent with every heartbeat, ask and commit)."""
         loss, rate = (metrics.get(k) for k in ("train/loss", "train/tokens_per_s"))
@@ -99,11 +87,6 @@ class Synchronizer:
             train_loss=loss if loss is not None and math.isfinite(loss) else None,  # a diverged group sends none
             tokens_per_s=rate if rate is not None and math.isfinite(rate) else None,
         )
-
-    def between_rounds(self, step: int) -> bool:
-        """Whether no round is in flight after inner step ``step`` and one just ended there:
-        where a planned stop or a checkpoint leaves every group at the same round."""
-        return True
 
     def progress_state(self) -> dict[str, Any]:
         """The committed round and the counters, JSON-friendly, for a checkpoint."""
@@ -124,11 +107,8 @@ class Synchronizer:
         """Restore ``checkpoint_tensors`` (named as it names them) into the live state."""
         self.heal_state.load_tensors(tensors)
 
-    def load_global_into_local(self) -> None:
-        """Make the model hold the job's result (θ_g for DiLoCo) before the final eval and save."""
-
     def finish(self, step: int) -> JobEnd:
-        """After the last inner step ``step``: stay in the job until it ends (DESIGN invariant 7).
+        """After the last inner step ``step``: stay in the job until it ends (docs/design.md, invariant 7).
 
         Finished is not lost: the group stays a quorum member and heal source, handing its
         final state to groups behind it (a straggler, a restarted group) and taking it if it

@@ -20,7 +20,7 @@ from diloco.ft.state import is_dtensor
 from diloco.train.data import ShardedBatches
 from diloco.train.flops import Utilization
 from diloco.train.logger import perplexity
-from diloco.train.sync_hooks import OuterOutcome, SyncHooks
+from diloco.train.sync_hooks import NoSync, OuterOutcome, SyncHooks
 
 if TYPE_CHECKING:
     from diloco.train.pipeline import PipelineRunner
@@ -78,7 +78,8 @@ class Trainer:
         ``pace(seconds)`` runs after each inner step (an injected straggler's delay); ``utilization``
         adds the achieved TFLOP/s and MFU beside tokens/s. With ``pipeline`` (this worker's stages of
         a pipeline-parallel group) micro-batches run through its schedule, and the losses the group
-        reports are its last stage's."""
+        reports are its last stage's. Without ``outer`` the group trains alone (``NoSync``) and a
+        planned stop is agreed at its log lines."""
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -89,7 +90,8 @@ class Trainer:
         self.device = device
         self.sharded = sharded
         self.on_metrics = on_metrics
-        self.outer = outer
+        self.outer: SyncHooks = NoSync() if outer is None else outer
+        self.stop_every = cfg.log_every if outer is None else 1  # steps between planned-stop checks
         self.on_checkpoint = on_checkpoint
         self.stop_requested = stop_requested
         self.pace = pace
@@ -116,11 +118,8 @@ class Trainer:
             loss = self._loss(batch)
             (loss / len(micro_batches)).backward()
             total += loss.detach()
-        skip = False
-        if self.outer is not None:
-            outcome = self.outer.before_optimizer_step(self.step + 1)
-            self.sync_metrics.update(self._follow(outcome))
-            skip = outcome.skip_step
+        outcome = self.outer.before_optimizer_step(self.step + 1)
+        self.sync_metrics.update(self._follow(outcome))
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         if self.pipeline is not None:
             grad_norm = self.pipeline.clip_grad_norm(list(self.model.parameters()), max_norm)
@@ -128,7 +127,7 @@ class Trainer:
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if is_dtensor(grad_norm):
             grad_norm = grad_norm.full_tensor()
-        if not skip:
+        if not outcome.skip_step:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -158,8 +157,7 @@ class Trainer:
         window_steps = 0
         train_loss = eval_loss = math.nan
         self.trained_steps = 0  # steps this process took itself (a group that heals jumps over others)
-        if self.outer is not None:
-            self._follow(self.outer.join())
+        self._follow(self.outer.join())
         while self.step < cfg.max_steps:
             step_started = time.perf_counter()
             loss, grad_norm = self.train_step()
@@ -169,8 +167,7 @@ class Trainer:
             window_loss += loss.double()
             window_steps += 1
             metrics, self.sync_metrics = self.sync_metrics, {}
-            if self.outer is not None:
-                metrics.update(self._follow(self.outer.after_inner_step(self.step, tokens_per_step)))
+            metrics.update(self._follow(self.outer.after_inner_step(self.step, tokens_per_step)))
             last = self.step >= cfg.max_steps
             if self.step % cfg.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start
@@ -194,8 +191,7 @@ class Trainer:
                 window_loss.zero_()
                 window_steps = 0
                 window_start = time.perf_counter()
-                if self.outer is not None:
-                    self.outer.observe(self.step, metrics)
+                self.outer.observe(self.step, metrics)
             if (cfg.eval_every and self.step % cfg.eval_every == 0) and not last:
                 eval_loss = self.evaluate()
                 metrics.update({"eval/loss": eval_loss, "eval/ppl": perplexity(eval_loss)})
@@ -208,11 +204,9 @@ class Trainer:
                 return self._stopped(tokens_per_step * self.trained_steps, time.perf_counter() - start, train_loss)
         train_seconds = time.perf_counter() - start
         # The final evaluation, also for a group that healed straight to the last step.
-        if self.outer is not None:
-            self.outer.finish(self.step)  # until every group has finished: the state may still change
+        self.outer.finish(self.step)  # until every group has finished: the state may still change
         self._save_checkpoint()
-        if self.outer is not None:
-            self.outer.load_global_into_local()  # the result of DiLoCo is θ_g
+        self.outer.load_global_into_local()  # the result of DiLoCo is θ_g
         eval_loss = self.evaluate()
         if self.on_metrics is not None:
             self.on_metrics({"eval/loss": eval_loss, "eval/ppl": perplexity(eval_loss)}, self.step)
@@ -235,17 +229,12 @@ class Trainer:
         every = self.cfg.checkpoint.every
         if self.on_checkpoint is None or not every or self.step % every:
             return False
-        return self.outer is None or self.outer.between_rounds(self.step)
+        return self.outer.between_rounds(self.step)
 
     def _stop_agreed(self) -> bool:
-        """A planned stop, once a round has ended (every ``log_every`` steps without rounds); every
-        rank of the group decides the same, so all of them stop at this step."""
-        if self.stop_requested is None:
-            return False
-        at_boundary = (
-            self.outer.between_rounds(self.step) if self.outer is not None else self.step % self.cfg.log_every == 0
-        )
-        if not at_boundary:
+        """A planned stop, once a round has ended (every ``stop_every`` steps); every rank of the
+        group decides the same, so all of them stop at this step."""
+        if self.stop_requested is None or self.step % self.stop_every or not self.outer.between_rounds(self.step):
             return False
         asked = torch.tensor([float(self.stop_requested())], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:

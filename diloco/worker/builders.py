@@ -15,6 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from diloco.config.base import to_dict
+from diloco.config.cluster import group_name
 from diloco.config.faults import FaultsConfig
 from diloco.config.job import JobConfig
 from diloco.config.redaction import redacted
@@ -32,7 +33,6 @@ from diloco.train.logger import MetricsLogger, rename_wandb_run, start_wandb
 from diloco.train.model import Transformer, count_parameters, meta_model, param_signature
 from diloco.train.pipeline import PipelineRunner, split_for_worker
 from diloco.train.trainer import CheckpointCallback, MetricsCallback, Trainer
-from diloco.worker.outer_builder import group_name
 
 
 def build_data(job: JobConfig, group: int, worker: int, num_workers: int) -> tuple[ShardedBatches, list]:
@@ -232,7 +232,7 @@ def metrics_logger(job: JobConfig, paths: RunPaths, started: Any | None = None) 
     """The leader's metrics sink: the group's metrics file, and wandb when the logger config asks
     for it (``started``: the run a warm spare started before it knew its group)."""
     group = job.group.id
-    names = dict(member=f"group{group}", job_name=job.name, config=redacted(to_dict(job)))
+    names = dict(member=group_name(group), job_name=job.name, config=redacted(to_dict(job)))
     if started is not None:
         rename_wandb_run(started, job.logger, **names)
         return MetricsLogger(paths.metrics(group), started)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from diloco import lifeline
 from diloco.config.base import ConfigError, to_dict
+from diloco.config.cluster import group_name
 from diloco.config.job import GroupConfig, JobConfig, job_config_from_dict
 from diloco.config.redaction import redacted
 from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
@@ -46,7 +47,7 @@ from diloco.worker.builders import (
     resume_folders,
 )
 from diloco.worker.env import WorkerEnv
-from diloco.worker.outer_builder import build_outer_sync, group_name
+from diloco.worker.outer_builder import build_outer_sync
 from diloco.worker.spares import SpareAssignmentError, wait_for_assignment
 from diloco.worker.state import WorkerState
 

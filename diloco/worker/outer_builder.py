@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from diloco.config.cluster import group_name
 from diloco.config.job import JobConfig, training_config
 from diloco.config.warmups import scheduled
 from diloco.ft.client import LighthouseClient
@@ -30,15 +31,6 @@ from diloco.worker.env import WorkerEnv
 from outer_opt import MomentumWarmup, OuterOptConfig, build_outer_optimizer
 
 HEARTBEATS_PER_TIMEOUT = 4
-
-
-def group_name(group: int) -> str:
-    """The replica group's id as the lighthouse sees it."""
-    return f"group{group}"
-
-
-def lighthouse_url(job: JobConfig) -> str:
-    return f"http://{job.cluster.lighthouse.host}:{job.cluster.lighthouse.port}"
 
 
 def build_fragments(
@@ -86,7 +78,7 @@ def build_outer_sync(
     timeouts = job.cluster.timeouts
     # Every rank watches its round (the lane it waits on is its own); only the leader heartbeats and asks.
     client = LighthouseClient(
-        lighthouse_url(job),
+        job.cluster.lighthouse.url(),
         token=job.cluster.lighthouse.token,
         job_id=job.name,
         signature=signature,

@@ -32,7 +32,7 @@ def test_every_algo_preset_passes_on_its_own(algo):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        # the three of issue 32
+        # three that were once accepted without a word
         (["algo=ddp", "algo.alpha=0.9"], r"^algo\.alpha=0\.9 does nothing with algo=ddp, .*use algo=diloco or"),
         (["algo=ddp", "algo.fragments=2"], r"^algo\.fragments=2 does nothing with algo=ddp, .*use algo=streaming"),
         (["algo=local", "algo.quantize=fp4"], r"^algo\.quantize='fp4' does nothing with algo=local, "),

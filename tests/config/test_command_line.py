@@ -89,7 +89,7 @@ def test_every_key_the_configuration_reference_lists_is_accepted():
 
 def test_every_documented_command_is_accepted():
     commands = 0
-    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         text = page.read_text().replace("\\\n", " ")  # a command continued on the next line
         for found in re.finditer(r"python run\.py([^`#|\n]*)", text):
             if "..." in found.group(1):

@@ -139,7 +139,7 @@ def _beside_the_job(action: Callable[[], None]) -> tuple[threading.Thread, list[
 
 
 def test_a_group_killed_after_the_end_before_its_result_leaves_the_job_ok(tmp_path):
-    """The race issue 9 found: every group finished and the lighthouse declared the end; one
+    """A race at the job's end: every group finished and the lighthouse declared the end; one
     group is SIGKILLed while it evaluates the final model, before it writes its result. The
     lighthouse saw it finish holding the final state, every other holder saved the model, and a
     restart of it (if any) comes too late and is refused: the job is still a success, and says

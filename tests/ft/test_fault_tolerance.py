@@ -1,7 +1,7 @@
 """Fault tolerance with real processes on loopback: kills, hangs, late joins, injected failures.
 
 Every test drives a real lighthouse and real worker processes through ``LocalCluster`` and
-checks DESIGN.md's invariants from the groups' commit logs: after every committed round all
+checks docs/design.md's invariants from the groups' commit logs: after every committed round all
 groups that committed it hold the same digest of θ_g and outer-optimizer state.
 """
 
@@ -54,7 +54,8 @@ def committed_rounds(paths: RunPaths, group: int) -> list[dict]:
 
 
 def assert_digests_agree(paths: RunPaths, groups: int) -> int:
-    """Invariant 1: every round committed by several groups has one digest. Returns how many rounds were shared."""
+    """docs/design.md, invariant 1: every round committed by several groups has one digest.
+    Returns how many rounds were shared."""
     by_round: dict[int, set[str]] = {}
     for g in range(groups):
         for record in committed_rounds(paths, g):
@@ -310,7 +311,7 @@ def test_injected_allreduce_failure_is_not_committed_and_heals(job_factory):
 
 
 def test_a_group_hung_mid_allreduce_costs_the_others_a_heartbeat_timeout_and_heals_after_sigcont(job_factory):
-    """Issue 33 item 2: group2 SIGSTOPs itself with its all-reduce in flight. The survivors do
+    """Group2 SIGSTOPs itself with its all-reduce in flight. The survivors do
     not wait out cluster.timeouts.collective (30 s here): the lighthouse drops group2 after
     cluster.timeouts.heartbeat (2 s), their lane watch gives the round up, nobody commits it,
     and they go on without group2; resumed, group2 may not commit the round either, heals and

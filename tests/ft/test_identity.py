@@ -34,7 +34,7 @@ def test_the_first_admitted_group_pins_what_the_launcher_left_open():
 
 
 def test_a_granted_group_sends_its_configurations_digest_which_must_be_the_jobs():
-    """Issue 33: a group sends its configuration in full until it is granted a quorum, then only
+    """A group sends its configuration in full until it is granted a quorum, then only
     its digest; a restarted lighthouse that has not seen it in full pins the digest."""
     config = {"algo.sync_every": 50, "inner_opt.betas": [0.9, 0.95]}
     digest = config_digest(config)

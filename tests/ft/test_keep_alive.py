@@ -1,4 +1,4 @@
-"""Kept-alive connections between a group's client and the lighthouse (issue 33).
+"""Kept-alive connections between a group's client and the lighthouse.
 
 The client side runs against a scripted stand-in server that counts connections and can close
 or stall one; the lighthouse's side is spoken to over raw sockets. Waits are hang guards, not

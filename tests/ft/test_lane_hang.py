@@ -1,4 +1,4 @@
-"""Issue 33 item 2, the hang that lands while a new lane forms: real processes, real lighthouse.
+"""The hang that lands while a new lane forms costs the others a heartbeat timeout: real processes, real lighthouse.
 
 Three group processes (``lane_hang_worker.py``: the real manager, client, lane watch and Gloo
 lanes, no training) fail round 2 on purpose, so round 3 forms new lanes; group2 SIGSTOPs
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 TOKEN = "lane-hang-token"
 HEARTBEAT_S = 2.0
-# The issue's bound is heartbeat timeout + 1 s; the rest is margin for a loaded two-core machine
+# The bound kept is heartbeat timeout + 1 s; the rest is margin for a loaded two-core machine
 # (still far below the 30 s connect timeout that bounded the wait before).
 STALL_BOUND_S = HEARTBEAT_S + 1.0 + 4.0
 GUARD_S = 120.0  # hang guard for each process, not a measurement

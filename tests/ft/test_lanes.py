@@ -1,4 +1,4 @@
-"""A lane's rendezvous that a hung member holds up is given up by the lane's cancel (issue 33).
+"""A lane's rendezvous that a hung member holds up is given up by the lane's cancel.
 
 Stand-ins and one real Gloo rendezvous on a real TCPStore; every wait is bounded by a hang
 guard far below the timeouts the code was given, so a regression fails instead of hanging.

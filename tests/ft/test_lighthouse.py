@@ -230,7 +230,7 @@ class _AnswersKept(LighthouseClient):
 
 
 def test_a_grant_of_the_quorum_a_group_holds_leaves_its_participants_out(start):
-    """Issue 33: one id always names the same members, so a group asking with the quorum it holds is
+    """One id always names the same members, so a group asking with the quorum it holds is
     granted it without the participants (12 KB to each of 1,000 groups); a new id names them again."""
     lh = start()
     kw = {"token": TOKEN, "job_id": JOB, "signature": SIG, "connect_timeout_s": 1.0}
@@ -399,8 +399,8 @@ def test_open_long_polls_hold_no_thread_and_answers_nobody_reads_break_nothing(s
 
 def test_a_lane_watch_is_held_across_rounds_and_answered_when_a_later_round_loses_a_member(start):
     """A group that asks again and is granted its next round leaves its watch open: one answer per
-    group and round was half of what the lighthouse wrote in a round's burst at 1,000 groups
-    (issue 33). The watch then answers for the round granted later."""
+    group and round was half of what the lighthouse wrote in a round's burst at 1,000 groups.
+    The watch then answers for the round granted later."""
     lh = start(QuorumRules(min_groups=2, join_timeout_s=10.0, heartbeat_timeout_s=30.0))
     first = quorums(ask_all(lh, {"A": 0, "B": 0}))["A"].round_id
     watch = raw_post(lh, LaneWatch(JOB, SIG, "A", round_id=first, timeout_s=30.0))
@@ -479,7 +479,7 @@ def test_a_group_with_another_training_config_is_refused_naming_the_keys(start):
 
 
 def test_a_granted_group_asks_with_its_configs_digest_and_a_lighthouse_restarted_for_another_job_refuses_it(start):
-    """Issue 33: once granted, a group's asks carry its configuration's digest instead of the 2 KB
+    """Once granted, a group's asks carry its configuration's digest instead of the 2 KB
     configuration; a lighthouse whose job has another configuration refuses the digest."""
     job = {"algo.sync_every": 50, "algo.name": "diloco"}
     lh = start(job_config=job)
@@ -580,7 +580,7 @@ def test_malformed_requests_get_400_and_unknown_paths_404(start):
 
 def test_a_body_nested_too_deep_gets_400_with_one_line_and_no_traceback(start, capfd):
     """30,000 brackets under the size limit, with the right token, raised RecursionError in the
-    parser: a traceback in the lighthouse's log and no answer (issue 32)."""
+    parser: a traceback in the lighthouse's log and no answer."""
     lh = start()
     good = {"job": JOB, "signature": SIG, "group": "A", "step": 1, "quorum_id": 0}
     bodies = {
@@ -786,7 +786,7 @@ def _page_of(groups: int, eventful: int) -> str:
 
 def test_past_sixteen_groups_the_page_draws_one_loss_band_and_rows_only_for_groups_with_news():
     """At 1,000 groups a line per group was most of the page's time and its legend ran off the
-    drawing; a row per group made the timeline 22,000 pixels tall (issue 33)."""
+    drawing; a row per group made the timeline 22,000 pixels tall."""
     lines = _page_of(status_page.LINE_GROUPS, 0)
     assert lines.count("<polyline") == status_page.LINE_GROUPS and "<polygon" not in lines
     legend = [int(x) for x in re.findall(r'<text x="(\d+)" y="\d+" fill="#', lines)]
@@ -841,7 +841,7 @@ def test_a_quorum_request_alone_carries_the_last_id_to_a_restarted_lighthouse(st
 
 
 def test_an_ask_or_a_commit_is_the_heartbeat_due_after_it_and_a_failed_request_is_none(start):
-    """Issue 33: the lighthouse takes an ask or a commit (refused or not) as a heartbeat, so the
+    """The lighthouse takes an ask or a commit (refused or not) as a heartbeat, so the
     client's next beat is due an interval after it; a lane watch, a refusal or a request that never
     arrived stands for nothing."""
     lh = start()
@@ -961,7 +961,7 @@ def test_config_errors_name_the_key():
 
 
 def test_a_busy_store_port_names_its_key_and_the_fix():
-    """Issue 32: torch's EADDRINUSE text named the port only."""
+    """torch's EADDRINUSE text named the port only."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -976,7 +976,7 @@ def test_a_busy_store_port_names_its_key_and_the_fix():
 
 
 def test_no_pickle_anywhere_in_diloco_ft():
-    """DESIGN.md invariant 5: nothing received over the network is unpickled."""
+    """docs/design.md, invariant 5: nothing received over the network is unpickled."""
     offenders = []
     for path in sorted((REPO / "diloco" / "ft").rglob("*.py")):
         text = path.read_text()
@@ -1034,7 +1034,7 @@ class NeverDone:
 
 
 def test_a_member_that_stops_heartbeating_ends_the_survivors_wait_at_once_and_commits_nothing(start):
-    """Issue 33 item 2, the rule with stand-ins: the lighthouse drops a silent member, the
+    """A hung member, the rule with stand-ins: the lighthouse drops a silent member, the
     survivors' lane watch cancels their pending collective (30 s of collective timeout left) and
     a transfer with it, not one with another member; the silent one may not commit the round
     once it is back."""
@@ -1083,7 +1083,7 @@ def counted_watcher(lh: Lighthouse, group: str) -> tuple[LaneWatcher, list]:
 
 
 def test_the_lane_watcher_polls_once_across_rounds_and_keeps_its_next_rounds_news_for_that_round(start):
-    """One long poll serves every round while none breaks (issue 33); news of a round granted but
+    """One long poll serves every round while none breaks; news of a round granted but
     not yet followed (it broke as its grant reached the worker) goes to that round's cancel, not to
     the cancel of the round before."""
     lh = start(QuorumRules(min_groups=2, join_timeout_s=10.0, heartbeat_timeout_s=30.0))

@@ -135,7 +135,7 @@ def test_a_malformed_request_is_a_bad_request_naming_the_field(body, message):
 @pytest.mark.parametrize(
     "body",
     [
-        b"[" * 30_000,  # json.loads raised RecursionError on it (issue 32), under MAX_BODY_BYTES
+        b"[" * 30_000,  # json.loads raised RecursionError on it, under MAX_BODY_BYTES
         b'{"a":' * 12_000,
         b'[{"a":' * 10_000,
         b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1),  # well-formed, one level too deep

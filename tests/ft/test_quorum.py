@@ -187,7 +187,7 @@ class TestBook:
         assert q.participants == ("a", "b", "c", "j") and q.heal_from == {"j": "a"}
 
     def test_a_members_replacement_asking_at_once_to_heal_does_not_start_the_join_clock(self):
-        """Issue 33: a member died and its new process asked at once, behind, to heal; its ask
+        """A member died and its new process asked at once, behind, to heal; its ask
         started the clock, so when the others asked a window later the round formed the moment a
         majority had (627 of 1,000 groups in experiments/lighthouse_scale.py). The clock starts
         at the first ask at the members' furthest position."""
@@ -216,7 +216,7 @@ class TestBook:
         return book.decide(now=decide_at)
 
     def test_a_group_that_asked_after_its_round_closed_is_waited_for_in_the_next(self):
-        """Issue 33: on a busy machine groups ask up to a second apart; a fixed 0.5 s join wait
+        """On a busy machine groups ask up to a second apart; a fixed 0.5 s join wait
         left the late ones out of every other round (they healed). The late ask is measured,
         and the next rounds wait long enough for it."""
         book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=0.5, heartbeat_timeout_s=3.0))
@@ -469,7 +469,7 @@ def test_rules_validation_names_the_key(field, value):
 
 
 class TestStartAndEnd:
-    """A job's first quorum, a restarted lighthouse, and the end of the job (DESIGN invariant 7)."""
+    """A job's first quorum, a restarted lighthouse, and the end of the job (docs/design.md, invariant 7)."""
 
     RULES = QuorumRules(
         min_groups=1,

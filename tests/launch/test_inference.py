@@ -109,7 +109,7 @@ def _one_line_without_unpickling_advice(refused: pytest.ExceptionInfo) -> str:
 
 
 def test_a_file_that_is_no_model_is_refused_in_one_line_without_unpickling_advice(tmp_path):
-    """Issue 32: torch's six lines suggesting weights_only=False, and a summary.json called "corrupt"."""
+    """Once torch's six lines suggesting weights_only=False, and a summary.json called "corrupt"."""
     _, path = saved_model(tmp_path)
     run_files = {"summary.json": json.dumps({"model_sha256": model_sha256(RunPaths(tmp_path))}), "notes.txt": "hi"}
     for name, text in run_files.items():

@@ -1,4 +1,4 @@
-"""The honest outcome (DESIGN invariant 6): each way a job can end badly has its one-line reason."""
+"""The honest outcome (docs/design.md, invariant 6): each way a job can end badly has its one-line reason."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_a_group_without_a_result_fails_the_job():
 
 def test_a_holder_of_the_final_state_lost_right_after_the_end_is_no_failure():
     """The lighthouse saw group 1 finish with the final digest; it died before writing its result,
-    and the other holders saved the model (the race issue 9 found at the job's end)."""
+    and the other holders saved the model (a race at the job's end)."""
     outcome = job_outcome([result(0), result(2)], groups=3, algo="streaming", model_saved=True)
     assert outcome.ok, outcome.failure
     assert (outcome.saved_by, outcome.lost_after_end) == ((0, 2), (1,))

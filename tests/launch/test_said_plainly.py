@@ -1,4 +1,4 @@
-"""Issue 32's inputs that were accepted silently or said vaguely, through ``python run.py``: each is
+"""Inputs that were once accepted silently or said vaguely, through ``python run.py``: each is
 refused in one line naming the key or file and the fix, before any worker starts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The job's token stays secret (DESIGN.md invariant 8): read from a file or the environment, never
+"""The job's token stays secret (docs/design.md, invariant 8): read from a file or the environment, never
 given on the command line, and in no log, saved config, hydra file or wandb file of a run; a
 lighthouse listening beyond loopback requires one."""
 
@@ -119,7 +119,7 @@ def _files_holding(run_dir, secret: str) -> list[str]:
 @pytest.mark.parametrize("source", ["token_file", "environment"])
 def test_a_local_job_with_wandb_keeps_its_token_in_job_json_alone(tmp_path, source):
     """A real job with wandb offline: the token was copied into wandb/debug.log, run-*.wandb and
-    logs/debug.log through the config handed to wandb (issue 32)."""
+    logs/debug.log through the config handed to wandb."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     run_dir = tmp_path / "run"

@@ -8,6 +8,7 @@ from diloco.launch.launcher import launch
 from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
 from tests.conftest import compose_job
+from tests.outer.regenerate_schedules import round_schedule
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +38,10 @@ def test_a_two_group_streaming_job_with_topk_ends_ok_with_one_digest_and_counts_
     assert len(commits) == 60 // 5, "every fragment's round committed"
     rounds = [r for r in read_jsonl(RunPaths(tmp_path).metrics(0)) if "outer/pseudo_grad_norm" in r]
     assert len(rounds) == 60 // 5 and all(r["outer/error_norm"] > 0 for r in rounds), "e holds the 98% not sent"
+    schedule = round_schedule(job)  # the golden schedules' recorder (test_golden_schedules.py), on this job
+    assert [r["inner_step"] for r in commits] == [r["apply"] for r in schedule], "rounds where the schedule says"
+    assert [r["outer/alpha"] for r in rounds] == pytest.approx([r["alpha"] for r in schedule])
+    assert [r["outer/momentum"] for r in rounds] == pytest.approx([r["mu"] for r in schedule])
     dense = 2 * 6 * 4 * summary["parameters"]  # fp32 DiLoCo: each group sends the model once a cycle, 6 cycles
     assert dense / 200 < summary["bytes_sent"] < dense / 30, "2% of the entries, 14 bits each, and the scales"
 

@@ -1,7 +1,7 @@
 """algo.compress=topk through the real outer loop: real lighthouse, real Gloo lanes, groups as threads.
 
 The exactness knob at the identity (density 1, 32-bit values, β = 0) is plain DiLoCo; a
-compressed job ends with one digest while each group keeps its own e (DESIGN invariants 1, 9, 10).
+compressed job ends with one digest while each group keeps its own e (docs/design.md, invariants 1, 9 and 10).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The outer loop's math, exactly: real lighthouse, real Gloo lanes, groups as threads of one process.
 
-DESIGN section 2's special cases must hold to float tolerance, and a closed-form reference
+The special cases of docs/design.md, invariant 15 must hold to float tolerance, and a closed-form reference
 of the Streaming DiLoCo update must match over several syncs for several (P, τ, α).
 """
 

@@ -172,7 +172,7 @@ def test_token_weighting_weighs_each_group_by_its_tokens():
 
 
 def test_a_group_with_weight_zero_leaves_the_others_mean_untouched_and_none_contributing_gives_none():
-    """A healing group or a non-finite Δ joins with zeros and w = 0 (DESIGN invariants 3 and 4)."""
+    """A healing group or a non-finite Δ joins with zeros and w = 0 (docs/design.md, invariants 3 and 4)."""
     deltas = [flat(normals(m)) for m in range(2)]
     with_healer = lane_mean([*deltas, torch.zeros_like(deltas[0])], [1.0, 1.0, 0.0])
     assert torch.equal(with_healer, lane_mean(deltas, [1.0, 1.0]))

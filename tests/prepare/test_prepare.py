@@ -255,7 +255,7 @@ def test_a_corpus_without_the_text_field_is_refused_in_one_line(tmp_path, kind):
 
 @pytest.mark.slow
 def test_prepare_a_stdlib_corpus_train_on_it_with_diloco_and_sample_text(tmp_path):
-    """The issue's target: a BPE trained on the standard library's sources, a JSONL corpus of them
+    """The whole path: a BPE trained on the standard library's sources, a JSONL corpus of them
     prepared by two processes (the same ids one process writes), a DiLoCo job (2 groups x 1 worker)
     that learns (eval loss well below uniform over the vocabulary), and role=sample printing text."""
     corpus = tmp_path / "corpus"

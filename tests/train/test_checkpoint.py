@@ -123,7 +123,7 @@ def test_resume_takes_each_groups_newest_whole_checkpoint_of_a_run(tmp_path):
 
 
 def test_resume_from_a_part_of_a_checkpoint_names_the_checkpoint_folder(tmp_path):
-    """Issue 32: a ``.distcp`` file was "no such directory"; a checkpoint is a folder, so name it."""
+    """A ``.distcp`` file was once "no such directory"; a checkpoint is a folder, so name it."""
     run = tmp_path / "run"
     for group in (0, 1):
         _save_group(run, group, 20)

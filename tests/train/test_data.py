@@ -236,7 +236,7 @@ def test_tokens_id_out_of_vocab(tmp_path):
 
 
 def test_a_uint32_file_read_as_uint16_is_refused_naming_the_key(tmp_path):
-    """Read as uint16, a uint32 file is its ids interleaved with zeros (issue 32): refused in one line."""
+    """Read as uint16, a uint32 file is its ids interleaved with zeros: refused in one line."""
     ids = [(i * 7919) % 50_000 + 1 for i in range(5_000)]
     f = write_tokens(tmp_path / "t32.bin", ids, "I")
     with pytest.raises(DataError) as info:

@@ -7,6 +7,7 @@ import torch
 
 from diloco.train.flops import device_peak, flops_per_token
 from diloco.train.model import Transformer
+from diloco.train.sync_hooks import NoSync
 from diloco.train.trainer import Trainer
 from diloco.worker.builders import build_trainer
 from tests.conftest import compose_job
@@ -46,6 +47,16 @@ def test_fit_logs_the_named_metrics_and_the_loss_falls():
     assert last["train/mfu"] == pytest.approx(last["train/tflops"] / peak.tflops)
     assert result.tokens_seen == 30 * job.trainer.batch_size * job.trainer.seq_len
     assert result.final_eval_loss == last["eval/loss"]
+
+
+def test_without_a_synchronizer_a_planned_stop_is_agreed_at_a_log_line():
+    """``NoSync`` never holds a round in flight: the stop waits for the next log line only."""
+    job = compose_job(["algo=local", "trainer.max_steps=20", "trainer.log_every=5", "trainer.seq_len=64"])
+    trainer = _trainer(job)
+    trainer.stop_requested = lambda: True
+    result = trainer.fit()
+    assert isinstance(trainer.outer, NoSync)
+    assert result.interrupted and result.steps == 5
 
 
 def test_progress_state_resumes_data_and_lr_without_replay():
