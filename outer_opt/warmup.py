@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from diloco.schedule import momentum
+
 
 class MomentumWarmup:
-    """Scales each param group's momentum by min(1, launch step / ``steps``) before an outer step.
+    """Sets each param group's momentum to μ(s) ramped over ``steps`` (``diloco/schedule.py``) before an outer step.
 
     Only optimizers with a ``momentum`` hyperparameter (``nesterov``, ``sgd``) are affected;
     ``avg`` keeps its momentum of 0 and the Adam family has none.
@@ -31,12 +33,8 @@ class MomentumWarmup:
         self.steps = steps
         self._full = [group.get("momentum") for group in optimizer.param_groups]
 
-    def factor(self, launch_step: int) -> float:
-        return min(1.0, max(launch_step, 1) / self.steps)
-
     def apply(self, launch_step: int) -> None:
         """Set the momentum for the round launched after inner step ``launch_step`` (≥ 1)."""
-        factor = self.factor(launch_step)
         for group, full in zip(self.optimizer.param_groups, self._full):
             if full is not None:
-                group["momentum"] = full * factor
+                group["momentum"] = momentum(launch_step, full, self.steps)

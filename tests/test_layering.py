@@ -33,8 +33,8 @@ HYDRA_DOOR = "diloco/launch/compose.py"
 # config's metadata, and nothing trains.
 LAYERS = ("launch", "prepare", "worker", "outer", "train", "ft", "config", "leaf")
 # outer_opt (the outer optimizers) sits beside the layers: ft (a healing group's optimizer state),
-# outer and config import it, and it imports only diloco's config helpers.
-OUTER_OPT_MAY_LOAD = ("outer_opt", "diloco.config.base")
+# outer and config import it, and it imports only diloco's config helpers and the outer schedule (μ's ramp).
+OUTER_OPT_MAY_LOAD = ("outer_opt", "diloco.config.base", "diloco.schedule")
 LIGHTHOUSE_SERVER = "diloco.ft.lighthouse"
 # A group's processes: the worker and the groups' side of the fault-tolerance layer.
 GROUP_SIDE = (
@@ -48,7 +48,7 @@ GROUP_SIDE = (
 )
 # Modules both packages load: each imports neither package, so it closes no circle (``diloco``
 # and ``diloco.config`` are packages whose __init__ holds only a docstring).
-SHARED_LEAVES = {"diloco", "diloco.config", "diloco.config.base"}
+SHARED_LEAVES = {"diloco", "diloco.config", "diloco.config.base", "diloco.schedule"}
 
 
 def layer_of(module: str) -> str:

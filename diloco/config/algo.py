@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from diloco.config.base import ConfigError, check, from_dict
+from diloco.schedule import SyncWarmup, WindowProblem, divisors, mixing_alpha, sync_warmup_window, window_problem
 
 # Which algo.* keys each algorithm reads (x); a key it does not read does nothing there:
 #
@@ -221,32 +222,16 @@ class AlgoConfig:
         )
 
     def mixing_alpha(self, launch_step: int, groups: int) -> float:
-        """α for the round of ``groups`` groups launched after inner step ``launch_step``.
+        """α(s, M) of these keys (``diloco/schedule.py``): the same on every group of a round."""
+        return mixing_alpha(launch_step, groups, self.alpha, self.alpha_warmup_steps, self.alpha_reference_groups)
 
-        Both are the same on every group of a round, so every group mixes alike and no state is kept.
-        """
-        alpha = self.alpha
-        if self.alpha_reference_groups:
-            alpha *= min(1.0, (self.alpha_reference_groups / groups) ** 2)
-        if self.alpha_warmup_steps:
-            alpha *= min(1.0, max(launch_step, 1) / self.alpha_warmup_steps)
-        return alpha
-
-    def sync_warmup_window(self) -> tuple[int, int] | None:
-        """(H₀, W): windows of H₀ inner steps for the applies up to inner step W, or None (no warm-up).
-
-        H₀ is the shortest divisor of H, from ``sync_warmup_every`` up, that P divides with
-        τ < H₀/P, so every fragment syncs once per warm-up window; W is ``sync_warmup_steps``
-        rounded up to a multiple of H, so the windows after it, checkpoints and the job's last
-        round fall where they would without it. None when no such H₀ is shorter than H.
-        """
-        if self.name not in ("diloco", "streaming") or self.sync_warmup_steps == 0:
+    def sync_warmup_window(self) -> SyncWarmup | None:
+        """(H₀, W) of these keys (``diloco/schedule.py``); None for an algorithm without outer rounds."""
+        if self.name not in ("diloco", "streaming"):
             return None
-        H, P, tau = self.sync_every, self.fragments, self.delay
-        fits = [h for h in _divisors(H) if self.sync_warmup_every <= h < H and h % P == 0 and tau < h // P]
-        if not fits:
-            return None
-        return fits[0], -(-self.sync_warmup_steps // H) * H
+        return sync_warmup_window(
+            self.sync_every, self.fragments, self.delay, self.sync_warmup_every, self.sync_warmup_steps
+        )
 
     def check_fits(self, *, n_blocks: int, max_steps: int) -> None:
         """The checks that need the model and the trainer: fragments per block, whole windows."""
@@ -280,10 +265,6 @@ def ignore_unread_keys(raw: dict[str, Any]) -> str | None:
     return f"{problem}; ignored in this job"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -295,8 +276,19 @@ def _is_int(value: object) -> bool:
 def validate_schedule(*, sync_every: int, fragments: int, delay: int, alpha: float, n_blocks: int) -> None:
     """Raise ``ConfigError`` naming the ``algo.*`` key whose value breaks the schedule, and the fix."""
     H, P, tau = sync_every, fragments, delay
-    check(_is_int(H) and H >= 1, "algo.sync_every", H, "must be an integer >= 1 (inner steps per outer window H)")
-    check(_is_int(P) and P >= 1, "algo.fragments", P, "must be an integer >= 1 (1 is plain DiLoCo)")
+    problem = window_problem(H, P, tau)
+    check(
+        _is_int(H) and problem is not WindowProblem.H_BELOW_ONE,
+        "algo.sync_every",
+        H,
+        "must be an integer >= 1 (inner steps per outer window H)",
+    )
+    check(
+        _is_int(P) and problem is not WindowProblem.P_BELOW_ONE,
+        "algo.fragments",
+        P,
+        "must be an integer >= 1 (1 is plain DiLoCo)",
+    )
     check(
         P <= n_blocks,
         "algo.fragments",
@@ -304,16 +296,21 @@ def validate_schedule(*, sync_every: int, fragments: int, delay: int, alpha: flo
         f"is larger than the model's {n_blocks} transformer blocks (model.n_layers); every fragment needs "
         f"at least one block, so pick fragments <= {n_blocks}",
     )
-    if H % P != 0:
-        choices = [d for d in _divisors(H) if d <= n_blocks]
-        limit = f" (the divisors of {H} up to model.n_layers={n_blocks})" if max(_divisors(H)) > n_blocks else ""
+    if problem is WindowProblem.P_NOT_DIVIDING_H:
+        choices = [d for d in divisors(H) if d <= n_blocks]
+        limit = f" (the divisors of {H} up to model.n_layers={n_blocks})" if max(divisors(H)) > n_blocks else ""
         raise ConfigError(
             f"algo.sync_every={H} is not divisible by algo.fragments={P}; pick fragments in "
             f"{{{', '.join(map(str, choices))}}}{limit} or change algo.sync_every"
         )
-    check(_is_int(tau) and tau >= 0, "algo.delay", tau, "must be an integer >= 0 (0: apply right after launch)")
     check(
-        tau < H // P,
+        _is_int(tau) and problem is not WindowProblem.TAU_NEGATIVE,
+        "algo.delay",
+        tau,
+        "must be an integer >= 0 (0: apply right after launch)",
+    )
+    check(
+        problem is not WindowProblem.TAU_NOT_BELOW_SPACING,
         "algo.delay",
         tau,
         f"must be < algo.sync_every / algo.fragments = {H // P}, so each fragment's all-reduce is applied "

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from diloco.config.algo import AlgoConfig
 from diloco.config.job import JobConfig
+from diloco.schedule import whole_windows
 from outer_opt import OuterOptConfig
 
 SYNCING = ("diloco", "streaming")  # the algorithms with outer rounds, and so with warm-ups
@@ -26,7 +27,7 @@ def scheduled(job: JobConfig) -> tuple[AlgoConfig, OuterOptConfig]:
         return algo, outer_opt
     limit = int(job.trainer.warmup_share * max_steps)
     H = algo.sync_every
-    sync_steps = min(-(-algo.sync_warmup_steps // H) * H, limit // H * H)
+    sync_steps = min(whole_windows(algo.sync_warmup_steps, H), limit // H * H)
     return (
         replace(algo, sync_warmup_steps=sync_steps, alpha_warmup_steps=min(algo.alpha_warmup_steps, limit)),
         replace(outer_opt, momentum_warmup_steps=min(outer_opt.momentum_warmup_steps, limit)),

@@ -16,9 +16,7 @@ from diloco.config.job import JobConfig
 from diloco.config.model import ModelConfig
 from diloco.config.warmups import planned_windows, warmup_line
 from diloco.launch.compose import CONF_DIR, load_saved_config
-from diloco.outer.perf_model import topk_bits_per_param
-from diloco.outer.quantize import packed_nbytes
-from diloco.outer.sparse import TopK
+from diloco.outer.codecs import Dense, codec_for
 
 # Fields a preset does not decide: the data sets the vocabulary, model.init_from a checkpoint's shape.
 NOT_SHAPE = ("vocab_size", "init_from")
@@ -69,7 +67,7 @@ def algo_line(job: JobConfig, n_params: int) -> str:
     if algo.name == "local":
         return "algo: local, every group trains alone (no sync; the no-communication baseline)"
     if algo.name == "ddp":
-        gradients = _size(packed_nbytes(n_params, "none"))
+        gradients = _size(Dense().nbytes(n_params))
         return (
             f"algo: ddp, the gradients all-reduced every step: {job.trainer.max_steps} rounds of ~{gradients} per group"
         )
@@ -83,13 +81,10 @@ def algo_line(job: JobConfig, n_params: int) -> str:
     )
 
 
-def payload_of(algo: AlgoConfig, n_params: int) -> tuple[str, float]:
-    """The payload's format, and its bytes for the whole model: a round sends one fragment's share."""
-    if algo.compress == "topk":
-        codec = TopK(density=algo.density, value_bits=algo.value_bits)
-        bits = topk_bits_per_param(codec, n_params)
-        return f"top {100 * algo.density:g}% in {algo.value_bits}-bit values", n_params * bits / 8
-    return ("fp32" if algo.quantize == "none" else algo.quantize), packed_nbytes(n_params, algo.quantize)
+def payload_of(algo: AlgoConfig, n_params: int) -> tuple[str, int]:
+    """The payload's codec, and its bytes for the whole model: a round sends one fragment's share."""
+    codec = codec_for(algo)
+    return codec.name, codec.nbytes(n_params)
 
 
 def tokens_line(job: JobConfig) -> str:

@@ -17,9 +17,9 @@ import time
 import torch
 
 from diloco.config.algo import AlgoConfig
+from diloco.outer.codecs import codec_for
 from diloco.outer.overlap_plan import OverlapPlan, choose_overlap
 from diloco.outer.quantize import FORMATS
-from diloco.outer.sparse import TopK
 
 N_MEASUREMENTS = 3  # what each group adds to a round's sum: [known, inner step s, link s per byte]
 
@@ -33,7 +33,7 @@ class AutoOverlap:
         shortest = warmup[0] if warmup else algo.sync_every
         self.window_steps = shortest // algo.fragments  # τ < H/P in every window, the warm-up's too
         self.fragment_numel = fragment_numel  # the largest fragment of this worker's shard
-        self.sparse = TopK(algo.density, algo.value_bits) if algo.compress == "topk" else None
+        self.sparse = codec_for(algo) if algo.compress == "topk" else None  # a codec the plan does not pick
         self._step_times: list[float] = []
         self._step_began: float | None = None
         self._seconds_per_byte: float | None = None

@@ -15,7 +15,7 @@ import torch
 
 from diloco.ft.lanes import LaneError, wait_work
 from diloco.ft.state import local_tensor
-from diloco.outer.reduce import launch_reduce
+from diloco.outer.codecs import Dense, launch_reduce
 from diloco.outer.synchronizer import Synchronizer
 from diloco.train.sync_hooks import OuterOutcome
 
@@ -83,7 +83,9 @@ class GradientSync(Synchronizer):
         if not finite:
             grads.zero_()
             contribute = False
-        pending = launch_reduce(round_.lane, grads, 1.0 if contribute else 0.0, "none", round_.size, bucket=self.bucket)
+        pending = launch_reduce(
+            round_.lane, grads, 1.0 if contribute else 0.0, Dense(), round_.size, bucket=self.bucket
+        )
         if self._injects("break_lane"):
             self.manager.abandon_round()  # mid all-reduce: this round fails everywhere
         try:  # only the wait is guarded: that is where Gloo reports a lost peer; anything else is a bug

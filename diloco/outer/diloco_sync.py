@@ -6,9 +6,10 @@ pseudo-gradient Δ_p = θ_g,p − θ_l,p is all-reduced over the lane (launch); 
 average over contributing groups is the outer gradient, the group commits only if every
 rank succeeded, and θ_l,p ← α·θ_l,p + (1 − α)·θ_g,p (apply). A failed round resets
 θ_l,p ← θ_g,p and leaves θ_g and the committed count as they were (docs/design.md, invariant 2).
-With ``algo.compress=topk`` each group sends a sparse payload of β·e + Δ_p instead and keeps
-the rest in its error-feedback buffer e (``sparse.feedback``), which only a commit updates:
-a failed round's Δ_p is dropped with the θ_l reset, and its residual with it.
+Δ_p goes on the wire in the job's payload codec (``codecs``: dense, quantized or top-k). With
+``algo.compress=topk`` each group sends a sparse payload of β·e + Δ_p and keeps the rest in its
+error-feedback buffer e (``sparse.feedback``), which only a commit updates: a failed round's
+Δ_p is dropped with the θ_l reset, and its residual with it.
 The arithmetic of each step is ``update``'s; this module decides when and with whom.
 """
 
@@ -33,11 +34,10 @@ from diloco.config.algo import AlgoConfig
 from diloco.ft.lanes import LaneError, wait_work
 from diloco.ft.manager import Round
 from diloco.outer.auto_overlap import N_MEASUREMENTS, AutoOverlap
-from diloco.outer.fragments import SyncWarmup, fragments_to_apply, fragments_to_launch, skip_target
-from diloco.outer.reduce import PendingReduce, launch_reduce, launch_sparse_reduce
-from diloco.outer.sparse import TopK, outgoing
+from diloco.outer.codecs import codec_for, launch_reduce
 from diloco.outer.synchronizer import Synchronizer
 from diloco.outer.update import contribution_weight, outer_update, pseudo_gradient, reset_local
+from diloco.schedule import fragments_to_apply, fragments_to_launch, skip_target
 from diloco.train.sync_hooks import OuterOutcome
 from outer_opt import MomentumWarmup
 
@@ -57,7 +57,7 @@ class Fragment:
     # over a mesh dimension (tensor parallelism's norms) is counted by that dimension's rank 0 only.
     owned: list[bool] | None = None  # None: every tensor (a worker that holds them alone)
     tokens_since_sync: int = 0
-    # algo.compress=topk: this group's error-feedback buffer e (flat fp32, CPU). Local state
+    # The codec's error-feedback buffer e (flat fp32, CPU; None: the codec keeps none). Local state
     # (docs/design.md, invariant 10): checkpointed, never healed from a peer nor in the digest.
     error: torch.Tensor | None = None
 
@@ -78,7 +78,7 @@ class Flight:
     round: Round | None = None
     averages: list[torch.Tensor | None] | None = None
     bytes_sent: list[int] = field(default_factory=list)
-    errors: list[torch.Tensor | None] = field(default_factory=list)  # topk: each fragment's e if it commits
+    errors: list[torch.Tensor | None] = field(default_factory=list)  # each fragment's e if it commits
     held_ms: float = 0.0  # time the training thread spent on this round
     done: Future | None = None
     measured: torch.Tensor | None = None  # algo.auto: this group's measurements, sent with the first fragment
@@ -107,18 +107,16 @@ class OuterSync(Synchronizer):
         **common: Any,
     ) -> None:
         """``auto``: algo.auto's plan and measurements (its plan tensor is in ``heal_state.extra``);
-        ``codec_device``: where quantized Δ is encoded and decoded (``launch_reduce``)."""
+        ``codec_device``: where the payload codec encodes and decodes Δ (``codecs``)."""
         super().__init__(**common)
         self.algo = algo
         self.codec_device = codec_device
         self.fragments = fragments
-        window = algo.sync_warmup_window()  # from the configured τ: algo.auto keeps τ below H₀/P
-        self.warmup = SyncWarmup(*window) if window else None
+        self.warmup = algo.sync_warmup_window()  # from the configured τ: algo.auto keeps τ below H₀/P
         self.auto = auto
-        self.sparse = TopK(algo.density, algo.value_bits) if algo.compress == "topk" else None
-        if self.sparse is not None:
-            for f in fragments:
-                f.error = torch.zeros(sum(g.numel() for g in f.global_), dtype=torch.float32)
+        self.codec = codec_for(algo, codec_device)
+        for f in fragments:
+            f.error = self.codec.error_buffer(sum(g.numel() for g in f.global_))
         self._flight: Flight | None = None
         self.rounds_nobody_finite = 0  # in a row: every member of the round sent a non-finite Δ, this group too
 
@@ -186,15 +184,17 @@ class OuterSync(Synchronizer):
         for f in self.fragments:
             reset_local(f.global_, f.local)
 
+    def _errors(self) -> dict[str, torch.Tensor]:
+        """Each fragment's e, by its checkpoint key (none when the codec keeps no e)."""
+        return {f"error.{f.index}": f.error for f in self.fragments if f.error is not None}
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        errors = {f"error.{f.index}": f.error for f in self.fragments if f.error is not None}
-        return super().checkpoint_tensors() | errors
+        return super().checkpoint_tensors() | self._errors()
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         super().load_checkpoint_tensors({k: v for k, v in tensors.items() if not k.startswith("error.")})
-        for f in self.fragments:
-            if f.error is not None:
-                f.error.copy_(tensors[f"error.{f.index}"])
+        for key, error in self._errors().items():
+            error.copy_(tensors[key])
 
     def _after_heal(self) -> None:
         """Take up the peer's state. e starts at zero: it was this group's residual of rounds it did
@@ -202,14 +202,15 @@ class OuterSync(Synchronizer):
         self.load_global_into_local()
         for f in self.fragments:
             f.tokens_since_sync = 0
-            if f.error is not None:
-                f.error.zero_()
+        for error in self._errors().values():
+            error.zero_()
         self._follow_plan()
 
     def _follow_plan(self) -> None:
         """algo.auto: run on the plan held in the state (a peer's after a heal, a checkpoint's after a resume)."""
         if self.auto is not None:
             self.algo = self.auto.algo_for(self.algo)
+            self.codec = codec_for(self.algo, self.codec_device)
 
     def _replan(self, flight: Flight, groups: int) -> None:
         """algo.auto, after a committed round: the plan from every group's summed measurements.
@@ -268,7 +269,8 @@ class OuterSync(Synchronizer):
         self._reduce(flight)
 
     def _reduce(self, flight: Flight) -> None:
-        """All-reduce every fragment's weighted Δ over the lane and average; None where it failed.
+        """Reduce every fragment's weighted Δ over the lane in the job's codec and average; None where
+        it failed. The codec also leaves the e each fragment keeps if it commits (``Flight.errors``).
 
         A Δ that is not finite on some rank of the group goes out as zeros with weight 0:
         the others' average is untouched, and this group does not commit (docs/design.md, invariant 4).
@@ -283,8 +285,11 @@ class OuterSync(Synchronizer):
             # Not guarded: Gloo reports a broken lane when the collective is waited on (a
             # failed round); an error here is a bug, and it stops the worker with its traceback.
             extras = self._measurements_to_send(flight) if i == 0 else None
-            pending.append(self._launch_one(flight, i, delta, weight if finite else 0.0, extras))
+            weight, error = (weight if finite else 0.0), flight.fragments[i].error
+            reduce = launch_reduce(round_.lane, delta, weight, self.codec, round_.size, error, extras, self.bucket)
+            pending.append(reduce)
             local_ok.append(finite)
+        flight.errors = [reduce.error for reduce in pending]
         if self._injects("break_lane"):
             self.manager.abandon_round()  # mid all-reduce: this round fails everywhere
         if self._injects("stop_in_round"):
@@ -303,38 +308,6 @@ class OuterSync(Synchronizer):
             flight.shared = pending[0].extras
             if all(a is not None for a in flight.averages):
                 self.auto.transferred(time.perf_counter() - started, sum(flight.bytes_sent))
-
-    def _launch_one(
-        self, flight: Flight, i: int, delta: torch.Tensor, weight: float, extras: torch.Tensor | None
-    ) -> PendingReduce:
-        """Start fragment i's reduce; with topk, encode β·e + Δ and note the e it leaves (none at weight 0)."""
-        round_ = flight.round
-        if self.sparse is None:
-            return launch_reduce(
-                round_.lane,
-                delta,
-                weight,
-                self.algo.quantize,
-                round_.size,
-                extras=extras,
-                bucket=self.bucket,
-                codec_device=self.codec_device,
-            )
-        device = self.codec_device or delta.device
-        payload, error = outgoing(self.sparse, delta, flight.fragments[i].error, self.algo.error_decay, weight, device)
-        flight.errors.append(error)
-        return launch_sparse_reduce(
-            round_.lane,
-            payload,
-            delta.numel(),
-            weight,
-            self.sparse,
-            round_.size,
-            extras=extras,
-            bucket=self.bucket,
-            codec_device=self.codec_device,
-            reference_groups=self.algo.sparse_reference_groups,
-        )
 
     def _measurements_to_send(self, flight: Flight) -> torch.Tensor | None:
         """algo.auto: every member adds the same number of values to the sum (zeros: nothing measured)."""
@@ -443,9 +416,8 @@ class OuterSync(Synchronizer):
         schedule = {}
         if committed:
             schedule = self._outer_step(fragment, average, flight.launch_step, flight.round.size)
-            if flight.errors and flight.errors[i] is not None:
+            if fragment.error is not None:  # e as the round left it: what it holds back beside Δ̄
                 fragment.error.copy_(flight.errors[i])
-            if fragment.error is not None:  # what e holds back beside what was sent (Δ̄'s norm)
                 schedule["outer/error_norm"] = math.sqrt(
                     self.manager.sum_over_ranks(owned_square_sum(fragment.error, fragment))
                 )

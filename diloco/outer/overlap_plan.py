@@ -8,15 +8,14 @@ fits in τ inner steps, and at that τ the most precise format that fits. A tran
 when what it leaves unhidden is at most ``STALL_SLACK`` of the fragment's window, so a fast
 link keeps τ = 0 and full precision. When nothing fits (a link too slow even for 4 bits
 within the window), the plan that stalls least: the largest τ, 4 bits. With ``algo.compress=topk``
-the payload is the sparse one, whose precision the job fixes: the plan picks τ alone.
+the payload is the sparse codec's, whose precision the job fixes: the plan picks τ alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diloco.outer.reduce import bytes_sent_for
-from diloco.outer.sparse import TopK
+from diloco.outer.codecs import Codec, format_codec
 
 FORMATS_BY_PRECISION = ("none", "bf16", "fp8", "fp4")
 STALL_SLACK = 0.02  # of a fragment's window (H/P inner steps): a stall this short counts as hidden
@@ -45,14 +44,14 @@ def choose_overlap(
     step_s: float,
     seconds_per_byte: float,
     current: tuple[int, str] | None = None,
-    sparse: TopK | None = None,
+    sparse: Codec | None = None,
 ) -> OverlapPlan:
     """The plan for fragments of ``fragment_numel`` values reduced over ``groups`` groups every
     ``window_steps`` (H/P) inner steps of ``step_s``, on a link that carries a byte in ``seconds_per_byte``.
 
     ``current`` (τ, format) is kept while it still fits and the better plan fits by less than
     ``HYSTERESIS``: measurements on a busy machine jitter, and the plan should not follow them.
-    ``sparse``: the job's topk codec; the format stays none (fp32 values are the codec's business).
+    ``sparse``: the job's topk codec (``codecs.Sparse``); the format stays none (its values are its business).
     """
     if fragment_numel < 1 or groups < 1 or window_steps < 1 or step_s < 0 or seconds_per_byte < 0:
         raise ValueError(
@@ -62,7 +61,8 @@ def choose_overlap(
     slack = STALL_SLACK * window_steps * step_s
 
     def plan(delay: int, fmt: str) -> OverlapPlan:
-        seconds = bytes_sent_for(fragment_numel, fmt, groups, sparse=sparse) * seconds_per_byte
+        codec = sparse if sparse is not None else format_codec(fmt)
+        seconds = codec.bytes_sent(fragment_numel, groups) * seconds_per_byte
         return OverlapPlan(delay, fmt, seconds, delay * step_s)
 
     def fits(p: OverlapPlan, margin: float = 0.0) -> bool:

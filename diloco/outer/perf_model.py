@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from diloco.outer.sparse import TopK
+from diloco.schedule import WindowProblem, window_problem
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,10 @@ class SyncPlan:
     gathered: bool = False  # the payload is all-gathered (each group sends M−1 copies), not ring-reduced
 
     def __post_init__(self) -> None:
-        if self.sync_every < 1 or self.fragments < 1 or self.sync_every % self.fragments:
+        problem = window_problem(self.sync_every, self.fragments, self.overlap_steps)
+        if problem in (WindowProblem.H_BELOW_ONE, WindowProblem.P_BELOW_ONE, WindowProblem.P_NOT_DIVIDING_H):
             raise ValueError(f"need fragments dividing sync_every, got H={self.sync_every}, P={self.fragments}")
-        if not 0 <= self.overlap_steps < self.sync_every // self.fragments or not 0 <= self.overlap_backward <= 1:
+        if problem is not None or not 0 <= self.overlap_backward <= 1:
             raise ValueError(f"need 0 <= overlap_steps < H/P and 0 <= overlap_backward <= 1: {self}")
 
 

@@ -127,14 +127,14 @@ def feedback(
 
 def outgoing(
     codec: TopK, delta: torch.Tensor, error: torch.Tensor, decay: float, weight: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What a group sends this round (on the CPU) and the e it keeps if the round commits, encoded on ``device``.
 
     At weight 0 (a healing group, or a non-finite Δ) Δ is not the group's work: a blank payload
-    of the same size, so the gather keeps its shape, and no new e (None: e stays as it was).
+    of the same size, so the gather keeps its shape, and e stays as it was.
     """
     if weight <= 0:
-        return torch.zeros(codec.nbytes(delta.numel()), dtype=torch.uint8), None
+        return torch.zeros(codec.nbytes(delta.numel()), dtype=torch.uint8), error
     payload, _, new_error = feedback(codec, delta.to(device), error.to(device), decay)
     return payload.cpu(), new_error.cpu()
 

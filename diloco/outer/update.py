@@ -14,8 +14,8 @@ arXiv 2501.18512, whose mixing factor α merges the global model into each group
 Nothing here communicates, reads a config, keeps state or logs. The synchronizers do the
 rest and call these for the arithmetic: the all-reduce and the quorum (``reduce``,
 ``diloco_sync``, ``ddp_sync``), the non-finite guard (a group whose Δ is not finite sends
-zeros with w = 0), and the schedules of μ (``outer_opt.MomentumWarmup``) and α
-(``AlgoConfig.mixing_alpha``). tests/outer/test_update.py checks the closed forms on CPU tensors.
+zeros with w = 0), and the schedules of μ and α (``diloco/schedule.py``). tests/outer/test_update.py
+checks the closed forms on CPU tensors.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from diloco.config.algo import AlgoConfig
 from diloco.config.base import ConfigError
 from diloco.outer.auto_overlap import AutoOverlap
 from diloco.outer.bandwidth import TokenBucket, bucket_for
+from diloco.outer.codecs import Dense, format_codec, launch_reduce
 from diloco.outer.overlap_plan import HYSTERESIS, STALL_SLACK, choose_overlap
 from diloco.outer.quantize import FORMATS
-from diloco.outer.reduce import bytes_sent_for, launch_reduce
 from diloco.train.inner_opt import build_inner_optimizer
 from diloco.train.logger import read_jsonl
 from diloco.train.model import Transformer
@@ -68,8 +68,8 @@ class MirrorLane:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_planned_bytes_are_the_bytes_a_reduce_sends_and_extras_are_summed(fmt):
     delta, extras = torch.randn(1000), torch.tensor([1.0, 0.25, 3e-7])
-    pending = launch_reduce(MirrorLane(3), delta, 2.0, fmt, 3, extras=extras)
-    assert pending.bytes_sent == bytes_sent_for(1000, fmt, 3, n_extras=3)
+    pending = launch_reduce(MirrorLane(3), delta, 2.0, format_codec(fmt), 3, extras=extras)
+    assert pending.bytes_sent == format_codec(fmt).bytes_sent(1000, 3, n_extras=3)
     average = pending.result(lambda work: None)
     torch.testing.assert_close(pending.extras, 3 * extras)
     assert average.shape == delta.shape
@@ -78,7 +78,7 @@ def test_the_planned_bytes_are_the_bytes_a_reduce_sends_and_extras_are_summed(fm
 def test_a_bandwidth_limited_reduce_is_held_until_the_link_carried_its_bytes():
     clock = FakeClock()
     bucket = TokenBucket(1000.0, burst_s=0.0, clock=clock)
-    pending = launch_reduce(MirrorLane(2), torch.zeros(100), 1.0, "none", 2, bucket=bucket)
+    pending = launch_reduce(MirrorLane(2), torch.zeros(100), 1.0, Dense(), 2, bucket=bucket)
     assert pending.ready_at == pytest.approx(pending.bytes_sent / 1000.0)
 
 
@@ -89,7 +89,7 @@ SLACK = STALL_SLACK * WINDOW * STEP
 
 def _seconds_per_byte(fmt: str, transfer_s: float) -> float:
     """The link speed at which a fragment's reduce in ``fmt`` takes ``transfer_s``."""
-    return transfer_s / bytes_sent_for(NUMEL, fmt, GROUPS)
+    return transfer_s / format_codec(fmt).bytes_sent(NUMEL, GROUPS)
 
 
 def _plan(seconds_per_byte: float, current=None) -> tuple[int, str]:

@@ -9,16 +9,8 @@ import pytest
 from diloco.config.algo import AlgoConfig, validate_schedule
 from diloco.config.base import ConfigError
 from diloco.config.model import ModelConfig
-from diloco.outer.fragments import (
-    SyncWarmup,
-    fragment_of_parameter,
-    fragment_offset,
-    fragment_parameter_names,
-    fragments_to_apply,
-    fragments_to_launch,
-    next_launch_step,
-    partition_blocks,
-)
+from diloco.outer.fragments import fragment_of_parameter, fragment_parameter_names, partition_blocks
+from diloco.schedule import SyncWarmup, fragment_offset, fragments_to_apply, fragments_to_launch, next_launch_step
 from diloco.train.model import Transformer
 
 # --- partitions ------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from diloco.config.cluster import LighthouseConfig
 from diloco.config.job import GroupConfig, JobConfig
 from diloco.ft.lighthouse import Lighthouse
 from diloco.outer.diloco_sync import OuterSync
-from diloco.outer.fragments import SyncWarmup, fragment_parameter_names, fragments_to_apply, fragments_to_launch
+from diloco.outer.fragments import fragment_parameter_names
+from diloco.schedule import SyncWarmup, fragments_to_apply, fragments_to_launch
 from diloco.train.inner_opt import build_inner_optimizer
 from diloco.train.model import Transformer, param_signature
 from diloco.train.trainer import Trainer

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diloco.outer.codecs import Sparse, launch_reduce
 from diloco.outer.overlap_plan import choose_overlap
 from diloco.outer.perf_model import Link, SyncPlan, bandwidth_for, topk_bits_per_param, utilization, window_seconds
-from diloco.outer.reduce import bytes_sent_for, launch_sparse_reduce
 from diloco.outer.sparse import VALUE_BITS, TopK, feedback, outgoing, reduce_sparse
 from tests.outer.test_auto_overlap import MirrorLane
 
@@ -122,12 +122,14 @@ def test_the_sparse_reduce_sends_the_planned_bytes_and_averages_over_contributor
     codec = TopK(0.02, 2)
     delta, extras = torch.randn(20_000), torch.tensor([1.0, 0.5, 2.0])
     payload = codec.encode(delta)
-    pending = launch_sparse_reduce(MirrorLane(3), payload, delta.numel(), 2.0, codec, 3, extras=extras)
-    assert pending.bytes_sent == bytes_sent_for(delta.numel(), "none", 3, n_extras=3, sparse=codec)
+    sparse = Sparse(codec, decay=0.0)
+    pending = launch_reduce(MirrorLane(3), delta, 2.0, sparse, 3, error=torch.zeros(20_000), extras=extras)
+    assert pending.bytes_sent == sparse.bytes_sent(delta.numel(), 3, n_extras=3)
     assert pending.bytes_sent == 2 * (payload.numel() + 16)
     average = pending.result(lambda work: None)
     torch.testing.assert_close(average, codec.decode(payload, delta.numel()))  # three equal groups: their mean
     torch.testing.assert_close(pending.extras, 3 * extras)
+    torch.testing.assert_close(pending.error + codec.decode(payload, delta.numel()), delta)  # e = Δ − ŝ
 
 
 def test_bad_codec_settings_are_refused():
@@ -154,18 +156,18 @@ def test_the_perf_model_sizes_a_gathered_topk_payload():
 
 
 def test_auto_overlap_with_topk_picks_tau_for_the_sparse_payload_and_keeps_the_format():
-    codec = TopK(0.02, 2)
+    codec = Sparse(TopK(0.02, 2), decay=0.95)
     plan = choose_overlap(
         fragment_numel=800_000, groups=2, window_steps=25, step_s=0.1, seconds_per_byte=1e-5, sparse=codec
     )
     assert (plan.delay, plan.quantize) == (3, "none")  # 30 kB at 100 kB/s: 0.3 s, hidden by three 0.1 s steps
-    assert plan.transfer_s == pytest.approx(bytes_sent_for(800_000, "none", 2, sparse=codec) * 1e-5)
+    assert plan.transfer_s == pytest.approx(codec.bytes_sent(800_000, 2) * 1e-5)
 
 
 def test_a_group_that_does_not_contribute_sends_a_blank_payload_of_the_same_size_and_keeps_its_error():
     codec, delta, error = TopK(0.05, 2), torch.randn(3000), torch.randn(3000)
     blank, kept = outgoing(codec, delta, error, 0.95, 0.0, torch.device("cpu"))
-    assert kept is None and blank.numel() == codec.nbytes(3000) and not blank.any()
+    assert kept is error and blank.numel() == codec.nbytes(3000) and not blank.any()
     payload, new_error = outgoing(codec, delta, error, 0.95, 2.0, torch.device("cpu"))
     assert torch.equal(payload, codec.encode(delta + 0.95 * error))
     torch.testing.assert_close(codec.decode(payload, 3000) + new_error, delta + 0.95 * error)

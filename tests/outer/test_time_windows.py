@@ -16,7 +16,7 @@ from diloco.config.faults import FaultsConfig
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lighthouse import Lighthouse
 from diloco.ft.quorum import QuorumBook, QuorumRequest
-from diloco.outer.fragments import fragments_to_launch, next_launch_step, skip_target
+from diloco.schedule import fragments_to_launch, next_launch_step, skip_target
 from diloco.train.inner_opt import build_inner_optimizer
 from diloco.train.model import Transformer
 from diloco.worker.builders import straggler_pace

@@ -1,0 +1,188 @@
+"""Payload codecs: how one group's Δ goes on the wire, and how every group's comes back summed.
+
+One codec per job, chosen from the algo config (``codec_for``); ``algo.auto`` chooses again when
+it changes the format. ``Dense`` sends fp32 w·Δ, which the lane sums (a ring all-reduce). The
+others send packed bytes, which Gloo cannot sum: every group gathers all payloads and sums
+Σ_m w_m·Δ̂_m in fp32 in rank order, so all get the same bits. ``Quantized`` sends w·Δ in a low-bit
+format (``quantize``); ``Sparse`` sends the top-k of a = β·e + Δ (``sparse``: unweighted, the error
+feedback is on the group's own Δ) and hands back e ← a − ŝ, which the caller keeps per fragment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from diloco.config.algo import AlgoConfig
+from diloco.outer.bandwidth import TokenBucket
+from diloco.outer.quantize import packed_nbytes, quantize, reduce_quantized
+from diloco.outer.reduce import (
+    PendingReduce,
+    as_float32,
+    gather_and_sum,
+    held_back,
+    ring_allreduce_bytes,
+    sum_over_lane,
+)
+from diloco.outer.sparse import TopK, outgoing, reduce_sparse
+
+
+class Codec(Protocol):
+    """The payload of one group's Δ of ``numel`` values, and the collective that combines them."""
+
+    name: str  # as the job's header prints it
+
+    def nbytes(self, numel: int) -> int:
+        """Bytes of one group's payload."""
+
+    def bytes_sent(self, numel: int, size: int, n_extras: int = 0) -> int:
+        """Bytes one of ``size`` members sends for it, with the weight and ``n_extras`` float32 beside."""
+
+    def error_buffer(self, numel: int) -> torch.Tensor | None:
+        """A fresh e for a fragment (None: no error feedback)."""
+
+    def encode(
+        self, delta: torch.Tensor, weight: float, error: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This group's payload for w and Δ (on the CPU), and the e to keep if the round commits (None: no e)."""
+
+    def send(
+        self, lane: dist.ProcessGroup, payload: torch.Tensor, numel: int, weight: float, extras: torch.Tensor, size: int
+    ) -> PendingReduce:
+        """Start combining every member's payload, weight and ``extras`` over the lane."""
+
+
+def _tail(n_extras: int) -> int:
+    return 4 * (1 + n_extras)  # the weight and the extras, float32
+
+
+@dataclass(frozen=True)
+class Dense:
+    """fp32 w·Δ, summed by the lane."""
+
+    name: str = "fp32"
+
+    def nbytes(self, numel: int) -> int:
+        return packed_nbytes(numel, "none")
+
+    def bytes_sent(self, numel: int, size: int, n_extras: int = 0) -> int:
+        return ring_allreduce_bytes(self.nbytes(numel) + _tail(n_extras), size)
+
+    def error_buffer(self, numel: int) -> None:
+        return None
+
+    def encode(self, delta: torch.Tensor, weight: float, error: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        return delta * weight, None
+
+    def send(
+        self, lane: dist.ProcessGroup, payload: torch.Tensor, numel: int, weight: float, extras: torch.Tensor, size: int
+    ) -> PendingReduce:
+        return sum_over_lane(lane, payload, weight, extras, size)
+
+
+class Gathered:
+    """A packed payload: gathered from every member, then ``reduce`` decodes and sums it."""
+
+    def bytes_sent(self, numel: int, size: int, n_extras: int = 0) -> int:
+        return (size - 1) * (self.nbytes(numel) + _tail(n_extras))
+
+    def send(
+        self, lane: dist.ProcessGroup, payload: torch.Tensor, numel: int, weight: float, extras: torch.Tensor, size: int
+    ) -> PendingReduce:
+        return gather_and_sum(lane, payload, weight, extras, size, lambda gathered, w: self.reduce(gathered, w, numel))
+
+
+@dataclass(frozen=True)
+class Quantized(Gathered):
+    """w·Δ in ``fmt``, encoded and decoded on ``device`` (a worker's GPU; None: the CPU)."""
+
+    fmt: str
+    device: torch.device | None = None
+
+    @property
+    def name(self) -> str:
+        return self.fmt
+
+    def nbytes(self, numel: int) -> int:
+        return packed_nbytes(numel, self.fmt)
+
+    def error_buffer(self, numel: int) -> None:
+        return None
+
+    def encode(self, delta: torch.Tensor, weight: float, error: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        return quantize((delta * weight).to(self.device or delta.device), self.fmt).cpu(), None
+
+    def reduce(self, gathered: list[torch.Tensor], weights: list[float], numel: int) -> torch.Tensor:
+        """Σ_m w_m·Δ_m: the payloads already hold w_m·Δ_m."""
+        device = self.device or gathered[0].device
+        return reduce_quantized([p.to(device) for p in gathered], self.fmt, numel).cpu()
+
+
+@dataclass(frozen=True)
+class Sparse(Gathered):
+    """SparseLoCo's payload: ``topk`` of a = β·e + Δ, β = ``decay``; entries averaged over no fewer
+    than ``reference_groups`` groups (``reduce_sparse``); encoded and decoded on ``device``."""
+
+    topk: TopK
+    decay: float
+    reference_groups: int = 0
+    device: torch.device | None = None
+
+    @property
+    def name(self) -> str:
+        return f"top {100 * self.topk.density:g}% in {self.topk.value_bits}-bit values"
+
+    def nbytes(self, numel: int) -> int:
+        return self.topk.nbytes(numel)
+
+    def error_buffer(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.float32)
+
+    def encode(
+        self, delta: torch.Tensor, weight: float, error: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return outgoing(self.topk, delta, error, self.decay, weight, self.device or delta.device)
+
+    def reduce(self, gathered: list[torch.Tensor], weights: list[float], numel: int) -> torch.Tensor:
+        device = self.device or gathered[0].device
+        payloads = [p.to(device) for p in gathered]
+        return reduce_sparse(payloads, weights, self.topk, numel, self.reference_groups).cpu()
+
+
+def launch_reduce(
+    lane: dist.ProcessGroup,
+    delta: torch.Tensor,
+    weight: float,
+    codec: Codec,
+    size: int,
+    error: torch.Tensor | None = None,
+    extras: torch.Tensor | None = None,
+    bucket: TokenBucket | None = None,
+) -> PendingReduce:
+    """Start summing ``codec``'s payload of ``weight * delta``, ``weight`` and the float32 ``extras``
+    over the lane, without waiting; ``error``: this group's e, if the codec feeds it back.
+
+    With a ``bucket`` the result is held back until the link has carried the bytes this member sends.
+    Every codec step is elementwise IEEE arithmetic, so the bits on a worker's GPU equal the CPU's
+    and groups on different devices still agree.
+    """
+    payload, kept = codec.encode(delta, weight, error)
+    pending = codec.send(lane, payload, delta.numel(), weight, as_float32(extras), size)
+    pending.error = kept
+    return held_back(pending, bucket)
+
+
+def format_codec(fmt: str, device: torch.device | None = None) -> Dense | Quantized:
+    """The codec of ``algo.quantize=fmt``: none is the dense all-reduce."""
+    return Dense() if fmt == "none" else Quantized(fmt, device)
+
+
+def codec_for(algo: AlgoConfig, device: torch.device | None = None) -> Codec:
+    """The codec ``algo`` asks for: ``algo.compress=topk``'s, else ``algo.quantize``'s."""
+    if algo.compress == "topk":
+        topk = TopK(algo.density, algo.value_bits)
+        return Sparse(topk, algo.error_decay, algo.sparse_reference_groups, device)
+    return format_codec(algo.quantize, device)
