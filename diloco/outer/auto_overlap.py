@@ -12,23 +12,31 @@ Within a group, the leader's lane decides and its ranks follow (they must agree 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+from typing import Any
 
 import torch
 
 from diloco.config.algo import AlgoConfig
+from diloco.ft.manager import Manager
 from diloco.outer.codecs import codec_for
 from diloco.outer.overlap_plan import OverlapPlan, choose_overlap
 from diloco.outer.quantize import FORMATS
+
+log = logging.getLogger(__name__)
 
 N_MEASUREMENTS = 3  # what each group adds to a round's sum: [known, inner step s, link s per byte]
 
 
 class AutoOverlap:
-    """The current plan (a tensor of the job's state) and this worker's measurements."""
+    """The current plan (a tensor of the job's state), its τ and codec, and this worker's measurements;
+    a ``round_plan.RoundPlan``."""
 
-    def __init__(self, algo: AlgoConfig, fragment_numel: int) -> None:
+    def __init__(self, algo: AlgoConfig, fragment_numel: int, device: torch.device | None = None) -> None:
+        self.algo, self.device = algo, device
         self.plan = torch.tensor([algo.delay, FORMATS.index(algo.quantize)], dtype=torch.int64)
+        self.delay, self.quantize, self.codec = algo.delay, algo.quantize, codec_for(algo, device)
         warmup = algo.sync_warmup_window()
         shortest = warmup[0] if warmup else algo.sync_every
         self.window_steps = shortest // algo.fragments  # τ < H/P in every window, the warm-up's too
@@ -57,6 +65,10 @@ class AutoOverlap:
         """This worker's last measured link (None before its first full round): in the commit
         records, so the plan can be checked against the link it was made for."""
         return self._seconds_per_byte
+
+    def nothing_measured(self) -> torch.Tensor:
+        """What a round joined after healing carries: every member adds as many values to the sum."""
+        return torch.zeros(N_MEASUREMENTS)
 
     def measurements(self) -> torch.Tensor:
         """What this worker adds to the next round's sum (zeros until it has measured both); resets the step times."""
@@ -89,9 +101,33 @@ class AutoOverlap:
     def adopt(self, encoded: list[int]) -> None:
         self.plan.copy_(torch.tensor(encoded, dtype=torch.int64))
 
-    def algo_for(self, algo: AlgoConfig) -> AlgoConfig:
-        """``algo`` with the plan's τ and format (a plan out of range, from a peer or a file, is refused)."""
+    def follow(self) -> None:
+        """Take up the plan tensor's τ and format (a plan out of range, from a peer or a file, is refused)."""
         delay, fmt = (int(v) for v in self.plan)
         if not (0 <= delay < self.window_steps and 0 <= fmt < len(FORMATS)):
             raise ValueError(f"algo.auto plan [delay={delay}, format={fmt}] out of range for H/P={self.window_steps}")
-        return dataclasses.replace(algo, delay=delay, quantize=FORMATS[fmt])
+        self.delay, self.quantize = delay, FORMATS[fmt]
+        self.codec = codec_for(dataclasses.replace(self.algo, delay=delay, quantize=self.quantize), self.device)
+
+    def after_round(self, shared: torch.Tensor | None, groups: int, manager: Manager) -> None:
+        """The plan from every group's summed measurements ``shared`` after a committed round.
+
+        The leader decides from its lane's sums (the same in every group) and its group follows.
+        """
+        before = self.delay, self.quantize
+        decided = self.decide(shared, groups) if manager.client is not None else None
+        self.adopt(manager.from_leader(self.encode(decided)))
+        self.follow()
+        if (self.delay, self.quantize) != before:
+            why = "" if decided is None else f": transfer {decided.transfer_s:.3f}s, hidden {decided.hidden_s:.3f}s"
+            log.info(
+                "group %s: algo.auto now delay=%d quantize=%s (was %d, %s)%s",
+                manager.group,
+                self.delay,
+                self.quantize,
+                *before,
+                why,
+            )
+
+    def record_fields(self) -> dict[str, Any]:
+        return {"delay": self.delay, "quantize": self.quantize, "link_s_per_byte": self.seconds_per_byte}

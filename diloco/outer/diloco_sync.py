@@ -33,8 +33,8 @@ from torch import nn
 from diloco.config.algo import AlgoConfig
 from diloco.ft.lanes import LaneError, wait_work
 from diloco.ft.manager import Round
-from diloco.outer.auto_overlap import N_MEASUREMENTS, AutoOverlap
-from diloco.outer.codecs import codec_for, launch_reduce
+from diloco.outer.codecs import launch_reduce
+from diloco.outer.round_plan import RoundPlan
 from diloco.outer.synchronizer import Synchronizer
 from diloco.outer.update import contribution_weight, outer_update, pseudo_gradient, reset_local
 from diloco.schedule import fragments_to_apply, fragments_to_launch, skip_target
@@ -81,8 +81,8 @@ class Flight:
     errors: list[torch.Tensor | None] = field(default_factory=list)  # each fragment's e if it commits
     held_ms: float = 0.0  # time the training thread spent on this round
     done: Future | None = None
-    measured: torch.Tensor | None = None  # algo.auto: this group's measurements, sent with the first fragment
-    shared: torch.Tensor | None = None  # algo.auto: every group's measurements, summed over the lane
+    measured: torch.Tensor | None = None  # the plan's measurements from this group, sent with the first fragment
+    shared: torch.Tensor | None = None  # every group's, summed over the lane
     unweighted: bool = False  # a reduce completed with Σ_m w_m = 0: no group of the round contributed
 
 
@@ -102,21 +102,18 @@ class OuterSync(Synchronizer):
         *,
         algo: AlgoConfig,
         fragments: list[Fragment],
-        auto: AutoOverlap | None = None,
-        codec_device: torch.device | None = None,
+        plan: RoundPlan,
         **common: Any,
     ) -> None:
-        """``auto``: algo.auto's plan and measurements (its plan tensor is in ``heal_state.extra``);
-        ``codec_device``: where the payload codec encodes and decodes Δ (``codecs``)."""
+        """``plan``: the rounds' τ and payload codec (``round_plan``; algo.auto's keeps its plan tensor in
+        ``heal_state.extra``). ``algo`` stays the job's config."""
         super().__init__(**common)
         self.algo = algo
-        self.codec_device = codec_device
         self.fragments = fragments
         self.warmup = algo.sync_warmup_window()  # from the configured τ: algo.auto keeps τ below H₀/P
-        self.auto = auto
-        self.codec = codec_for(algo, codec_device)
+        self.plan = plan
         for f in fragments:
-            f.error = self.codec.error_buffer(sum(g.numel() for g in f.global_))
+            f.error = plan.codec.error_buffer(sum(g.numel() for g in f.global_))
         self._flight: Flight | None = None
         self.rounds_nobody_finite = 0  # in a row: every member of the round sent a non-finite Δ, this group too
 
@@ -135,8 +132,7 @@ class OuterSync(Synchronizer):
         self.tokens += tokens
         for f in self.fragments:
             f.tokens_since_sync += tokens
-        if self.auto is not None:
-            self.auto.step_ends()
+        self.plan.step_ends()
         outcome = OuterOutcome()
         if self.algo.window == "time" and self._flight is None:
             step = self._end_window_early(step, outcome)
@@ -147,8 +143,7 @@ class OuterSync(Synchronizer):
         if flight is not None and self._schedule(fragments_to_apply, step):  # the flight launched τ steps ago
             self._flight = None
             self._land(flight, step, outcome)
-        if self.auto is not None:
-            self.auto.step_begins()
+        self.plan.step_begins()
         return outcome
 
     def _end_window_early(self, step: int, outcome: OuterOutcome) -> int:
@@ -157,7 +152,7 @@ class OuterSync(Synchronizer):
         by the tokens it trained, and its lr schedule and data position follow the round's step)."""
         algo = self.algo
         target = skip_target(
-            step, self.manager.open_round_step(), algo.sync_every, algo.fragments, algo.delay, self.warmup
+            step, self.manager.open_round_step(), algo.sync_every, algo.fragments, self.plan.delay, self.warmup
         )
         if target != step:
             log.debug(
@@ -177,7 +172,7 @@ class OuterSync(Synchronizer):
         super().load_progress_state(state)
         for fragment, tokens in zip(self.fragments, state["tokens_since_sync"], strict=True):
             fragment.tokens_since_sync = int(tokens)
-        self._follow_plan()  # the checkpoint's tensors (loaded first) hold the plan
+        self.plan.follow()  # the checkpoint's tensors (loaded first) hold the plan
 
     def load_global_into_local(self) -> None:
         """θ_l ← θ_g everywhere: the model to evaluate and save at the end is the global one."""
@@ -204,42 +199,13 @@ class OuterSync(Synchronizer):
             f.tokens_since_sync = 0
         for error in self._errors().values():
             error.zero_()
-        self._follow_plan()
-
-    def _follow_plan(self) -> None:
-        """algo.auto: run on the plan held in the state (a peer's after a heal, a checkpoint's after a resume)."""
-        if self.auto is not None:
-            self.algo = self.auto.algo_for(self.algo)
-            self.codec = codec_for(self.algo, self.codec_device)
-
-    def _replan(self, flight: Flight, groups: int) -> None:
-        """algo.auto, after a committed round: the plan from every group's summed measurements.
-
-        The leader decides from its lane's sums (the same in every group) and its group follows.
-        """
-        before = self.algo
-        decided = self.auto.decide(flight.shared, groups) if self.manager.client is not None else None
-        self.auto.adopt(self.manager.from_leader(self.auto.encode(decided)))
-        self._follow_plan()
-        if (self.algo.delay, self.algo.quantize) != (before.delay, before.quantize):
-            why = "" if decided is None else f": transfer {decided.transfer_s:.3f}s, hidden {decided.hidden_s:.3f}s"
-            log.info(
-                "group %s: algo.auto now delay=%d quantize=%s (was %d, %s)%s",
-                self.manager.group,
-                self.algo.delay,
-                self.algo.quantize,
-                before.delay,
-                before.quantize,
-                why,
-            )
+        self.plan.follow()
 
     def _record_fields(self) -> dict[str, Any]:
-        if self.auto is None:
-            return {}
-        return {"delay": self.algo.delay, "quantize": self.algo.quantize, "link_s_per_byte": self.auto.seconds_per_byte}
+        return self.plan.record_fields()
 
     def _schedule(self, rule: Callable[..., list[int]], step: int) -> list[int]:
-        return rule(step, self.algo.sync_every, self.algo.fragments, self.algo.delay, self.warmup)
+        return rule(step, self.algo.sync_every, self.algo.fragments, self.plan.delay, self.warmup)
 
     def _launch(self, step: int, due: list[int]) -> None:
         """Snapshot Δ_p = θ_g,p − θ_l,p of the due fragments and start their round in the background."""
@@ -249,9 +215,8 @@ class OuterSync(Synchronizer):
         deltas = [pseudo_gradient(f.global_, f.local) for f in fragments]
         weights = [contribution_weight(self.algo.weighting, f.tokens_since_sync) for f in fragments]
         flight = Flight(launch_step=step, fragments=fragments, deltas=deltas, weights=weights)
-        if self.auto is not None:
-            flight.measured = self.auto.measurements()
-        if self.algo.delay > 0:
+        flight.measured = self.plan.measurements()
+        if self.plan.delay > 0:
             flight.done = run_in_background(lambda: self._quorum_and_reduce(flight), f"outer-round-{step}")
         else:  # applied right away: nothing to overlap, so no thread
             self._quorum_and_reduce(flight)
@@ -284,9 +249,9 @@ class OuterSync(Synchronizer):
                 delta.zero_()
             # Not guarded: Gloo reports a broken lane when the collective is waited on (a
             # failed round); an error here is a bug, and it stops the worker with its traceback.
-            extras = self._measurements_to_send(flight) if i == 0 else None
+            extras = flight.measured if i == 0 else None
             weight, error = (weight if finite else 0.0), flight.fragments[i].error
-            reduce = launch_reduce(round_.lane, delta, weight, self.codec, round_.size, error, extras, self.bucket)
+            reduce = launch_reduce(round_.lane, delta, weight, self.plan.codec, round_.size, error, extras, self.bucket)
             pending.append(reduce)
             local_ok.append(finite)
         flight.errors = [reduce.error for reduce in pending]
@@ -304,16 +269,9 @@ class OuterSync(Synchronizer):
                 log.warning("group %s: round %s failed: %s", self.manager.group, round_.quorum.quorum_id, error)
             flight.averages.append(average if ok else None)
             flight.bytes_sent.append(reduce.bytes_sent)
-        if self.auto is not None and pending:
-            flight.shared = pending[0].extras
-            if all(a is not None for a in flight.averages):
-                self.auto.transferred(time.perf_counter() - started, sum(flight.bytes_sent))
-
-    def _measurements_to_send(self, flight: Flight) -> torch.Tensor | None:
-        """algo.auto: every member adds the same number of values to the sum (zeros: nothing measured)."""
-        if self.auto is None:
-            return None
-        return flight.measured if flight.measured is not None else torch.zeros(N_MEASUREMENTS)
+        flight.shared = pending[0].extras
+        if all(a is not None for a in flight.averages):
+            self.plan.transferred(time.perf_counter() - started, sum(flight.bytes_sent))
 
     def _land(self, flight: Flight, step: int, outcome: OuterOutcome) -> None:
         """At the apply step, on the training thread: wait for the round, heal or serve if asked, commit."""
@@ -346,8 +304,8 @@ class OuterSync(Synchronizer):
         for metrics in applied:
             outcome.metrics.update(metrics)
         outcome.end_training = self._diverged(flight)
-        if self.auto is not None and all(m["outer/committed"] for m in applied):
-            self._replan(flight, round_.size)
+        if all(m["outer/committed"] for m in applied):
+            self.plan.after_round(flight.shared, round_.size, self.manager)
 
     def _diverged(self, flight: Flight) -> bool:
         """Whether ``algo.diverged_rounds`` rounds in a row had no finite Δ from any group.
@@ -391,7 +349,12 @@ class OuterSync(Synchronizer):
         fragments = [self.fragments[p] for p in due]
         deltas = [torch.zeros(sum(g.numel() for g in f.global_)) for f in fragments]
         return Flight(
-            launch_step=round_step, fragments=fragments, deltas=deltas, weights=[0.0] * len(due), round=round_
+            launch_step=round_step,
+            fragments=fragments,
+            deltas=deltas,
+            weights=[0.0] * len(due),
+            round=round_,
+            measured=self.plan.nothing_measured(),
         )
 
     def _wait_background(self, flight: Flight) -> None:

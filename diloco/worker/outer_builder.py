@@ -25,6 +25,7 @@ from diloco.outer.bandwidth import bucket_for
 from diloco.outer.ddp_sync import GradientSync
 from diloco.outer.diloco_sync import Fragment, OuterSync
 from diloco.outer.fragments import fragment_parameter_names
+from diloco.outer.round_plan import FixedPlan
 from diloco.outer.synchronizer import Synchronizer
 from diloco.outer.update import global_copy
 from diloco.worker.env import WorkerEnv
@@ -119,14 +120,15 @@ def build_outer_sync(
     fragments = build_fragments(job, outer_opt, model, device)
     auto = None
     if algo.auto:
-        auto = AutoOverlap(algo, max(sum(g.numel() for g in f.global_) for f in fragments))
+        auto = AutoOverlap(algo, max(sum(g.numel() for g in f.global_) for f in fragments), device)
     heal_state = HealState(
         global_params=[f.global_ for f in fragments],
         outer_optimizers=[f.optimizer for f in fragments],
         inner_optimizer=inner_optimizer,
         extra={} if auto is None else {"auto.plan": auto.plan},
     )
-    return OuterSync(algo=algo, fragments=fragments, auto=auto, heal_state=heal_state, codec_device=device, **common)
+    plan = auto or FixedPlan(algo, device)
+    return OuterSync(algo=algo, fragments=fragments, plan=plan, heal_state=heal_state, **common)
 
 
 def control_group(env: WorkerEnv, timeout_s: float) -> dist.ProcessGroup | None:

@@ -18,6 +18,7 @@ from torch import nn
 from diloco.config.job import JobConfig
 from diloco.config.warmups import scheduled
 from diloco.outer.diloco_sync import Flight, OuterSync
+from diloco.outer.round_plan import FixedPlan
 from diloco.train.sync_hooks import OuterOutcome
 from diloco.worker.outer_builder import build_fragments
 from tests.conftest import compose_job
@@ -49,6 +50,7 @@ class RoundRecorder(OuterSync):
         super().__init__(
             algo=algo,
             fragments=fragments,
+            plan=FixedPlan(algo),
             manager=None,
             heal_state=None,
             collective_timeout_s=0.0,

@@ -154,10 +154,11 @@ def test_the_plan_from_summed_measurements_and_its_bounds():
     plan = auto.decide(two_groups, 2)
     assert (plan.delay, plan.quantize) == (0, "none")
     auto.adopt(auto.encode(plan))
-    assert auto.algo_for(algo).delay == 0 and auto.algo_for(algo).quantize == "none"
+    auto.follow()
+    assert (auto.delay, auto.quantize, auto.codec) == (0, "none", Dense())
     auto.adopt([20, 0])  # τ must stay below H/P = 20
     with pytest.raises(ValueError, match="out of range"):
-        auto.algo_for(algo)
+        auto.follow()
 
 
 @pytest.mark.parametrize(
@@ -208,7 +209,7 @@ def test_groups_over_a_slow_link_move_to_the_same_larger_overlap_and_agree(tmp_p
             outers[g].close()
 
         run_threads(lambda: group(0), lambda: group(1))
-    assert [(o.algo.delay, o.algo.quantize) for o in outers] == [(3, "fp4"), (3, "fp4")]
+    assert [(o.plan.delay, o.plan.quantize) for o in outers] == [(3, "fp4"), (3, "fp4")]
     assert outers[0].group_digest() == outers[1].group_digest()
     records = [r for r in read_jsonl(tmp_path / "commits0.jsonl") if r["committed"]]
     assert records[0]["delay"] == 1 and records[-1]["delay"] == 3, records

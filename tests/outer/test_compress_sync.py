@@ -46,7 +46,7 @@ def test_a_compressed_job_ends_with_one_digest_and_each_group_keeps_its_own_erro
     assert outers[1].group_digest() == digest
     errors[0].add_(1.0)
     assert outers[0].fresh_digest() == digest, "e is not in the digest (invariant 10)"
-    payload = outers[0].codec.nbytes(errors[0].numel())
+    payload = outers[0].plan.codec.nbytes(errors[0].numel())
     assert outers[0].bytes_sent == 2 * (payload + 4), "two rounds, each one payload and its weight to the one peer"
 
 
