@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from diloco.config.base import ConfigError
+from diloco.run_paths import RunPaths
 from diloco.files import file_sha256, write_json_atomically
 
 CHECKPOINTS = "checkpoints"
@@ -268,7 +269,7 @@ def _newest_run(search_dir: Path, exclude: Path, finished_too: bool) -> Path | N
 def finished(run: Path) -> bool:
     """Whether ``run`` ended with its final model (summary.json says ok): no step of it is left to train."""
     try:
-        return json.loads((run / "summary.json").read_text()).get("ok") is True
+        return json.loads(RunPaths(run).summary.read_text()).get("ok") is True
     except (OSError, ValueError, AttributeError):  # no summary (stopped, running, killed) or an unreadable one
         return False
 
