@@ -72,8 +72,8 @@ from diloco.ft.protocol import (
 )
 from diloco.launch.local_cluster import resolve_lighthouse, serving_pid
 from diloco.launch.spawn import exec_lighthouse
+from diloco.library.build import HEARTBEATS_PER_TIMEOUT
 from diloco.lifeline import Lifeline
-from diloco.worker.outer_builder import HEARTBEATS_PER_TIMEOUT
 
 SIGNATURE = "lighthouse-scale"
 REJOIN_S = 1.5  # a dead group's replacement starts this long after the death

@@ -22,10 +22,16 @@ SYNCING = ("diloco", "streaming")  # the algorithms with outer rounds, and so wi
 
 def scheduled(job: JobConfig) -> tuple[AlgoConfig, OuterOptConfig]:
     """The job's ``algo`` and ``outer_opt`` with each warm-up as it runs (a cut one shortened)."""
-    algo, outer_opt, max_steps = job.algo, job.outer_opt, job.trainer.max_steps
-    if algo.name not in SYNCING or job.trainer.warmup_share >= 1:
+    return cut_warmups(job.algo, job.outer_opt, job.trainer.max_steps, job.trainer.warmup_share)
+
+
+def cut_warmups(
+    algo: AlgoConfig, outer_opt: OuterOptConfig, max_steps: int, share: float
+) -> tuple[AlgoConfig, OuterOptConfig]:
+    """``algo`` and ``outer_opt`` with each warm-up cut to ``share`` of ``max_steps`` inner steps."""
+    if algo.name not in SYNCING or share >= 1:
         return algo, outer_opt
-    limit = int(job.trainer.warmup_share * max_steps)
+    limit = int(share * max_steps)
     H = algo.sync_every
     sync_steps = min(whole_windows(algo.sync_warmup_steps, H), limit // H * H)
     return (

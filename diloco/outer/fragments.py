@@ -48,39 +48,51 @@ def _block_fragment(n_blocks: int, fragments: int, pattern: Pattern) -> list[int
     return owner
 
 
-def _fragment_of(parts: list[str], name: str, owner: list[int], fragments: int) -> int:
-    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
-        block = int(parts[1])
-        if block >= len(owner):
-            raise ValueError(f"parameter {name} is in block {block}, but the model has {len(owner)} blocks")
-        return owner[block]
-    if parts[0] == "tok_embeddings":
-        return 0
-    if parts[0] in ("norm", "output"):
-        return fragments - 1
-    raise ValueError(f"no fragment for parameter {name!r}; expected tok_embeddings.*, layers.<i>.*, norm.* or output.*")
+def block_of(name: str) -> int | None:
+    """The transformer block parameter ``name`` lives in: its first numbered component
+    (``layers.3.…``, Hugging Face's ``model.layers.3.…``, GPT-2's ``transformer.h.3.…``); None outside blocks.
 
-
-def fragment_of_parameter(name: str, n_blocks: int, fragments: int, pattern: Pattern = "strided") -> int:
-    """The fragment that syncs parameter ``name`` (a ``Transformer.named_parameters()`` name).
-
-    ``layers.{i}.…`` belongs with block i. The embedding sits at the input, so it travels
-    with fragment 0, which holds the first block; the final norm and the output head sit at
-    the output, so they travel with fragment P−1, which holds the last block whenever P
-    divides the number of blocks (strided) and always for sequential. With tied embeddings
-    the shared weight is named ``tok_embeddings.weight`` and goes to fragment 0.
+    Components that wrappers insert (torch.compile, activation checkpointing) are skipped first.
     """
     parts = [c for c in name.split(".") if c not in _WRAPPER_COMPONENTS]
-    return _fragment_of(parts or [""], name, _block_fragment(n_blocks, fragments, pattern), fragments)
+    return next((int(c) for c in parts[1:] if c.isdigit()), None)
+
+
+def count_blocks(names: list[str]) -> int:
+    """The model's transformer blocks, read from its parameter names (``block_of``); 0 if none is numbered."""
+    return max((b for b in map(block_of, names) if b is not None), default=-1) + 1
 
 
 def fragment_parameter_names(
     names: list[str], n_blocks: int, fragments: int, pattern: Pattern = "strided"
 ) -> list[list[str]]:
-    """``names`` split into P lists by ``fragment_of_parameter``, keeping their input order."""
+    """``names`` (a model's ``named_parameters()`` order) split into P lists, keeping their order.
+
+    A block's parameters go with the block. The parameters before every block (the embedding)
+    sit at the input and travel with fragment 0, which holds the first block; those after every
+    block (final norm, output head) sit at the output and travel with fragment P−1, which holds
+    the last block whenever P divides the number of blocks (strided) and always for sequential.
+    With tied embeddings the shared weight is named once, at the embedding, and goes to fragment 0.
+    """
+    if fragments == 1:
+        return [list(names)]
     owner = _block_fragment(n_blocks, fragments, pattern)
+    blocks = [block_of(n) for n in names]
+    numbered = [i for i, b in enumerate(blocks) if b is not None]
     out: list[list[str]] = [[] for _ in range(fragments)]
-    for name in names:
-        parts = [c for c in name.split(".") if c not in _WRAPPER_COMPONENTS]
-        out[_fragment_of(parts or [""], name, owner, fragments)].append(name)
+    for i, (name, block) in enumerate(zip(names, blocks, strict=True)):
+        if block is not None:
+            if block >= n_blocks:
+                raise ValueError(f"parameter {name} is in block {block}, but the model has {n_blocks} blocks")
+            out[owner[block]].append(name)
+        elif numbered and i < numbered[0]:
+            out[0].append(name)
+        elif numbered and i > numbered[-1]:
+            out[-1].append(name)
+        else:
+            raise ValueError(
+                f"no fragment for parameter {name!r}: Streaming DiLoCo splits a model by its numbered blocks "
+                "(layers.<i>.*), with what comes before them in fragment 0 and after them in the last; "
+                "this one is between blocks or the model has none (use one fragment)"
+            )
     return out

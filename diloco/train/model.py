@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -262,7 +263,12 @@ _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
 
 def param_signature(cfg: ModelConfig, model: nn.Module) -> str:
-    """Short sha256 over the config and every parameter's (name, shape, dtype).
+    """``signature`` of this project's model under its config."""
+    return signature(model, dataclasses.asdict(cfg))
+
+
+def signature(model: nn.Module, config: dict[str, Any]) -> str:
+    """Short sha256 over ``config`` and every parameter's (name, shape, dtype).
 
     The outer step averages Δθ element by element across peers, so a peer whose model
     differs in any of these would corrupt the average silently; comparing signatures at
@@ -273,5 +279,5 @@ def param_signature(cfg: ModelConfig, model: nn.Module) -> str:
         for prefix in _WRAPPER_PREFIXES:
             name = name.replace(prefix, "")
         params.append([name, list(p.shape), str(p.dtype)])
-    payload = json.dumps({"config": dataclasses.asdict(cfg), "params": params}, sort_keys=True)
+    payload = json.dumps({"config": config, "params": params}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -17,10 +17,10 @@ from torch import nn
 
 from diloco.config.job import JobConfig
 from diloco.config.warmups import scheduled
+from diloco.library.build import build_fragments
 from diloco.outer.diloco_sync import Flight, OuterSync
 from diloco.outer.round_plan import FixedPlan
 from diloco.train.sync_hooks import OuterOutcome
-from diloco.worker.outer_builder import build_fragments
 from tests.conftest import compose_job
 
 GOLDEN = Path(__file__).with_name("golden_schedules.json")
@@ -46,7 +46,7 @@ class RoundRecorder(OuterSync):
 
     def __init__(self, job: JobConfig) -> None:
         algo, outer_opt = scheduled(job)
-        fragments = build_fragments(job, outer_opt, nn.Module(), torch.device("cpu"))
+        fragments = build_fragments(algo, outer_opt, nn.Module(), torch.device("cpu"), job.model.n_layers)
         super().__init__(
             algo=algo,
             fragments=fragments,

@@ -9,7 +9,7 @@ import pytest
 from diloco.config.algo import AlgoConfig, validate_schedule
 from diloco.config.base import ConfigError
 from diloco.config.model import ModelConfig
-from diloco.outer.fragments import fragment_of_parameter, fragment_parameter_names, partition_blocks
+from diloco.outer.fragments import block_of, count_blocks, fragment_parameter_names, partition_blocks
 from diloco.schedule import SyncWarmup, fragment_offset, fragments_to_apply, fragments_to_launch, next_launch_step
 from diloco.train.model import Transformer
 
@@ -55,18 +55,21 @@ def test_partition_rejects_bad_arguments():
 # --- parameter ownership -------------------------------------------------------------------
 
 
-def test_fragment_of_parameter_rules():
-    assert fragment_of_parameter("layers.5.attention.wq.weight", 8, 4, "strided") == 1
-    assert fragment_of_parameter("layers.5.attention.wq.weight", 8, 4, "sequential") == 2
-    assert fragment_of_parameter("tok_embeddings.weight", 8, 4, "strided") == 0
-    assert fragment_of_parameter("norm.weight", 8, 4, "strided") == 3
-    assert fragment_of_parameter("output.weight", 8, 4, "sequential") == 3
-    # Wrappers that rename parameters do not change the owner.
-    assert fragment_of_parameter("_orig_mod.layers.2._checkpoint_wrapped_module.ffn_norm.weight", 8, 4) == 2
+def test_fragment_rules():
+    names = ["tok_embeddings.weight", "layers.5.attention.wq.weight", "norm.weight", "output.weight"]
+    assert fragment_parameter_names(names, 8, 4, "strided") == [[names[0]], [names[1]], [], [names[2], names[3]]]
+    assert fragment_parameter_names(names, 8, 4, "sequential") == [[names[0]], [], [names[1]], names[2:]]
+    # Wrappers that rename parameters do not change the owner; other models' names split the same way.
+    assert block_of("_orig_mod.layers.2._checkpoint_wrapped_module.ffn_norm.weight") == 2
+    hf = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.1.input_layernorm.weight"]
+    hf += ["model.norm.weight", "lm_head.weight"]
+    assert count_blocks(hf) == 2
+    assert fragment_parameter_names(hf, 2, 2) == [hf[:2], hf[2:]]
     with pytest.raises(ValueError, match="no fragment for parameter 'rope_cos'"):
-        fragment_of_parameter("rope_cos", 8, 4)
+        fragment_parameter_names(["layers.0.w", "rope_cos", "layers.1.w"], 2, 2)
     with pytest.raises(ValueError, match="block 8"):
-        fragment_of_parameter("layers.8.ffn_norm.weight", 8, 4)
+        fragment_parameter_names(["layers.8.ffn_norm.weight"], 8, 4)
+    assert fragment_parameter_names(["w", "b"], 0, 1) == [["w", "b"]]  # one fragment: any model
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -83,8 +86,6 @@ def test_every_model_parameter_in_exactly_one_fragment(tie, pattern, fragments):
     for p, part in enumerate(parts):
         assert part == [n for n in names if n in part]  # input order kept
         assert part, f"fragment {p} is empty"
-        for name in part:
-            assert fragment_of_parameter(name, 4, fragments, pattern) == p
     blocks = partition_blocks(4, fragments, pattern)
     for p, part in enumerate(parts):
         layer_ids = sorted({int(n.split(".")[1]) for n in part if n.startswith("layers.")})
@@ -167,7 +168,7 @@ def test_a_sync_warmup_runs_windows_of_h0_up_to_w_then_of_h(H, P, tau, every, st
     assert [p for _, p in order] == [i % P for i in range(len(order))], "the fragments take turns across W"
     for p in range(P):
         assert launches[p] == [s - tau for s in applies[p]]
-    for step in range(0, 4 * H):
+    for step in range(4 * H):
         expected = next(s for s in range(step + 1, 5 * H) if fragments_to_launch(s, H, P, tau, warmup))
         assert next_launch_step(step, H, P, tau, warmup) == expected
 

@@ -1,0 +1,19 @@
+"""Fault-tolerant DiLoCo as a library: the outer machinery around a training loop of one's own
+(``DiLoCo``), built from the same parts a job's workers build (``build``). docs/library.md."""
+
+from diloco.config.algo import AlgoConfig
+from diloco.config.cluster import TimeoutsConfig
+from diloco.library.build import Membership, OuterSettings, build_outer_sync
+from diloco.library.loop import DiLoCo, OuterResult
+from outer_opt import OuterOptConfig
+
+__all__ = [
+    "AlgoConfig",
+    "DiLoCo",
+    "Membership",
+    "OuterOptConfig",
+    "OuterResult",
+    "OuterSettings",
+    "TimeoutsConfig",
+    "build_outer_sync",
+]
