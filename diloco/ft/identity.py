@@ -69,7 +69,7 @@ class JobIdentity:
         if self.signature is not None and signature != self.signature:
             raise NotThisJob(
                 f"model signature {signature} differs from the job's {self.signature}: "
-                "the group runs a different model config"
+                "the group's model differs (its config, or its parameters' names, shapes or dtypes)"
             )
         if (
             config

@@ -110,11 +110,14 @@ class HealState:
     def receive(
         self, lane: dist.ProcessGroup, src: int, timeout_s: float, cancel: CancelScope | None = None
     ) -> StateBundle | None:
+        created = create_state_to_fill(self.inner_optimizer)
         template = {k: v.detach().cpu() if v.device.type != "cpu" else v for k, v in self.tensors().items()}
         try:
             return recv_state(lane, src, template, timeout_s, cancel=cancel)
         except TransferError as error:
             log.warning("receiving state from lane rank %d failed: %s", src, error)
+            if created:  # left as it was: never stepped
+                self.inner_optimizer.state.clear()
             return None
 
     def apply(self, bundle: StateBundle) -> Position:
@@ -132,6 +135,28 @@ class HealState:
         for p, opt in enumerate(self.outer_optimizers):
             prefix = f"outer.{p}."
             load_optimizer_state_tensors(opt, {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+
+
+@torch.no_grad()
+def create_state_to_fill(optimizer: torch.optim.Optimizer) -> bool:
+    """Give an optimizer that never stepped its per-parameter state, so a heal has tensors of the
+    peer's names and shapes to receive into; True if it made them.
+
+    Optimizers create their state at their first step: this takes one on zero gradients and puts
+    the parameters back. The values it leaves do not matter, the peer's replace every one (a job's
+    AdamW has its state from the start: ``diloco.train.inner_opt.init_adamw_state``).
+    """
+    params = _params(optimizer)
+    if any(optimizer.state.get(p) for p in params):
+        return False
+    saved = [(p.detach().clone(), p.grad) for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p, (value, grad) in zip(params, saved, strict=True):
+        p.copy_(value)
+        p.grad = grad
+    return True
 
 
 def inner_optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -34,7 +34,9 @@ from diloco.config.base import ConfigError, check, to_dict
 from diloco.config.cluster import TimeoutsConfig, group_name
 from diloco.config.redaction import TOKEN_ENV
 from diloco.files import write_json_atomically
+from diloco.ft.state import local_tensor
 from diloco.library.build import Membership, OuterSettings, build_outer_sync, commit_logger
+from diloco.outer.digest import state_digest
 from diloco.outer.diloco_sync import OuterSync
 from diloco.outer.fragments import count_blocks
 from diloco.run_paths import RunPaths
@@ -98,16 +100,16 @@ class DiLoCo:
         check_fresh_optimizer(model, inner_optimizer)
         settings = outer_settings(algo, algo_keys, outer_opt, timeouts, max_steps, warmup_share, model)
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        config = {"algo": to_dict(settings.algo), "outer_opt": to_dict(settings.outer_opt), "max_steps": max_steps}
+        config = shared_config(settings)
         self.member = Membership(
             lighthouse=_given(lighthouse, environ, LIGHTHOUSE_ENV, "lighthouse", "http://HOST:PORT"),
             job=job or environ.get(JOB_ENV) or DEFAULT_JOB,
             group=_group(group, environ),
-            signature=signature(model, config),
+            signature=signature(model, {}),  # the model alone: differing settings are named by key
             token=token if token is not None else environ.get(TOKEN_ENV, "").strip(),
             rank=rank,
             world_size=world_size,
-            config=config if rank == 0 else None,
+            config=config | {"initial_weights": weights_digest(model)} if rank == 0 else None,
         )
         run_dir = run_dir or environ.get(RUN_DIR_ENV)
         self.paths = RunPaths(Path(run_dir)) if run_dir else None
@@ -236,10 +238,27 @@ def outer_settings(
     )
 
 
+def shared_config(settings: OuterSettings) -> dict[str, Any]:
+    """What every group must run the same, flat (``algo.sync_every`` -> 50): the lighthouse refuses
+    a group whose values differ, naming the keys."""
+    flat: dict[str, Any] = {"max_steps": settings.max_steps, "warmup_share": settings.warmup_share}
+    for section, config in (("algo", settings.algo), ("outer_opt", settings.outer_opt)):
+        for key, value in to_dict(config).items():
+            flat[f"{section}.{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def weights_digest(model: nn.Module) -> str:
+    """sha256 of the leader's parameters as wrapped: groups built from different seeds would
+    average unrelated models and each hold its own, so the lighthouse refuses a group that starts
+    from other weights than the first group's (a restarted group rebuilds the same ones)."""
+    return state_digest({name: local_tensor(p).detach() for name, p in model.named_parameters()}).hex()[:32]
+
+
 def check_fresh_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every group must start from the same θ: wrap before the first ``optimizer.step()``, with an
     optimizer that updates the model's parameters (every one that trains)."""
-    stepped = sum(1 for state in optimizer.state.values() if state)
+    stepped = sum(1 for state in optimizer.state.values() if _has_stepped(state))
     if stepped:
         raise ConfigError(
             f"the inner optimizer has stepped already (it holds state for {stepped} parameters): build DiLoCo "
@@ -252,6 +271,15 @@ def check_fresh_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) ->
             f"the inner optimizer does not update {len(missed)} of the model's parameters (first: {missed[0]}): "
             "build it from model.parameters() after sharding the model (fully_shard, parallelize_module)"
         )
+
+
+def _has_stepped(state: Mapping[str, Any]) -> bool:
+    """Whether a parameter's optimizer state is past its first step. State created ahead of it (a
+    job's AdamW, ``diloco.train.inner_opt.init_adamw_state``; Adagrad's own) is not: a step count
+    of 0, or (an optimizer that counts no steps) nothing but zeros."""
+    if "step" in state:
+        return float(state["step"]) != 0
+    return any(torch.is_tensor(v) and bool(v.any()) for v in state.values())
 
 
 def _given(value: str | None, environ: Mapping[str, str], env: str, name: str, example: str) -> str:

@@ -434,7 +434,8 @@ def test_a_lane_watch_is_held_across_rounds_and_answered_when_a_later_round_lose
         (
             {"signature": "sig-xyz"},
             409,
-            "model signature sig-xyz differs from the job's sig-abc: the group runs a different model config",
+            "model signature sig-xyz differs from the job's sig-abc: "
+            "the group's model differs (its config, or its parameters' names, shapes or dtypes)",
         ),
     ],
 )
