@@ -2,7 +2,7 @@
 
 Nothing here is the project's trainer: the model is ``transformers.LlamaForCausalLM`` (random init
 from a ``LlamaConfig``, nothing downloaded), the inner optimizer a plain AdamW, the data random
-windows of a token file ``role=prepare`` wrote. ``DiLoCo`` (``from diloco import DiLoCo``) is the
+windows of a token file ``role=prepare`` wrote. ``DiLoCo`` (``from diloco import DiLoCo, init_group``) is the
 only part of the project in the loop: every ``--sync-every`` inner steps the groups average each
 fragment's pseudo-gradient through the job's lighthouse, and a group that restarts takes the live
 state from a peer and jumps to the job's step.
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from diloco import DiLoCo
+from diloco import DiLoCo, init_group
 from diloco.config.tokens_meta import metadata_path, read_meta_file
 
 EVAL_SEED = 12345  # the held-out windows: the same in every group, so their losses compare
@@ -100,15 +100,15 @@ def main() -> None:
     # torchrun's workers of one group train data-parallel (DDP over gloo); DiLoCo syncs between groups.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
-        dist.init_process_group("gloo")
+        init_group("gloo")  # restart-safe under torchrun (a prefix per restart)
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     tokens, vocab_size = load_tokens(args.data)
     n_val = int(tokens.size * args.val_fraction)
     train, val = tokens[: tokens.size - n_val], tokens[tokens.size - n_val :]
 
-    # Every group must start from the same θ: DiLoCo averages θ_g - θ_l element by element and
-    # checks only the parameters' names and shapes, so the init is seeded alike everywhere.
+    # Every group must start from the same θ (DiLoCo averages θ_g - θ_l element by element; the
+    # lighthouse refuses a group whose starting weights differ): the init is seeded alike everywhere.
     torch.manual_seed(args.seed)
     config = LlamaConfig(
         vocab_size=vocab_size,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from diloco import DiLoCo
+from diloco import DiLoCo, init_group
 from diloco.config.model import ModelConfig
 from diloco.train.model import Transformer
 
@@ -72,28 +71,6 @@ def synthetic_batch(group: int, step: int, args: argparse.Namespace, vocab: int)
     return (start + stride * torch.arange(args.seq + 1)) % vocab
 
 
-def join_group(backend: str) -> None:
-    """Join the group's process group from torchrun's variables (MASTER_ADDR, RANK, WORLD_SIZE...).
-
-    torchrun's agent serves one store to every restart of the group, and a plain
-    ``init_process_group`` would read the dead workers' addresses from it (Gloo: connection
-    refused, or a hang): each restart gets keys of its own under a prefix instead.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not under torchrun's agent
-        dist.init_process_group(backend)
-        return
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
-    )
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"restart{restart}", store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-    )
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     group = int(os.environ.get("DILOCO_GROUP", "0"))
@@ -105,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     # The group's own training process group; DiLoCo makes a separate Gloo group beside it for
     # its rounds, which run on another thread.
-    join_group("nccl" if cuda else "gloo")
+    init_group("nccl" if cuda else "gloo")  # restart-safe under torchrun (a prefix per restart)
     rank, workers = dist.get_rank(), dist.get_world_size()
     if args.batch % workers:
         raise SystemExit(f"--batch {args.batch} must split evenly over the group's {workers} workers")

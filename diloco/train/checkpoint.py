@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from diloco.config.base import ConfigError
-from diloco.run_paths import RunPaths
 from diloco.files import file_sha256, write_json_atomically
+from diloco.run_paths import RunPaths
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from diloco.config.parallel import ParallelConfig
+from diloco.library.group import group_store
 from diloco.train.pipeline import StageChunks
 from diloco.worker.env import WorkerEnv
 from diloco.worker.tensor_parallel import apply_tensor_parallel
@@ -32,19 +33,18 @@ def init_group(
     group the collective timeout (how long one all-reduce may take), so neither wait is unbounded.
     On CUDA, CPU tensors still get Gloo, so small bookkeeping collectives work on either device.
 
-    Under torchrun the agent serves one store for all its restarts of the group: without a prefix
-    per restart, the restarted workers would read the dead incarnation's addresses from it and fail
-    to connect (Gloo's ``connectFullMesh ... Connection refused``) at every restart.
+    Under torchrun each restart of the group rendezvous under a prefix of its own
+    (``diloco.library.group``).
     """
-    store: dist.Store = dist.TCPStore(
+    store = group_store(
         env.master_addr,
         env.master_port,
         env.world_size,
-        is_master=env.rank == 0 and not env.agent_hosts_store,
-        timeout=timedelta(seconds=connect_timeout_s),
+        env.rank,
+        agent_hosts_store=env.agent_hosts_store,
+        restart_count=env.restart_count,
+        connect_timeout_s=connect_timeout_s,
     )
-    if env.agent_hosts_store:
-        store = dist.PrefixStore(f"restart{env.restart_count}", store)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,

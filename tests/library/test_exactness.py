@@ -34,7 +34,11 @@ def run_job(overrides: list[str], run_dir) -> None:
     "algo",
     [
         pytest.param([], id="diloco"),
-        pytest.param(["algo=streaming", "algo.sync_every=10", "algo.fragments=2", "algo.delay=1"], id="streaming"),
+        pytest.param(
+            ["algo=streaming", "algo.sync_every=10", "algo.fragments=2", "algo.delay=1", "algo.quantize=fp4"],
+            id="streaming-fp4",
+        ),
+        pytest.param(["+experiment=sparseloco", "algo.sync_every=10"], id="sparseloco"),  # top-k, 2 bits, feedback
     ],
 )
 def test_own_loop_ends_with_the_jobs_model_bit_for_bit(algo, lighthouse, start_group, tmp_path):
@@ -45,7 +49,7 @@ def test_own_loop_ends_with_the_jobs_model_bit_for_bit(algo, lighthouse, start_g
     run_job(overrides, tmp_path / "job")
     job_json = tmp_path / "job" / "job.json"
     job = job_config_from_dict(json.loads(job_json.read_text()))
-    assert job.algo.fragments == (2 if algo else 1) and job.trainer.max_steps == 40
+    assert job.trainer.max_steps == 40 and job.algo.sync_every == 10
     job_seconds = time.monotonic() - started
 
     server = lighthouse(job.cluster.quorum_rules())  # the job's own quorum rules
