@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from diloco import lifeline
 from diloco.config.algo import ignore_unread_keys
 from diloco.config.base import ConfigError, to_dict
+from diloco.config.inner_opt import ignore_unread_inner_keys
 from diloco.config.job import JobConfig, job_config_from_dict
 from diloco.config.redaction import redacted
 from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
@@ -71,8 +72,9 @@ def run_role(
     if sweep:
         name_sweep_job(raw, sweep)
     try:
-        if sweep and (ignored := ignore_unread_keys(raw)):  # algo=ddp,diloco algo.alpha=0.3: not refused in a sweep
-            say(f"sweep job {sweep.num}: warning: {ignored}", sys.stderr)
+        if sweep:  # algo=ddp,diloco algo.alpha=0.3 (or inner_opt=adamw,muon inner_opt.momentum=0.9): not refused
+            for ignored in filter(None, (ignore_unread_keys(raw), ignore_unread_inner_keys(raw))):
+                say(f"sweep job {sweep.num}: warning: {ignored}", sys.stderr)
         job = with_job_token(job_config_from_dict(raw), environ)  # from token_file or the environment
         if job.role == "lighthouse":
             job.cluster.lighthouse.check_bind()  # refused before anything is written
@@ -205,6 +207,7 @@ def trained_job_config(run_dir: Path, job: JobConfig) -> JobConfig:
         return job
     raw = load_saved_config(saved)
     ignore_unread_keys(raw)  # a run from before such algo.* keys were refused: they did nothing there
+    ignore_unread_inner_keys(raw)  # and inner_opt.* keys, refused since inner_opt=muon
     model = raw.get("model") or {}
     if model.get("init_from") and not Path(model["init_from"]).is_dir():
         raw["model"] = model | {"init_from": None}

@@ -97,7 +97,7 @@ def _load_verified(
         missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
         raise CheckpointError(
             f"{folder}: holds other state than this job's workers (missing {missing[:3]}, unexpected {extra[:3]}); "
-            "resume with the model, algo and outer_opt settings the checkpoint was written with"
+            "resume with the model, algo, inner_opt and outer_opt settings the checkpoint was written with"
         )
     loaded = {name: torch.empty_like(t.detach(), device="cpu") for name, t in template.items()}
     dcp = _dcp()

@@ -1,12 +1,15 @@
-"""The inner optimizer: AdamW (or plain SGD) with linear warmup then cosine decay (the DiLoCo inner loop)."""
+"""The inner optimizer: AdamW, Muon (MuLoCo) or plain SGD, with linear warmup then cosine decay (the DiLoCo inner loop)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 
+from diloco.config.base import ConfigError
 from diloco.config.inner_opt import InnerOptConfig
+from diloco.train.muon import Muon
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -26,15 +29,22 @@ def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio:
 
 
 def build_inner_optimizer(
-    params: list[torch.nn.Parameter], cfg: InnerOptConfig, max_steps: int
+    params: list[torch.nn.Parameter],
+    cfg: InnerOptConfig,
+    max_steps: int,
+    hidden: Collection[torch.nn.Parameter] = (),
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """No weight decay on norms (1-D weights), as in Llama training."""
+    """No weight decay on norms (1-D weights), as in Llama training. ``hidden``: the matrices inside
+    the transformer blocks (``diloco.train.muon.hidden_matrices``), which ``inner_opt=muon`` steps
+    with Muon; the others take AdamW there."""
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    if cfg.name == "sgd":
-        optimizer: torch.optim.Optimizer = torch.optim.SGD(groups, lr=cfg.lr)
+    if cfg.name == "muon":
+        optimizer: torch.optim.Optimizer = build_muon(groups, hidden, cfg)
+    elif cfg.name == "sgd":
+        optimizer = torch.optim.SGD(groups, lr=cfg.lr)
     else:
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         init_adamw_state(optimizer)
@@ -45,6 +55,27 @@ def build_inner_optimizer(
         ),
     )
     return optimizer, scheduler
+
+
+def build_muon(groups: list[dict], hidden: Collection[torch.nn.Parameter], cfg: InnerOptConfig) -> Muon:
+    """Muon on the ``hidden`` matrices among ``groups``' (a first group of their own), AdamW on the rest."""
+    hidden_ids = {id(p) for p in hidden}
+    muon = [p for p in groups[0]["params"] if id(p) in hidden_ids]
+    if not muon:
+        raise ConfigError(
+            "inner_opt.name='muon': this model (or pipeline stage) has no 2-D weights inside transformer "
+            "blocks for Muon to orthogonalize; use inner_opt=adamw"
+        )
+    groups[0]["params"] = [p for p in groups[0]["params"] if id(p) not in hidden_ids]
+    return Muon(
+        [{"params": muon, "muon": True, "weight_decay": cfg.weight_decay}, *groups],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.momentum,
+        ns_steps=cfg.ns_steps,
+        betas=cfg.betas,
+        eps=cfg.eps,
+    )
 
 
 @torch.no_grad()

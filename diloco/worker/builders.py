@@ -31,6 +31,7 @@ from diloco.train.hf_weights import check_pretrained, load_pretrained
 from diloco.train.inner_opt import build_inner_optimizer
 from diloco.train.logger import MetricsLogger, rename_wandb_run, start_wandb
 from diloco.train.model import Transformer, count_parameters, meta_model, param_signature
+from diloco.train.muon import hidden_matrices
 from diloco.train.pipeline import PipelineRunner, split_for_worker
 from diloco.train.trainer import CheckpointCallback, MetricsCallback, Trainer
 
@@ -65,8 +66,10 @@ InnerOptimizer = tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRSchedul
 
 
 def build_inner(job: JobConfig, model: torch.nn.Module) -> InnerOptimizer:
-    """The inner optimizer and its lr schedule; built before the outer synchronizer, which heals its state."""
-    return build_inner_optimizer(list(model.parameters()), job.inner_opt, job.trainer.max_steps)
+    """The inner optimizer and its lr schedule for this worker's part of the model (a pipeline stage: its own
+    parameters); built before the outer synchronizer, which heals its state."""
+    params = list(model.parameters())
+    return build_inner_optimizer(params, job.inner_opt, job.trainer.max_steps, hidden_matrices(model))
 
 
 def build_trainer(

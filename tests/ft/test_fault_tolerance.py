@@ -125,7 +125,9 @@ STREAMING_TP2 = [*ALGOS["streaming"], "cluster.workers_per_group=2", "parallel.t
 # Two pipeline stages: only the last stage's worker is killed; the first stage's fails out of the
 # pipeline (it does not wait forever), and the restarted group heals each stage from the same rank of a peer.
 STREAMING_PP2 = [*ALGOS["streaming"], "cluster.workers_per_group=2", "parallel.pp=2", "trainer.batch_size=2"]
-LAYOUTS = {"streaming, tp 2": STREAMING_TP2, "streaming, pp 2": STREAMING_PP2}
+# inner_opt=muon with FSDP2: each worker's shard of the momentum buffers and Adam moments heals from a peer.
+MUON_FSDP2 = ["inner_opt=muon", "cluster.workers_per_group=2"]
+LAYOUTS = {"streaming, tp 2": STREAMING_TP2, "streaming, pp 2": STREAMING_PP2, "diloco, muon, fsdp 2": MUON_FSDP2}
 
 
 def status_groups(job: Job) -> list[dict]:
