@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,21 +79,6 @@ class GroupProcess:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
-
-    def wait_for_line(self, prefix: str, timeout_s: float) -> str:
-        """The first output line starting with ``prefix``; the test fails after ``timeout_s``, or
-        at once if the process exits first."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in self.output().splitlines():
-                if line.startswith(prefix):
-                    return line
-            if self.process.poll() is not None:
-                pytest.fail(
-                    f"group {self.group} exited ({self.process.returncode}) before {prefix!r}:\n{self.output()}"
-                )
-            time.sleep(0.05)
-        pytest.fail(f"group {self.group} printed no {prefix!r} in {timeout_s}s:\n{self.output()}")
 
     def wait(self, timeout_s: float) -> int:
         """Its exit code; killed (and the test failed) if it outlasts ``timeout_s``."""

@@ -1,15 +1,14 @@
 """This project's model and data trained in a plain loop of one's own through ``DiLoCo``: one
 replica group of one worker, doing per step what the job's ``Trainer.train_step`` does.
 
-    python tests/library/project_loop.py JOB_JSON OUT [--raise-at N] [--step-sleep S]
+    python tests/library/project_loop.py JOB_JSON OUT [--raise-at N]
 
 ``JOB_JSON``: a job's config (a run directory's job.json, or one a test wrote), read for its model,
 data, inner optimizer, trainer and outer settings, so the loop trains what ``python run.py`` with
 those settings trains. The group, lighthouse and job come from ``DILOCO_GROUP`` and
 ``DILOCO_LIGHTHOUSE``. ``OUT``: where the final model's state dict goes (torch.save). Lines on
 stdout say how far it got (``entered STEP``, ``step STEP``, ``result DIGEST ROUNDS HOLDS``), for a
-test to follow; ``--raise-at`` raises from inside the block after that inner step, ``--step-sleep``
-slows each step so a test can catch the group mid-job.
+test to follow; ``--raise-at`` raises from inside the block after that inner step.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import argparse
 import json
 import math
 import os
-import time
 import warnings
 from pathlib import Path
 
@@ -66,7 +64,6 @@ def main() -> None:
     parser.add_argument("job_json", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--raise-at", type=int, default=0)
-    parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
     group = int(os.environ["DILOCO_GROUP"])
     job = load_job(args.job_json, group)
@@ -102,8 +99,6 @@ def main() -> None:
             print(f"step {outer.step}", flush=True)
             if args.raise_at and outer.step >= args.raise_at:
                 raise UserStop(f"the user's loop failed at inner step {outer.step}")
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
     result = outer.result
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.out)
     print(f"result {result.digest} {result.rounds} {result.holds_final_model}", flush=True)

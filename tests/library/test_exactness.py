@@ -33,12 +33,12 @@ def run_job(overrides: list[str], run_dir) -> None:
 @pytest.mark.parametrize(
     "algo",
     [
-        pytest.param([], id="diloco"),
         pytest.param(
             ["algo=streaming", "algo.sync_every=10", "algo.fragments=2", "algo.delay=1", "algo.quantize=fp4"],
             id="streaming-fp4",
         ),
-        pytest.param(["+experiment=sparseloco", "algo.sync_every=10"], id="sparseloco"),  # top-k, 2 bits, feedback
+        # DiLoCo (one fragment) with SparseLoCo's payload: top-k 1%, 2 bits, error feedback, outer SGD
+        pytest.param(["+experiment=sparseloco", "algo.sync_every=10"], id="diloco-sparseloco"),
     ],
 )
 def test_own_loop_ends_with_the_jobs_model_bit_for_bit(algo, lighthouse, start_group, tmp_path):
