@@ -13,7 +13,8 @@ every step: the quality DiLoCo aims for), ``local`` (groups that never communica
 DiLoCo must beat), DiLoCo at several H and M, with the mixing α ramped (the default), off,
 from the first round and (at M=4) not scaled down by the number of groups, the paper's exact
 settings, Streaming DiLoCo (P=4, τ=1, fp4; α on and off), and SparseLoCo's error-feedback top-k
-(``algo.compress=topk``) at several densities and H. Every group reads its own shard
+(``algo.compress=topk``) at several densities and H, and MuLoCo's rows (``inner_opt=muon``: Muon as
+the inner optimizer, each against data parallel and local with Muon too). Every group reads its own shard
 and takes the same inner steps, so at M groups every configuration sees the same tokens.
 
 ``--seeds N`` runs every configuration at ``trainer.seed`` 0 .. N−1 (other initial weights and
@@ -80,6 +81,11 @@ class Config:
     @property
     def algo(self) -> str:
         return next(o.split("=", 1)[1] for o in self.overrides if o.startswith("algo="))
+
+    @property
+    def inner(self) -> str:
+        """The inner optimizer: ``adamw`` (the default) or the ``inner_opt=`` preset a row names."""
+        return next((o.split("=", 1)[1] for o in self.overrides if o.startswith("inner_opt=")), "adamw")
 
     @property
     def family(self) -> str:
@@ -210,6 +216,16 @@ CONFIGS = [
     _sparse(50, 0.02, name=", DiLoCo's outer step", changes=DILOCO_OUTER),
     _sparse(50, 0.02, name=", DiLoCo's outer step, β=0", changes=DILOCO_OUTER | {"algo.error_decay": "0"}),
     _sparse(50, 0.02, 4),
+    # MuLoCo (arXiv 2505.23725): Muon as the inner optimizer (conf/inner_opt/muon.yaml), each row
+    # against the data-parallel and local runs with Muon too; lr rows tune it once at 1,000 steps.
+    *(
+        Config(f"{algo}, muon", groups, (f"algo={algo}", "inner_opt=muon"))
+        for groups in (2, 4)
+        for algo in ("ddp", "local")
+    ),
+    *(_diloco(50, groups, "inner_opt=muon", name="diloco H=50, muon") for groups in (2, 4)),
+    *(_diloco(50, 2, "inner_opt=muon", f"inner_opt.lr={lr}", name=f"diloco H=50, muon lr {lr}") for lr in (0.01, 0.04)),
+    _sparse(20, 0.01, 4, name=", α ramped, muon", changes={"algo.alpha": None, "inner_opt": "muon"}),
 ]
 QUICK_STEPS = 100
 QUICK_BATCH = ["trainer.batch_size=4", "trainer.seq_len=64"]  # a smoke run: start-up dominates anyway
@@ -260,23 +276,27 @@ def collect_kept(roots: list[Path]) -> tuple[list[RunResult], str, int, str]:
     return sorted(found, key=position), model, steps, device
 
 
-def baseline(results: list[RunResult], algo: str, groups: int, seed: int) -> float | None:
-    """The loss of the ``algo`` run with ``groups`` groups at ``seed``; None if there is none or it failed."""
-    found = [r.loss for r in results if r.config.algo == algo and r.config.groups == groups and r.seed == seed]
+def baseline(results: list[RunResult], algo: str, groups: int, seed: int, inner: str = "adamw") -> float | None:
+    """The loss of the ``algo`` row (``ddp`` or ``local``; ``ddp, muon`` with another inner optimizer)
+    with ``groups`` groups at ``seed``; None if there is none or it failed."""
+    name = algo if inner == "adamw" else f"{algo}, {inner}"
+    found = [r.loss for r in results if r.config.name == name and r.config.groups == groups and r.seed == seed]
     return found[0] if found and math.isfinite(found[0]) else None
 
 
-def gap_closed(results: list[RunResult], run: RunResult) -> float | None:
-    """(local − x)/(local − ddp) against the baselines with as many groups and the same seed."""
-    ddp, local = (baseline(results, algo, run.config.groups, run.seed) for algo in ("ddp", "local"))
+def gap_closed(results: list[RunResult], run: RunResult, inner: str | None = None) -> float | None:
+    """(local − x)/(local − ddp) against the baselines with as many groups, the same seed and the
+    same inner optimizer as ``run`` (or ``inner``'s)."""
+    inner = inner or run.config.inner
+    ddp, local = (baseline(results, algo, run.config.groups, run.seed, inner) for algo in ("ddp", "local"))
     if not (math.isfinite(run.loss) and ddp and local and local != ddp):
         return None
     return (local - run.loss) / (local - ddp)
 
 
 def vs_ddp(results: list[RunResult], run: RunResult) -> float | None:
-    """x / ddp − 1 against data parallel with as many groups and the same seed."""
-    ddp = baseline(results, "ddp", run.config.groups, run.seed)
+    """x / ddp − 1 against data parallel with as many groups, the same seed and inner optimizer."""
+    ddp = baseline(results, "ddp", run.config.groups, run.seed, run.config.inner)
     return run.loss / ddp - 1 if ddp and math.isfinite(run.loss) else None
 
 
@@ -381,6 +401,31 @@ def seed_table(results: list[RunResult]) -> str:
     return markdown_table(["config", "M", *(f"seed {s}" for s in seeds)], body)
 
 
+def _muon_targets(results: list[RunResult], found: dict[tuple[str, int], Row]) -> list[str]:
+    """Muon-inner DiLoCo H=50: the gap closed against data parallel with Muon and against the better
+    of the two data-parallel runs (each seed's), and against AdamW-inner DiLoCo at the same seed."""
+    lines = []
+    for groups in (2, 4):
+        muon, adamw = found.get(("diloco H=50, muon", groups)), found.get(("diloco H=50", groups))
+        if not (muon and muon.closed):
+            continue
+        best = []
+        for run in muon.runs:
+            closed = [gap_closed(results, run, inner) for inner in ("adamw", "muon")]
+            ddps = [baseline(results, "ddp", groups, run.seed, inner) for inner in ("adamw", "muon")]
+            if None not in closed and None not in ddps:
+                best.append(closed[ddps.index(min(ddps))])
+        line = f"- gap closed by Muon-inner DiLoCo M={groups} H=50: mean {100 * _mean(muon.closed):.0f}% against ddp with Muon"
+        if best:
+            line += f", {100 * _mean(best):.0f}% against the better ddp of the two"
+        if adamw:
+            pairs = [m.loss / a.loss - 1 for m in muon.runs for a in adamw.runs if m.seed == a.seed]
+            if pairs:
+                line += f"; against AdamW-inner DiLoCo worst {100 * max(pairs):+.1f}%"
+        lines.append(line)
+    return lines
+
+
 def targets(results: list[RunResult]) -> list[str]:
     """The targets that this table decides (means and worst over the seeds): the gap closed
     at H=50, never worse than local, M=4 against ddp, Streaming against DiLoCo at the same H."""
@@ -397,10 +442,11 @@ def targets(results: list[RunResult]) -> list[str]:
             f"{r.config.name} M={r.config.groups} seed {r.seed}"
             for r in results
             if r.config.family in ("diloco", "streaming")
-            and (local := baseline(results, "local", r.config.groups, r.seed))
+            and (local := baseline(results, "local", r.config.groups, r.seed, r.config.inner))
             and r.loss > local
         ]
         lines.append(f"- DiLoCo worse than local: {', '.join(worse) if worse else 'none'}")
+    lines += _muon_targets(results, found)
     four = found.get(("diloco H=50", 4))
     if four and four.ratios:
         lines.append(

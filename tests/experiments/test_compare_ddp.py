@@ -218,6 +218,18 @@ def test_a_failed_baseline_gives_no_ratio_instead_of_nan(tmp_path):
     assert targets(results) == ["- DiLoCo worse than local: none"]
 
 
+def test_muon_rows_close_the_gap_against_data_parallel_with_muon_and_the_better_of_the_two(tmp_path):
+    losses = {"ddp": 1.30, "local": 1.50, "ddp, muon": 1.20, "local, muon": 1.45, "diloco H=50": 1.35}
+    losses["diloco H=50, muon"] = 1.25
+    results = [collect(by_name(n), canned_run(tmp_path / n, loss, [loss])) for n, loss in losses.items()]
+    line = next(t for t in targets(results) if "Muon-inner" in t)
+    # (1.45 - 1.25) / (1.45 - 1.20) against ddp with Muon, the better ddp too; 1.25 / 1.35 - 1 against AdamW-inner
+    assert line == (
+        "- gap closed by Muon-inner DiLoCo M=2 H=50: mean 80% against ddp with Muon, "
+        "80% against the better ddp of the two; against AdamW-inner DiLoCo worst -7.4%"
+    )
+
+
 def test_sparse_rows_are_their_own_family_and_the_target_line_picks_the_best_frugal_one(tmp_path):
     sparse, dense = by_name("sparseloco H=50 2% 2-bit"), by_name("diloco H=50")
     assert sparse.family == "sparseloco" and dense.family == "diloco" and sparse.algo == "diloco"
