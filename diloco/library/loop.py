@@ -95,7 +95,6 @@ class DiLoCo:
         environ: Mapping[str, str] = os.environ,
         **algo_keys: Any,
     ) -> None:
-        self.model = model
         self.max_steps = max_steps
         check_fresh_optimizer(model, inner_optimizer)
         settings = outer_settings(algo, algo_keys, outer_opt, timeouts, max_steps, warmup_share, model)
@@ -123,7 +122,6 @@ class DiLoCo:
             commit_log=commit_logger(self.paths.commits(self.member.group)) if leader_logs else None,
         )
         self.step = 0  # inner steps of the job's clock this group is at (a heal jumps it to a peer's)
-        self.metrics: dict[str, float] = {}  # the last round's outer/* figures
         self.result: OuterResult | None = None
         self._entered = False
 
@@ -156,8 +154,7 @@ class DiLoCo:
         if self.done:
             raise RuntimeError(f"after_inner_step past max_steps={self.max_steps}: loop `while not outer.done:`")
         self.step += 1
-        self.metrics = self._follow(self.sync.after_inner_step(self.step, tokens))
-        return self.metrics
+        return self._follow(self.sync.after_inner_step(self.step, tokens))
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
