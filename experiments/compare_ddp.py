@@ -224,7 +224,14 @@ CONFIGS = [
         for algo in ("ddp", "local")
     ),
     *(_diloco(50, groups, "inner_opt=muon", name="diloco H=50, muon") for groups in (2, 4)),
-    *(_diloco(50, 2, "inner_opt=muon", f"inner_opt.lr={lr}", name=f"diloco H=50, muon lr {lr}") for lr in (0.01, 0.04)),
+    *(
+        Config(f"ddp, muon lr {lr}", 2, ("algo=ddp", "inner_opt=muon", f"inner_opt.lr={lr}"))
+        for lr in (0.0025, 0.005, 0.01, 0.04)
+    ),
+    *(
+        _diloco(50, 2, "inner_opt=muon", f"inner_opt.lr={lr}", name=f"diloco H=50, muon lr {lr}")
+        for lr in (0.0025, 0.005, 0.01, 0.04)
+    ),
     _sparse(20, 0.01, 4, name=", α ramped, muon", changes={"algo.alpha": None, "inner_opt": "muon"}),
 ]
 QUICK_STEPS = 100

@@ -50,7 +50,7 @@ class InnerOptConfig:
             self.name != "muon" or self.lr <= 1,
             "inner_opt.lr",
             self.lr,
-            "must be in (0, 1] with inner_opt=muon (conf/inner_opt/muon.yaml takes 0.02)",
+            "must be in (0, 1] with inner_opt=muon (conf/inner_opt/muon.yaml takes 0.005)",
         )
         check(self.weight_decay >= 0, "inner_opt.weight_decay", self.weight_decay, "must be >= 0")
         for i, beta in enumerate(self.betas):
