@@ -157,16 +157,21 @@ def crash_report(path: Path) -> str:
     return f"{cause}last lines of {path}:\n{log_tail(path)}"
 
 
-def last_exception(path: Path) -> str | None:
-    """The ``Type: message`` line of the last Python traceback in a log, if there is one."""
+def last_exception(path: Path, ignoring: str | None = None) -> str | None:
+    """The ``Type: message`` line of the last Python traceback in a log, if there is one; with
+    ``ignoring``, of the last whose line does not contain it (torchrun's own report of a failed worker)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
-    if not starts:
-        return None
-    return next((line for line in lines[starts[-1] + 1 :] if line and not line[0].isspace()), None)
+    raised = [
+        next((line for line in lines[i + 1 :] if line and not line[0].isspace()), None)
+        for i, line in enumerate(lines)
+        if line.startswith("Traceback (most recent call last):")
+    ]
+    if ignoring is None:
+        return raised[-1] if raised else None
+    return next((line for line in reversed(raised) if line and ignoring not in line), None)
 
 
 def logs_tail(logs: Path, lines: int) -> str:

@@ -31,6 +31,7 @@ from diloco.config.cluster import ClusterConfig, LighthouseConfig, TimeoutsConfi
 from diloco.config.redaction import TOKEN_ENV
 from diloco.exits import exit_without_teardown
 from diloco.ft.lighthouse import Lighthouse, save_page
+from diloco.launch.local_cluster import last_exception
 from diloco.library.loop import GROUP_ENV, JOB_ENV, LIGHTHOUSE_ENV, RUN_DIR_ENV
 from diloco.run_paths import RunPaths
 
@@ -145,7 +146,7 @@ def verdict(codes: dict[int, int | None], paths: RunPaths, groups: int) -> str |
     if failed:
         g, code = next(iter(failed.items()))
         log = paths.logs / f"{group_name(g)}.log"
-        cause = died_of(log) or "torchrun's restarts used up, or the script failed"
+        cause = last_exception(log, ignoring="ChildFailedError") or "torchrun's restarts used up, or the script failed"
         return f"{group_name(g)} exited {code} ({cause}); its log: {log}"
     results = {g: json.loads(paths.result(g).read_text()) for g in range(groups) if paths.result(g).exists()}
     if len(results) < groups:
@@ -167,21 +168,6 @@ def verdict(codes: dict[int, int | None], paths: RunPaths, groups: int) -> str |
         flush=True,
     )
     return None
-
-
-def died_of(log: Path) -> str | None:
-    """The ``Type: message`` line of the last exception a worker raised in a torchrun log (torchrun's
-    own report of the failed worker, which follows it, says nothing more)."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    raised = [
-        next((line for line in lines[i + 1 :] if line and not line[0].isspace()), "")
-        for i, line in enumerate(lines)
-        if line.startswith("Traceback (most recent call last):")
-    ]
-    return next((line for line in reversed(raised) if line and "ChildFailedError" not in line), None)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
