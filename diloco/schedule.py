@@ -92,7 +92,13 @@ def mixing_alpha(s: int, M: int, alpha: float, warmup_steps: int, reference_grou
 
 
 def momentum(s: int, mu: float, warmup_steps: int) -> float:
-    """μ(s) = μ·ramp(s) over ``warmup_steps`` ≥ 1, for a round launched after inner step s."""
+    """μ(s) = μ·ramp(s) over ``warmup_steps`` ≥ 1, for a round launched after inner step s.
+
+    Trained from scratch, the first windows' Δ are the largest of the run and point the same way:
+    with μ = 0.9 from the first round, Nesterov applies each about 1/(1 − μ) = 10 times over the
+    next windows and overshoots (docs/algorithm.md). s is the round's launch step, which every
+    group of the round shares, so all groups take the same outer step.
+    """
     return mu * ramp(s, warmup_steps)
 
 

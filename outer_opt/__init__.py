@@ -10,10 +10,8 @@ from outer_opt.build import build_outer_optimizer
 from outer_opt.config import OuterOptConfig
 from outer_opt.registry import available, initialize_state, register
 from outer_opt.state import load_optimizer_state_tensors, optimizer_state_tensors
-from outer_opt.warmup import MomentumWarmup
 
 __all__ = [
-    "MomentumWarmup",
     "OuterOptConfig",
     "available",
     "build_outer_optimizer",

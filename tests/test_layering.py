@@ -53,7 +53,7 @@ SHARED_LEAVES = {"diloco", "diloco.config", "diloco.config.base", "diloco.schedu
 
 
 def layer_of(module: str) -> str:
-    """``diloco.outer.reduce`` -> ``outer``; diloco/'s own modules -> ``leaf``; outer_opt -> ``outer_opt``."""
+    """``diloco.outer.codecs`` -> ``outer``; diloco/'s own modules -> ``leaf``; outer_opt -> ``outer_opt``."""
     parts = module.split(".")
     if parts[0] == "outer_opt":
         return "outer_opt"

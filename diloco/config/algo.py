@@ -6,11 +6,11 @@ against the model's blocks and the trainer's steps, each error naming the key to
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-from diloco.config.base import ConfigError, check, from_dict
-from diloco.schedule import SyncWarmup, WindowProblem, divisors, mixing_alpha, sync_warmup_window, window_problem
+from diloco.config.base import ConfigError, KeysRead, check
+from diloco.schedule import SyncWarmup, WindowProblem, divisors, sync_warmup_window, window_problem
 
 # Which algo.* keys each algorithm reads (x); a key it does not read does nothing there:
 #
@@ -31,7 +31,7 @@ from diloco.schedule import SyncWarmup, WindowProblem, divisors, mixing_alpha, s
 #
 # A key an algorithm does not read, set to another value than the one it runs with (RUNS_WITH, else the
 # default below; so a conf/algo preset's own values pass), is refused in a single run, and in a -m sweep
-# (``algo=ddp,diloco algo.alpha=0.3``) said at start and reset (ignore_unread_keys, diloco/launch/roles.py).
+# (``algo=ddp,diloco algo.alpha=0.3``) said at start and reset (``KeysRead``, diloco/config/base.py).
 _OUTER_KEYS = (
     "sync_every",
     "sync_warmup_steps",
@@ -126,8 +126,7 @@ class AlgoConfig:
     auto: bool = False
 
     def validate(self) -> None:
-        if problem := self.unread_problem():
-            raise ConfigError(f"{problem}; {_remove_or_switch(self.unread())}")
+        KEYS_READ.check(self)
         if self.window == "time":
             check(
                 self.weighting == "tokens",
@@ -201,30 +200,6 @@ class AlgoConfig:
             "use algo.quantize=none with algo.value_bits",
         )
 
-    def unread(self) -> dict[str, tuple[object, object]]:
-        """The ``algo.*`` keys ``algo=name`` does not read (``READS``) whose value differs from the one it
-        runs with: key -> (value, the value it runs with)."""
-        defaults = {**{f.name: f.default for f in fields(self)}, **RUNS_WITH.get(self.name, {})}
-        return {
-            key: (getattr(self, key), defaults[key])
-            for key in defaults
-            if key != "name" and key not in READS[self.name] and getattr(self, key) != defaults[key]
-        }
-
-    def unread_problem(self) -> str | None:
-        """One line naming the keys ``unread`` found and what ``algo=name`` does instead, or None."""
-        unread = self.unread()
-        if not unread:
-            return None
-        settings = ", ".join(f"algo.{key}={value!r}" for key, (value, _) in unread.items())
-        return (
-            f"{settings} {'does' if len(unread) == 1 else 'do'} nothing with algo={self.name}, which {_DOES[self.name]}"
-        )
-
-    def mixing_alpha(self, launch_step: int, groups: int) -> float:
-        """α(s, M) of these keys (``diloco/schedule.py``): the same on every group of a round."""
-        return mixing_alpha(launch_step, groups, self.alpha, self.alpha_warmup_steps, self.alpha_reference_groups)
-
     def sync_warmup_window(self) -> SyncWarmup | None:
         """(H₀, W) of these keys (``diloco/schedule.py``); None for an algorithm without outer rounds."""
         if self.name not in ("diloco", "streaming"):
@@ -247,22 +222,7 @@ class AlgoConfig:
         )
 
 
-def _remove_or_switch(unread: dict[str, tuple[object, object]]) -> str:
-    """The fix for ``AlgoConfig.unread``: drop the keys, or the algorithms that read them all."""
-    readers = [name for name, keys in READS.items() if all(key in keys for key in unread)]
-    it = "it" if len(unread) == 1 else "them"
-    reads = "reads" if len(readers) == 1 else "read"
-    return f"remove {it}, or use {' or '.join(f'algo={name}' for name in readers)}, which {reads} {it}"
-
-
-def ignore_unread_keys(raw: dict[str, Any]) -> str | None:
-    """In a ``-m`` sweep: set the ``algo.*`` keys of the plain config ``raw`` that its algorithm does not
-    read (``AlgoConfig.unread``) to the values it runs with, and say so in one line (None: nothing to reset)."""
-    algo = from_dict(AlgoConfig, raw.get("algo"), "algo")
-    if not (problem := algo.unread_problem()):
-        return None
-    raw["algo"] = {**raw["algo"], **{key: used for key, (_, used) in algo.unread().items()}}
-    return f"{problem}; ignored in this job"
+KEYS_READ = KeysRead("algo", AlgoConfig, READS, _DOES, RUNS_WITH)
 
 
 def _is_number(value: object) -> bool:

@@ -64,6 +64,16 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
+def flat_keys(sections: dict[str, Any]) -> dict[str, Any]:
+    """``{"algo": AlgoConfig(...)}`` -> ``{"algo.sync_every": 50, ...}``, tuples as lists: configs
+    as the lighthouse compares them across groups, each key named as a user writes it."""
+    return {
+        f"{section}.{key}": list(value) if isinstance(value, tuple) else value
+        for section, config in sections.items()
+        for key, value in to_dict(config).items()
+    }
+
+
 def key_paths(cls: type, prefix: str = "") -> list[str]:
     """Every key of dataclass ``cls`` as the command line names it (``trainer``, ``trainer.checkpoint``,
     ``trainer.checkpoint.every``): what ``run.py`` checks a ``key=value`` against before hydra."""
@@ -76,6 +86,59 @@ def key_paths(cls: type, prefix: str = "") -> list[str]:
             if dataclasses.is_dataclass(hints[f.name]):
                 keys += key_paths(hints[f.name], key)
     return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class KeysRead:
+    """Which keys of the config group ``group`` (dataclass ``cls``) each of its choices, its ``name``
+    field, reads.
+
+    A key its choice does not read, set to another value than the one the choice runs with
+    (``runs_with``, else the field's default, so a preset's own values pass), would do nothing:
+    a single run refuses it in one line (``check``), a ``-m`` sweep resets it and says so (``reset``).
+    ``does``: what a choice does instead, said after "which" (else: it does not read the keys).
+    """
+
+    group: str
+    cls: type
+    reads: dict[str, tuple[str, ...]]
+    does: dict[str, str] = dataclasses.field(default_factory=dict)
+    runs_with: dict[str, dict[str, object]] = dataclasses.field(default_factory=dict)
+
+    def unread(self, cfg: Any) -> dict[str, tuple[object, object]]:
+        """The keys ``cfg``'s choice does not read, set otherwise: key -> (value, the value it runs with)."""
+        used = {f.name: f.default for f in dataclasses.fields(cfg)} | self.runs_with.get(cfg.name, {})
+        read = self.reads[cfg.name]
+        return {
+            key: (getattr(cfg, key), value)
+            for key, value in used.items()
+            if key != "name" and key not in read and getattr(cfg, key) != value
+        }
+
+    def check(self, cfg: Any) -> None:
+        """Raise ``ConfigError`` naming the unread keys, and the choices that read them all."""
+        if not (unread := self.unread(cfg)):
+            return
+        it = "it" if len(unread) == 1 else "them"
+        readers = [name for name, keys in self.reads.items() if all(key in keys for key in unread)]
+        reads = "reads" if len(readers) == 1 else "read"
+        use = f", or use {' or '.join(f'{self.group}={name}' for name in readers)}, which {reads} {it}"
+        raise ConfigError(f"{self._said(cfg, unread)}; remove {it}{use if readers else ''}")
+
+    def reset(self, raw: dict[str, Any]) -> str | None:
+        """In a ``-m`` sweep: set the unread keys of the plain config ``raw`` to the values its choice
+        runs with, and say so in one line (None: nothing to reset)."""
+        cfg = from_dict(self.cls, raw.get(self.group), self.group)
+        if not (unread := self.unread(cfg)):
+            return None
+        used = {key: list(value) if isinstance(value, tuple) else value for key, (_, value) in unread.items()}
+        raw[self.group] = {**raw[self.group], **used}
+        return f"{self._said(cfg, unread)}; ignored in this job"
+
+    def _said(self, cfg: Any, unread: dict[str, tuple[object, object]]) -> str:
+        settings = ", ".join(f"{self.group}.{key}={value!r}" for key, (value, _) in unread.items())
+        it, does = ("it", "does") if len(unread) == 1 else ("them", "do")
+        return f"{settings} {does} nothing with {self.group}={cfg.name}, which {self.does.get(cfg.name, f'does not read {it}')}"
 
 
 def closest(word: str, options: typing.Iterable[str], cutoff: float = 0.6) -> str | None:

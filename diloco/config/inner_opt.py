@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-from diloco.config.base import ConfigError, check, from_dict
+from diloco.config.base import KeysRead, check
 
 # Which inner_opt.* keys each optimizer reads; one it does not read, set to another value than its
 # default, is refused (as algo.* keys are, diloco/config/algo.py). Muon's AdamW part reads betas and eps.
@@ -38,11 +38,7 @@ class InnerOptConfig:
     grad_clip: float = 1.0
 
     def validate(self) -> None:
-        if problem := self.unread_problem():
-            unread = self.unread()
-            readers = [name for name, keys in READS.items() if all(key in keys for key in unread)]
-            it = "it" if len(unread) == 1 else "them"
-            raise ConfigError(f"{problem}; remove {it}, or use {' or '.join(f'inner_opt={r}' for r in readers)}")
+        KEYS_READ.check(self)
         check(self.lr > 0, "inner_opt.lr", self.lr, "must be > 0")
         # Muon's update has AdamW's RMS: lr > 1 moves every hidden weight by more than its own scale per step.
         # (AdamW's lr stays open above: a test drives a job to NaN with it.)
@@ -67,29 +63,5 @@ class InnerOptConfig:
         check(0 <= self.min_lr_ratio <= 1, "inner_opt.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         check(self.grad_clip >= 0, "inner_opt.grad_clip", self.grad_clip, "must be >= 0 (0 turns clipping off)")
 
-    def unread(self) -> dict[str, object]:
-        """The ``inner_opt.*`` keys ``inner_opt=name`` does not read (``READS``) set to other than their default."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.name != "name" and f.name not in READS[self.name] and getattr(self, f.name) != f.default
-        }
 
-    def unread_problem(self) -> str | None:
-        """One line naming the keys ``unread`` found, or None."""
-        if not (unread := self.unread()):
-            return None
-        settings = ", ".join(f"inner_opt.{key}={value!r}" for key, value in unread.items())
-        it, does = ("it", "does") if len(unread) == 1 else ("them", "do")
-        return f"{settings} {does} nothing with inner_opt={self.name}, which does not read {it}"
-
-
-def ignore_unread_inner_keys(raw: dict[str, Any]) -> str | None:
-    """In a ``-m`` sweep (``inner_opt=adamw,muon inner_opt.momentum=0.9``): reset the ``inner_opt.*`` keys of
-    the plain config ``raw`` its optimizer does not read to their defaults, and say so in one line (None: none)."""
-    cfg = from_dict(InnerOptConfig, raw.get("inner_opt"), "inner_opt")
-    if not (problem := cfg.unread_problem()):
-        return None
-    defaults = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default for f in fields(InnerOptConfig)}
-    raw["inner_opt"] = {**raw["inner_opt"], **{key: defaults[key] for key in cfg.unread()}}
-    return f"{problem}; ignored in this job"
+KEYS_READ = KeysRead("inner_opt", InnerOptConfig, READS)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from diloco.config.algo import AlgoConfig
-from diloco.config.base import check, from_dict, to_dict
+from diloco.config.base import check, flat_keys, from_dict, to_dict
 from diloco.config.cluster import ClusterConfig
 from diloco.config.data import DataConfig
 from diloco.config.faults import FaultsConfig
@@ -131,14 +131,8 @@ TRAINING_SECTIONS = ("model", "data", "inner_opt", "trainer", "algo", "outer_opt
 def training_config(job: JobConfig) -> dict[str, Any]:
     """What every group of a job must share, flat (``algo.sync_every`` -> 50): the lighthouse
     refuses a group whose values differ, naming the keys."""
-    flat: dict[str, Any] = {
-        "cluster.groups": job.cluster.groups,
-        "cluster.workers_per_group": job.cluster.workers_per_group,
-    }
-    for section in TRAINING_SECTIONS:
-        for key, value in to_dict(getattr(job, section)).items():
-            flat[f"{section}.{key}"] = list(value) if isinstance(value, tuple) else value
-    return flat
+    cluster = {"cluster.groups": job.cluster.groups, "cluster.workers_per_group": job.cluster.workers_per_group}
+    return cluster | flat_keys({section: getattr(job, section) for section in TRAINING_SECTIONS})
 
 
 def job_config_from_dict(raw: dict[str, Any]) -> JobConfig:

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from diloco import lifeline
-from diloco.config.algo import ignore_unread_keys
+from diloco.config.algo import KEYS_READ as ALGO_KEYS_READ
 from diloco.config.base import ConfigError, to_dict
-from diloco.config.inner_opt import ignore_unread_inner_keys
+from diloco.config.inner_opt import KEYS_READ as INNER_OPT_KEYS_READ
 from diloco.config.job import JobConfig, job_config_from_dict
 from diloco.config.redaction import redacted
 from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
@@ -73,7 +73,7 @@ def run_role(
         name_sweep_job(raw, sweep)
     try:
         if sweep:  # algo=ddp,diloco algo.alpha=0.3 (or inner_opt=adamw,muon inner_opt.momentum=0.9): not refused
-            for ignored in filter(None, (ignore_unread_keys(raw), ignore_unread_inner_keys(raw))):
+            for ignored in filter(None, (keys.reset(raw) for keys in (ALGO_KEYS_READ, INNER_OPT_KEYS_READ))):
                 say(f"sweep job {sweep.num}: warning: {ignored}", sys.stderr)
         job = with_job_token(job_config_from_dict(raw), environ)  # from token_file or the environment
         if job.role == "lighthouse":
@@ -206,8 +206,8 @@ def trained_job_config(run_dir: Path, job: JobConfig) -> JobConfig:
     if not saved.is_file():
         return job
     raw = load_saved_config(saved)
-    ignore_unread_keys(raw)  # a run from before such algo.* keys were refused: they did nothing there
-    ignore_unread_inner_keys(raw)  # and inner_opt.* keys, refused since inner_opt=muon
+    for keys in (ALGO_KEYS_READ, INNER_OPT_KEYS_READ):
+        keys.reset(raw)  # a run from before such keys were refused: they did nothing there
     model = raw.get("model") or {}
     if model.get("init_from") and not Path(model["init_from"]).is_dir():
         raw["model"] = model | {"init_from": None}

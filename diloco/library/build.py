@@ -10,8 +10,6 @@ a ``JobConfig``: ``diloco/worker/outer_builder.py`` turns the job into these par
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -36,10 +34,9 @@ from diloco.outer.diloco_sync import Fragment, OuterSync
 from diloco.outer.fragments import count_blocks, fragment_parameter_names
 from diloco.outer.round_plan import FixedPlan
 from diloco.outer.update import global_copy
-from outer_opt import MomentumWarmup, OuterOptConfig, build_outer_optimizer
+from outer_opt import OuterOptConfig, build_outer_optimizer
 
 HEARTBEATS_PER_TIMEOUT = 4
-CommitLog = Callable[[dict], None]
 
 
 @dataclass(frozen=True)
@@ -107,7 +104,7 @@ def synchronizer_parts(
     timeouts: TimeoutsConfig,
     *,
     lane_bandwidth_mbps: float,
-    commit_log: CommitLog | None,
+    commit_log: Path | None,
     faults: FaultHook | None,
 ) -> dict[str, Any]:
     """What every synchronizer (``OuterSync``, the job's data-parallel ``GradientSync``) is built with."""
@@ -115,7 +112,7 @@ def synchronizer_parts(
         manager=manager,
         collective_timeout_s=timeouts.collective,
         end_wait_s=timeouts.end + timeouts.quorum,
-        commit_log=commit_log or _ignore,
+        commit_log=commit_log,
         faults=faults,
         bucket=bucket_for(lane_bandwidth_mbps),
     )
@@ -128,7 +125,7 @@ def build_outer_sync(
     model: nn.Module,
     inner_optimizer: torch.optim.Optimizer,
     device: torch.device,
-    commit_log: CommitLog | None = None,
+    commit_log: Path | None = None,
     faults: FaultHook | None = None,
 ) -> OuterSync:
     """DiLoCo or Streaming DiLoCo over ``model``'s parameters (this worker's shard of them).
@@ -176,11 +173,15 @@ def build_fragments(
         owned = [counted_here(params[n]) for n in fragment_names] or [True]
         global_ = global_copy(local, pin_memory=device.type == "cuda")
         optimizer = build_outer_optimizer(global_, outer_opt)
-        warmup_steps = outer_opt.momentum_warmup_steps
-        warmup = MomentumWarmup(optimizer, warmup_steps) if warmup_steps else None
         fragments.append(
             Fragment(
-                index=index, local=local, global_=global_, optimizer=optimizer, momentum_warmup=warmup, owned=owned
+                index=index,
+                local=local,
+                global_=global_,
+                optimizer=optimizer,
+                momentum=optimizer.param_groups[0].get("momentum"),
+                momentum_warmup_steps=outer_opt.momentum_warmup_steps,
+                owned=owned,
             )
         )
     return fragments
@@ -196,18 +197,3 @@ def control_group(world_size: int, timeout_s: float) -> dist.ProcessGroup | None
     if world_size == 1:
         return None
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-
-def commit_logger(path: Path) -> CommitLog:
-    """Appends each commit record to ``path`` as a JSON line."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(record: dict) -> None:
-        with path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
-
-    return write
-
-
-def _ignore(record: dict) -> None:
-    return None

@@ -30,12 +30,12 @@ import torch.distributed as dist
 from torch import nn
 
 from diloco.config.algo import AlgoConfig
-from diloco.config.base import ConfigError, check, to_dict
+from diloco.config.base import ConfigError, check, flat_keys
 from diloco.config.cluster import TimeoutsConfig, group_name
 from diloco.config.redaction import TOKEN_ENV
 from diloco.files import write_json_atomically
 from diloco.ft.state import local_tensor
-from diloco.library.build import Membership, OuterSettings, build_outer_sync, commit_logger
+from diloco.library.build import Membership, OuterSettings, build_outer_sync
 from diloco.outer.digest import state_digest
 from diloco.outer.diloco_sync import OuterSync
 from diloco.outer.fragments import count_blocks
@@ -119,7 +119,7 @@ class DiLoCo:
             model=model,
             inner_optimizer=inner_optimizer,
             device=_device_of(model),
-            commit_log=commit_logger(self.paths.commits(self.member.group)) if leader_logs else None,
+            commit_log=self.paths.commits(self.member.group) if leader_logs else None,
         )
         self.step = 0  # inner steps of the job's clock this group is at (a heal jumps it to a peer's)
         self.result: OuterResult | None = None
@@ -238,11 +238,8 @@ def outer_settings(
 def shared_config(settings: OuterSettings) -> dict[str, Any]:
     """What every group must run the same, flat (``algo.sync_every`` -> 50): the lighthouse refuses
     a group whose values differ, naming the keys."""
-    flat: dict[str, Any] = {"max_steps": settings.max_steps, "warmup_share": settings.warmup_share}
-    for section, config in (("algo", settings.algo), ("outer_opt", settings.outer_opt)):
-        for key, value in to_dict(config).items():
-            flat[f"{section}.{key}"] = list(value) if isinstance(value, tuple) else value
-    return flat
+    steps = {"max_steps": settings.max_steps, "warmup_share": settings.warmup_share}
+    return steps | flat_keys({"algo": settings.algo, "outer_opt": settings.outer_opt})
 
 
 def weights_digest(model: nn.Module) -> str:

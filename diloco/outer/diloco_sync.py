@@ -37,9 +37,8 @@ from diloco.outer.codecs import launch_reduce
 from diloco.outer.round_plan import RoundPlan
 from diloco.outer.synchronizer import Synchronizer
 from diloco.outer.update import contribution_weight, outer_update, pseudo_gradient, reset_local
-from diloco.schedule import fragments_to_apply, fragments_to_launch, skip_target
+from diloco.schedule import fragments_to_apply, fragments_to_launch, mixing_alpha, momentum, skip_target
 from diloco.train.sync_hooks import OuterOutcome
-from outer_opt import MomentumWarmup
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,8 @@ class Fragment:
     local: list[torch.Tensor]
     global_: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
-    momentum_warmup: MomentumWarmup | None = None  # None: the optimizer's own constant momentum
+    momentum: float | None = None  # the outer optimizer's configured μ (None: it has none)
+    momentum_warmup_steps: int = 0  # μ ramps in over these inner steps (0: constant)
     # Per tensor of ``local``: whether this rank counts it in the group's ‖Δ̄‖. A tensor replicated
     # over a mesh dimension (tensor parallelism's norms) is counted by that dimension's rank 0 only.
     owned: list[bool] | None = None  # None: every tensor (a worker that holds them alone)
@@ -396,23 +396,25 @@ class OuterSync(Synchronizer):
     def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int, groups: int) -> dict[str, float]:
         """``outer_update`` with this round's α and μ (``_warmed_up``); returns them with the
         fragment's ‖Δ̄‖ over the whole group (a collective), as metrics."""
-        alpha, momentum = self._warmed_up(fragment, launch_step, groups)
+        alpha, mu = self._warmed_up(fragment, launch_step, groups)
         squares = self.manager.sum_over_ranks(owned_square_sum(average, fragment))
-        outer_update(fragment.global_, fragment.local, average, fragment.optimizer, alpha)
+        outer_update(fragment.global_, fragment.local, average, fragment.optimizer, alpha, mu)
         self._state_changed(fragment.index)
         schedule = {"outer/pseudo_grad_norm": math.sqrt(squares), "outer/alpha": alpha}
-        return schedule | ({"outer/momentum": float(momentum)} if momentum is not None else {})
+        return schedule | ({"outer/momentum": float(mu)} if mu is not None else {})
 
     def _warmed_up(self, fragment: Fragment, launch_step: int, groups: int) -> tuple[float, float | None]:
-        """α(s, M) and the optimizer's μ warmed up to s, for a round launched after inner step s
-        with M groups (μ None: an optimizer without momentum).
+        """α(s, M) and μ(s) (``diloco/schedule.py``) for a round launched after inner step s with M
+        groups (μ None: an optimizer without momentum).
 
         Both read only the round's launch step and group count, which every group of the
         round shares (a healing group joins its peers' round), so all groups step alike.
         """
-        if fragment.momentum_warmup is not None:
-            fragment.momentum_warmup.apply(launch_step)
-        return self.algo.mixing_alpha(launch_step, groups), fragment.optimizer.param_groups[0].get("momentum")
+        algo, mu = self.algo, fragment.momentum
+        alpha = mixing_alpha(launch_step, groups, algo.alpha, algo.alpha_warmup_steps, algo.alpha_reference_groups)
+        if mu is not None and fragment.momentum_warmup_steps:
+            mu = momentum(launch_step, mu, fragment.momentum_warmup_steps)
+        return alpha, mu
 
 
 def owned_square_sum(average: torch.Tensor, fragment: Fragment) -> float:

@@ -8,11 +8,12 @@ hooks of ``SyncHooks`` (diloco/train/sync_hooks.py), whose no-op defaults they o
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,8 @@ _COUNTERS = ("attempted", "committed_here", "bytes_sent", "tokens", "tokens_comm
 class Synchronizer(SyncHooks):
     """Bookkeeping and healing shared by the synchronizers; subclasses add the all-reduce.
 
-    ``faults`` is composed in only when the job injects faults into workers (see ``FaultHook``);
+    ``commit_log``: the file each round's record is appended to as a JSON line (the group's
+    leader's; None: no records). ``faults`` is composed in only when the job injects faults into workers (see ``FaultHook``);
     without it a round costs no fault bookkeeping at all. ``bucket`` limits the bandwidth of
     the outer all-reduces (``cluster.lane_bandwidth_mbps``).
     """
@@ -47,7 +49,7 @@ class Synchronizer(SyncHooks):
         heal_state: HealState,
         collective_timeout_s: float,
         end_wait_s: float,
-        commit_log: Callable[[dict], None],
+        commit_log: Path | None,
         faults: FaultHook | None = None,
         bucket: TokenBucket | None = None,
     ) -> None:
@@ -58,6 +60,8 @@ class Synchronizer(SyncHooks):
         self.collective_timeout_s = collective_timeout_s
         self.end_wait_s = end_wait_s
         self.commit_log = commit_log
+        if commit_log is not None:
+            commit_log.parent.mkdir(parents=True, exist_ok=True)
         self.end: JobEnd | None = None  # set once the lighthouse declares the job's end
         self.attempted = 0
         self.committed_here = 0
@@ -203,7 +207,8 @@ class Synchronizer(SyncHooks):
     def _record(
         self, round_: Round, committed: bool, step: int, sync_ms: float, tokens: float = 0.0, join: bool = False
     ) -> dict[str, float]:
-        """Log the round (with the group's digest when committed or healed) and return its metrics.
+        """Append the round's record (with the group's digest when committed or healed) to the
+        commit log, and return its metrics.
 
         ``tokens``: the inner-step tokens this round brought into the global model. A closing
         round (finished groups handing over the final state) and a group's join round
@@ -216,27 +221,27 @@ class Synchronizer(SyncHooks):
         digest = self.group_digest() if committed or healed else None
         if digest is not None:
             self.manager.note_progress(digest=digest)
-        self.commit_log(
-            {
-                "round": self.manager.committed,
-                "committed": committed,
-                "healed": healed,
-                "closing": round_.quorum.closing,
-                "join": join,
-                "quorum_id": round_.quorum.quorum_id,
-                "round_floor": round_.quorum.round_floor,  # > 0: the job's newest state was lost before this quorum
-                "participants": list(round_.quorum.participants),
-                "inner_step": step,
-                "time": time.time(),
-                "asked_at": self.round_asked_at,
-                "sync_ms": sync_ms,
-                "tokens": tokens,
-                "recoveries": self.recoveries,
-                "pid": os.getpid(),
-                "digest": digest,
-            }
-            | self._record_fields()
-        )
+        record = {
+            "round": self.manager.committed,
+            "committed": committed,
+            "healed": healed,
+            "closing": round_.quorum.closing,
+            "join": join,
+            "quorum_id": round_.quorum.quorum_id,
+            "round_floor": round_.quorum.round_floor,  # > 0: the job's newest state was lost before this quorum
+            "participants": list(round_.quorum.participants),
+            "inner_step": step,
+            "time": time.time(),
+            "asked_at": self.round_asked_at,
+            "sync_ms": sync_ms,
+            "tokens": tokens,
+            "recoveries": self.recoveries,
+            "pid": os.getpid(),
+            "digest": digest,
+        } | self._record_fields()
+        if self.commit_log is not None:
+            with self.commit_log.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
         return {
             "outer/committed": float(committed),
             "outer/sync_ms": sync_ms,

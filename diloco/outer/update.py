@@ -12,7 +12,7 @@ arXiv 2501.18512, whose mixing factor α merges the global model into each group
     θ_l,m  ← α·θ_l,m + (1 − α)·θ_g                 ``outer_update``; α = 0 is DiLoCo's θ_l ← θ_g
 
 Nothing here communicates, reads a config, keeps state or logs. The synchronizers do the
-rest and call these for the arithmetic: the all-reduce and the quorum (``reduce``,
+rest and call these for the arithmetic: the all-reduce and the quorum (``codecs``,
 ``diloco_sync``, ``ddp_sync``), the non-finite guard (a group whose Δ is not finite sends
 zeros with w = 0), and the schedules of μ and α (``diloco/schedule.py``). tests/outer/test_update.py
 checks the closed forms on CPU tensors.
@@ -79,6 +79,7 @@ def outer_update(
     mean_delta: torch.Tensor,
     optimizer: torch.optim.Optimizer,
     alpha: float,
+    momentum: float | None = None,
 ) -> None:
     """One fragment's outer step, in place: θ_g ← OuterOpt(θ_g, Δ̄), then θ_l ← α·θ_l + (1 − α)·θ_g.
 
@@ -91,8 +92,9 @@ def outer_update(
     ``.grad``), so outer SGD with lr 1 and no momentum gives θ_g − Δ̄ = mean_m θ_l,m
     (parameter averaging) and Nesterov SGD gives DiLoCo's default outer step. Then each
     group keeps α of its own θ_l (Streaming DiLoCo's mixing): α = 0 is DiLoCo's reset
-    θ_l ← θ_g, α = 1 keeps θ_l as it was. The optimizer's hyperparameters for this round
-    (μ's warm-up) are set by the caller beforehand, and α is computed by the caller.
+    θ_l ← θ_g, α = 1 keeps θ_l as it was. α and this round's μ (``momentum``, set on every
+    param group that has a momentum; None: the optimizer's own) come from the schedule
+    (``diloco/schedule.py``), which the caller reads.
     """
     numel = sum(g.numel() for g in theta_g)
     assert mean_delta.numel() == numel, f"Δ̄ has {mean_delta.numel()} values, θ_g {numel}"
@@ -100,6 +102,10 @@ def outer_update(
     for g in theta_g:
         g.grad = mean_delta[offset : offset + g.numel()].view_as(g).clone()
         offset += g.numel()
+    if momentum is not None:
+        for group in optimizer.param_groups:
+            if "momentum" in group:
+                group["momentum"] = momentum
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for g, local in zip(theta_g, theta_l, strict=True):

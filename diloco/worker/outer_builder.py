@@ -14,7 +14,6 @@ from diloco.library.build import (
     Membership,
     OuterSettings,
     build_manager,
-    commit_logger,
     synchronizer_parts,
 )
 from diloco.library.build import (
@@ -69,7 +68,7 @@ def build_outer_sync(
     Not started: ``start()`` it before the first round and ``close()`` it at the end.
     """
     member = membership(job, env, signature)
-    commit_log = commit_logger(commits_path) if member.leader else None
+    commit_log = commits_path if member.leader else None
     if job.algo.name != "ddp":
         return build_diloco_sync(
             outer_settings(job),

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from diloco.config.algo import READS, RUNS_WITH, AlgoConfig, ignore_unread_keys
+from diloco.config.algo import KEYS_READ, READS, RUNS_WITH, AlgoConfig
 from diloco.config.base import ConfigError
 from diloco.launch.compose import compose_raw
 from tests.conftest import REPO, compose_job
@@ -26,7 +26,7 @@ def test_the_table_names_every_algorithm_and_every_key():
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_every_algo_preset_passes_on_its_own(algo):
-    assert compose_job([f"algo={algo}"]).algo.unread() == {}
+    assert KEYS_READ.unread(compose_job([f"algo={algo}"]).algo) == {}
 
 
 @pytest.mark.parametrize(
@@ -76,11 +76,11 @@ def test_a_key_at_the_value_the_algorithm_runs_with_or_one_it_reads_passes(overr
 
 def test_in_a_sweep_the_keys_are_reset_and_said_in_one_line():
     raw = compose_raw(["algo=ddp", "algo.alpha=0.3", "algo.sync_every=10"])
-    said = ignore_unread_keys(raw)
+    said = KEYS_READ.reset(raw)
     assert said.startswith("algo.sync_every=10, algo.alpha=0.3 do nothing with algo=ddp")
     assert said.endswith("ignored in this job") and "\n" not in said
     assert raw["algo"]["alpha"] == 0.5 and raw["algo"]["sync_every"] == 1
-    assert ignore_unread_keys(compose_raw(["algo=diloco", "algo.alpha=0.3"])) is None
+    assert KEYS_READ.reset(compose_raw(["algo=diloco", "algo.alpha=0.3"])) is None
 
 
 @pytest.mark.slow  # real python + hydra starts (~4 s)

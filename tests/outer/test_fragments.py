@@ -268,31 +268,6 @@ def test_ddp_refuses_a_sync_warmup_it_would_not_run():
         AlgoConfig(name="ddp", sync_every=1, sync_warmup_steps=100).validate()
 
 
-# --- mixing α: warm-up and the number of groups ---------------------------------------------
-
-
-def test_alpha_without_warmup_is_the_configured_alpha_from_the_first_round():
-    algo = AlgoConfig(alpha=0.5, alpha_warmup_steps=0)
-    assert [algo.mixing_alpha(s, 2) for s in (1, 50, 10_000)] == [0.5, 0.5, 0.5]
-
-
-def test_alpha_warmup_ramps_linearly_with_the_launch_step_then_holds():
-    algo = AlgoConfig(alpha=0.5, alpha_warmup_steps=1000)
-    assert [algo.mixing_alpha(s, 2) for s in (250, 500, 1000, 4000)] == [0.125, 0.25, 0.5, 0.5]
-    assert algo.mixing_alpha(0, 2) == algo.mixing_alpha(1, 2) == 0.0005  # a join round at step 0 mixes like step 1
-    assert AlgoConfig(alpha=0.0, alpha_warmup_steps=1000).mixing_alpha(500, 2) == 0.0
-
-
-def test_alpha_falls_as_the_square_of_reference_over_groups_beyond_the_reference_count():
-    algo = AlgoConfig(alpha=0.5, alpha_warmup_steps=0, alpha_reference_groups=2)
-    assert [algo.mixing_alpha(1000, m) for m in (1, 2, 4, 8)] == [0.5, 0.5, 0.125, 0.03125]
-    assert algo.mixing_alpha(1000, 3) == pytest.approx(0.5 * 4 / 9)
-    ramped = AlgoConfig(alpha=0.5, alpha_warmup_steps=1000, alpha_reference_groups=2)
-    assert ramped.mixing_alpha(500, 4) == 0.0625, "the ramp and the groups' factor multiply"
-    unscaled = AlgoConfig(alpha=0.5, alpha_warmup_steps=0, alpha_reference_groups=0)
-    assert [unscaled.mixing_alpha(1000, m) for m in (1, 2, 4, 8)] == [0.5] * 4
-
-
 @pytest.mark.parametrize("groups", [-1, 1.5, True])
 def test_alpha_reference_groups_must_be_a_count(groups):
     with pytest.raises(ConfigError, match=rf"algo.alpha_reference_groups={groups}: must be an integer >= 0"):

@@ -155,7 +155,7 @@ def test_streaming_update_matches_the_closed_form_over_several_syncs(
     local, global_ = reference_streaming(
         theta0, names, steps, H, P, tau, alpha, 0.7, 0.9, 1.0, warmup, alpha_warmup, sync
     )
-    assert all((f.momentum_warmup is None) == (warmup == 0) for f in outer.fragments)
+    assert all((f.momentum, f.momentum_warmup_steps) == (0.9, warmup) for f in outer.fragments)
     got_global = {n: t for f in outer.fragments for n, t in zip(names[f.index], f.global_)}
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), local[n], rtol=0, atol=1e-5, msg=f"θ_l {n}")

@@ -19,7 +19,8 @@ from diloco.outer.update import (
     reset_local,
     weighted_mean,
 )
-from outer_opt import MomentumWarmup, OuterOptConfig, build_outer_optimizer
+from diloco.schedule import momentum
+from outer_opt import OuterOptConfig, build_outer_optimizer
 
 SHAPES = [(3, 4), (5,)]
 NESTEROV = OuterOptConfig(name="nesterov", lr=0.7, momentum=0.9, momentum_warmup_steps=0)
@@ -100,7 +101,6 @@ def test_nesterov_over_three_rounds_matches_the_closed_form(warmup_steps):
     lr, mu, groups = NESTEROV.lr, NESTEROV.momentum, 2
     theta_g = global_copy(normals(0), pin_memory=False)
     optimizer = build_outer_optimizer(theta_g, NESTEROV)
-    warmup = MomentumWarmup(optimizer, warmup_steps) if warmup_steps else None
     want_g = flat(theta_g).double()
     v = torch.zeros_like(want_g)
     theta_l = [[g.detach().clone() for g in theta_g] for _ in range(groups)]
@@ -110,9 +110,8 @@ def test_nesterov_over_three_rounds_matches_the_closed_form(warmup_steps):
                 t.add_(0.1 * drift)
         mean_delta = lane_mean([pseudo_gradient(theta_g, local) for local in theta_l], [1.0] * groups)
         want_delta = sum(want_g - flat(local).double() for local in theta_l) / groups
-        if warmup is not None:
-            warmup.apply(launch_step)
-        outer_update(theta_g, theta_l[0], mean_delta, optimizer, alpha=0.0)
+        mu_r = momentum(launch_step, mu, warmup_steps) if warmup_steps else None
+        outer_update(theta_g, theta_l[0], mean_delta, optimizer, alpha=0.0, momentum=mu_r)
         reset_local(theta_g, theta_l[1])  # group 1 takes the same step: here it shares group 0's θ_g
         mu_r = mu * min(1.0, launch_step / warmup_steps) if warmup_steps else mu
         v = mu_r * v + want_delta

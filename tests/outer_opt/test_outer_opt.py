@@ -8,8 +8,9 @@ import yaml
 
 import outer_opt
 from diloco.config.base import ConfigError, from_dict
+from diloco.outer.update import outer_update
+from diloco.schedule import momentum
 from outer_opt import (
-    MomentumWarmup,
     OuterOptConfig,
     available,
     build_outer_optimizer,
@@ -181,31 +182,20 @@ def test_single_group_sgd_lr1_outer_step_is_identity_on_the_inner_model():
 # --- momentum warm-up ------------------------------------------------------------------------------
 
 
-def test_momentum_warmup_ramps_nesterov_momentum_with_the_launch_step():
-    """μ(s) = μ·min(1, s/W); the first round (s = H ≥ 1) already has some momentum, never 0."""
-    p = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
-    opt = build_outer_optimizer([p], OuterOptConfig(name="nesterov", lr=0.7, momentum=0.9))
-    warmup = MomentumWarmup(opt, steps=100)
-    seen = []
-    for launch_step in (25, 50, 100, 400):
-        warmup.apply(launch_step)
-        seen.append(opt.param_groups[0]["momentum"])
-    assert seen == pytest.approx([0.225, 0.45, 0.9, 0.9])
-    warmup.apply(0)  # a join round's step 0 would give μ = 0, which torch's Nesterov refuses
-    assert opt.param_groups[0]["momentum"] == pytest.approx(0.009)
+def one_round(opt: torch.optim.Optimizer, p: torch.nn.Parameter, delta: list[float], mu: float | None) -> None:
+    """An outer step with Δ̄ = ``delta`` and this round's μ; θ_l (a copy of θ_g) only receives it."""
+    outer_update([p], [p.detach().clone()], torch.tensor(delta), opt, alpha=0.0, momentum=mu)
 
 
 def test_momentum_warmup_steps_the_closed_form():
-    """b_t = μ_t b_{t−1} + Δ_t, θ_t = θ_{t−1} − lr (Δ_t + μ_t b_t), with μ_t from each round's launch step."""
+    """b_t = μ_t b_{t−1} + Δ_t, θ_t = θ_{t−1} − lr (Δ_t + μ_t b_t), with μ_t = μ(s) of each round's launch step."""
     lr, mu, warmup_steps = 0.7, 0.9, 30
     p = torch.nn.Parameter(torch.tensor([1.0, -1.0]), requires_grad=False)
     opt = build_outer_optimizer([p], OuterOptConfig(name="nesterov", lr=lr, momentum=mu))
-    warmup = MomentumWarmup(opt, warmup_steps)
     b, want = [0.0, 0.0], [1.0, -1.0]
     for launch_step, delta in ((10, [0.5, 0.1]), (20, [0.4, -0.2]), (30, [0.3, 0.3]), (40, [0.1, 0.0])):
-        warmup.apply(launch_step)
-        p.grad = torch.tensor(delta)
-        opt.step()
+        one_round(opt, p, delta, momentum(launch_step, mu, warmup_steps))
+        assert opt.param_groups[0]["momentum"] == pytest.approx(mu * min(1.0, launch_step / warmup_steps))
         mu_t = mu * min(1.0, launch_step / warmup_steps)
         for j, d in enumerate(delta):
             b[j] = mu_t * b[j] + d
@@ -214,18 +204,19 @@ def test_momentum_warmup_steps_the_closed_form():
 
 
 @pytest.mark.parametrize("name", ["avg", "adam"])
-def test_momentum_warmup_leaves_optimizers_without_momentum_alone(name):
-    opt = build_outer_optimizer(make_params(), cfg_for(name))
+def test_a_rounds_momentum_leaves_optimizers_without_one_alone(name):
+    """``avg`` keeps its momentum of 0 (its μ(s) is 0) and the Adam family gets no momentum key."""
+    p = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    opt = build_outer_optimizer([p], cfg_for(name))
+    full = opt.param_groups[0].get("momentum")
     before = [dict(group, params=None) for group in opt.param_groups]
-    MomentumWarmup(opt, 100).apply(10)
+    one_round(opt, p, [0.1, 0.2], None if full is None else momentum(10, full, 100))
     assert [dict(group, params=None) for group in opt.param_groups] == before
 
 
 def test_momentum_warmup_steps_must_not_be_negative():
     with pytest.raises(ConfigError, match=r"outer_opt.momentum_warmup_steps=-1: must be >= 0"):
         OuterOptConfig(momentum_warmup_steps=-1).validate()
-    with pytest.raises(ValueError, match="steps=0"):
-        MomentumWarmup(build_outer_optimizer(make_params(), OuterOptConfig()), 0)
 
 
 # --- eager state, names, round trip --------------------------------------------------------------
@@ -414,7 +405,6 @@ def test_every_registered_optimizer_has_a_valid_preset():
 
 def test_package_exports():
     assert set(outer_opt.__all__) >= {
-        "MomentumWarmup",
         "OuterOptConfig",
         "available",
         "build_outer_optimizer",

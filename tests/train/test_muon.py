@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from diloco.config.base import ConfigError
-from diloco.config.inner_opt import InnerOptConfig, ignore_unread_inner_keys
+from diloco.config.inner_opt import KEYS_READ, InnerOptConfig
 from diloco.config.model import ModelConfig
 from diloco.ft.state import HealState, create_state_to_fill, inner_optimizer_tensors
 from diloco.launch.compose import compose_raw
@@ -204,10 +204,10 @@ def test_muon_settings_it_reads_pass(overrides):
 
 def test_in_a_sweep_the_keys_the_optimizer_does_not_read_are_reset_and_said_in_one_line():
     raw = compose_raw(["inner_opt=adamw", "inner_opt.momentum=0.9", "inner_opt.ns_steps=3"])
-    said = ignore_unread_inner_keys(raw)
+    said = KEYS_READ.reset(raw)
     assert said == (
         "inner_opt.momentum=0.9, inner_opt.ns_steps=3 do nothing with inner_opt=adamw, which does not read them; "
         "ignored in this job"
     )
     assert raw["inner_opt"]["momentum"] == 0.95 and raw["inner_opt"]["ns_steps"] == 5
-    assert ignore_unread_inner_keys(compose_raw(["inner_opt=muon", "inner_opt.momentum=0.9"])) is None
+    assert KEYS_READ.reset(compose_raw(["inner_opt=muon", "inner_opt.momentum=0.9"])) is None
