@@ -60,6 +60,7 @@ def test_every_group_of_conf_is_covered():
 IDENTITY = {"algo": "name", "inner_opt": "name", "outer_opt": "name", "data": "corpus"}
 
 
+@pytest.mark.slow  # hydra composes every option (~15 s in all)
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_option_of_every_group_composes(group):
     for option in _options(group):

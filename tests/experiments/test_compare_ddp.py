@@ -46,6 +46,7 @@ def by_name(name: str, groups: int = 2) -> Config:
     return next(c for c in CONFIGS if c.name == name and c.groups == groups)
 
 
+@pytest.mark.slow  # hydra composes every row (~6 s)
 def test_every_configuration_composes_with_its_preset_and_both_models():
     for config in CONFIGS:
         job = compose_job([f"cluster.groups={config.groups}", *config.overrides], EXPERIMENT)

@@ -1103,6 +1103,7 @@ def test_the_lane_watcher_polls_once_across_rounds_and_keeps_its_next_rounds_new
     assert late.is_set() and late.hits("B") and not late.hits("C") and "group B left round" in late.reason
 
 
+@pytest.mark.slow  # a lighthouse restarted (~2 s)
 def test_a_lane_watcher_that_follows_a_round_of_a_lighthouse_before_a_restart_gets_the_new_ones_news(start):
     """A restarted lighthouse numbers its rounds from 1 again: the watch follows the round this one
     granted the group, not the worker's round 57, and the news of a round granted but not yet

@@ -55,6 +55,7 @@ def test_greedy_sampling_is_top_k_1_and_runs_past_the_models_context(tmp_path):
     assert int(greedy[-1]) == int(model(window)[0, -1].argmax()), "the last token sees only max_seq_len tokens back"
 
 
+@pytest.mark.slow  # trains and samples a model (~5 s)
 def test_sampling_is_seeded_and_top_k_limits_the_choice(tmp_path):
     model, _ = saved_model(tmp_path)
     prompt = ByteTokenizer().encode("x")
@@ -177,6 +178,7 @@ def test_sampling_a_model_of_a_token_file_without_metadata_is_refused(tmp_path):
     assert isinstance(text_tokenizer(trained_with(SMALL)), ByteTokenizer)  # stdlib: bytes
 
 
+@pytest.mark.slow  # trains and evaluates a model (~2 s)
 def test_eval_of_a_saved_model_is_its_mean_loss_on_the_groups_eval_windows(tmp_path):
     job = compose_job(["trainer.seq_len=16", "trainer.batch_size=2", "trainer.eval_batches=3"])
     cfg = dataclasses.replace(SMALL, vocab_size=job.data.vocab_size)

@@ -209,6 +209,7 @@ def test_a_forked_child_starts_only_once_the_server_said_its_pid(tmp_path):
         lifeline.cut()
 
 
+@pytest.mark.slow  # a fork server started and stopped (~2 s)
 @linux_only
 def test_a_request_to_a_stopped_fork_server_is_given_up_at_once(tmp_path):
     """A stopped server (SIGSTOP) answers nothing: the request gives up once it has been stopped

@@ -77,6 +77,7 @@ def test_eval_with_no_data_options_scores_the_runs_data_and_windows(tmp_path, ca
     assert f"tokens of data=text data.path={tmp_path / 'functions.py'};" in said[0]
 
 
+@pytest.mark.slow  # trains on a corpus (~3 s)
 def test_a_corpus_on_the_command_line_wins_is_said_and_recorded(tmp_path, capsys):
     run = canned_text_run(tmp_path)
     other = tmp_path / "other.txt"
@@ -102,6 +103,7 @@ def test_a_window_longer_than_the_models_context_is_refused_by_name(tmp_path):
         use(tmp_path / "eval", "role=eval", f"checkpoint={run}", "trainer.seq_len=64")
 
 
+@pytest.mark.slow  # trains, samples and exports (~2 s)
 def test_sample_and_export_read_the_runs_data(tmp_path, capsys):
     """A byte-level run: sampling speaks bytes without data options; an override is said on stderr,
     so stdout stays the text."""

@@ -269,6 +269,7 @@ SGD_EXACT = ["inner_opt=sgd", "outer_opt=avg", "algo.sync_every=1", "trainer.max
 AVERAGED = ["algo.alpha=0"]  # each group takes θ_g whole: the outer step is the plain mean
 
 
+@pytest.mark.slow  # a lighthouse and a job's rounds (~4 s)
 def test_one_group_sync_every_step_with_sgd_and_averaging_is_plain_sgd(tmp_path):
     job = compose_job(BASE + SGD_EXACT + AVERAGED + ["cluster.groups=1", "trainer.batch_size=4"])
     plain = _sgd_trainer(job, 0, 1)

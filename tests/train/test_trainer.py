@@ -22,6 +22,7 @@ def _trainer(job, metrics=None) -> Trainer:
     )
 
 
+@pytest.mark.slow  # trains a model (~3 s)
 def test_fit_logs_the_named_metrics_and_the_loss_falls():
     job = compose_job(
         [
