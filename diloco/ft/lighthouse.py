@@ -371,6 +371,15 @@ class Lighthouse:
         if self._waiters.get(waiter.group) is waiter:
             del self._waiters[waiter.group]
             self._book.withdraw(waiter.group)
+        if waiter.request.finished:  # waiting for the job's end, not for a quorum of training groups
+            finished = sorted(g for g in self._book.finished if g in healthy)
+            first = min((self._book.finished_at.get(g, now) for g in finished), default=now)
+            left = max(0.0, self.rules.end_timeout_s - (now - first))
+            return (
+                f"the job has not ended: groups {finished} finished, {sorted(set(healthy) - set(finished))} "
+                f"train on; it ends once every group finished, or in {left:.0f} s "
+                f"(cluster.timeouts.end={self.rules.end_timeout_s:g} s after the first finished)"
+            )
         return (
             f"no quorum within {min(waiter.request.timeout_s, MAX_POLL_S):g} s: healthy groups {healthy}, "
             f"asked {asked}; a quorum needs cluster.min_groups={self.rules.min_groups} askers and a strict majority "

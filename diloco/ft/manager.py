@@ -219,7 +219,7 @@ class Manager:
         job's final one if this group saves the model.
         """
         answer = self._exchange(step, digest)
-        return JobEnd.from_json(answer["end"]) if "end" in answer else self._round(answer)
+        return JobEnd.from_json(answer["end"]) if "end" in answer else self._round(answer, "waiting for the end")
 
     def seconds_without_quorum(self) -> float:
         """How long the group has gone without a quorum (0 while rounds form)."""
@@ -235,11 +235,11 @@ class Manager:
             )
         return answer
 
-    def _round(self, answer: dict[str, Any]) -> Round | None:
+    def _round(self, answer: dict[str, Any], meanwhile: str = "training on") -> Round | None:
         if "quorum" not in answer:
             # Once per outage, not once per sync: a dead lighthouse must not flood the log.
             (log.debug if self._without_quorum else log.warning)(
-                "group %s: no quorum (%s); training on", self.group, answer.get("error")
+                "group %s: no quorum (%s); %s", self.group, answer.get("error"), meanwhile
             )
             self._without_quorum = True
             if self._no_quorum_since is None:

@@ -523,6 +523,22 @@ def test_after_the_end_finished_groups_learn_it_and_late_groups_are_refused(star
         late.start_round(0)
 
 
+def test_a_finished_groups_wait_that_runs_out_says_when_the_job_ends_not_what_a_quorum_needs(start):
+    clock = ManualClock()
+    rules = QuorumRules(min_groups=1, join_timeout_s=0.1, heartbeat_timeout_s=60.0, expected_groups=2, end_timeout_s=30)
+    lh = start(rules, clock=clock)
+    beat(lh, "AB")
+    patient = {"connect_timeout_s": 600.0}
+    answer = in_thread(lambda: client(lh, "A", **patient).quorum(8, False, timeout_s=0.4, finished=True, digest="d8"))
+    wait_until(lambda: waiting(lh) == {"A"})
+    clock.advance(0.4)
+    said = str(answer())
+    assert said == (
+        "the job has not ended: groups ['A'] finished, ['B'] train on; it ends once every group finished, "
+        "or in 30 s (cluster.timeouts.end=30 s after the first finished)"
+    ), said
+
+
 def test_a_restarted_group_heals_from_finished_groups_that_wait_for_it(start):
     lh = start(QuorumRules(min_groups=1, join_timeout_s=0.3, heartbeat_timeout_s=5.0, expected_groups=2))
     quorums(ask_all(lh, {"A": 0, "B": 0}))
