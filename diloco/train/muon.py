@@ -8,17 +8,19 @@ update the RMS of a typical AdamW update (Liu et al. 2025, "Muon is Scalable for
 so one ``inner_opt.lr`` (and its schedule) serves both the Muon and the AdamW parameters.
 Embeddings, the output head, norms and biases take AdamW, as the Muon recipe does.
 
-A sharded weight (an FSDP2 or tensor-parallel DTensor) is orthogonalized whole: each worker
-gathers u (a collective every worker of the mesh calls, in the same order), runs the iteration on
-the full matrix and keeps its own shard of O; B stays sharded like W.
+A sharded weight (an FSDP2 or tensor-parallel DTensor) is orthogonalized whole, and the work is
+spread over the mesh's workers (``orthogonalize``): in turns of as many matrices as the mesh has
+workers, worker k keeps the k-th gathered u, runs the iteration on it and broadcasts O, and each
+worker keeps its own shard of every O. B stays sharded like W.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from diloco.ft.state import is_dtensor
@@ -73,7 +75,11 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int,
         betas: tuple[float, float],
         eps: float,
+        spread: bool = True,
     ) -> None:
+        """``spread``: share the Newton–Schulz work on sharded matrices among the mesh's workers
+        (``orthogonalize``); False runs every matrix on every worker (the same bits, W times the work)."""
+        self.spread = spread
         defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "ns_steps": ns_steps}
         defaults |= {"betas": betas, "eps": eps, "muon": False}
         super().__init__(list(params), defaults)
@@ -98,29 +104,28 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if group["muon"]:
-                    self._muon_step(p, group)
-                else:
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["muon"]:
+                self._muon_steps(params, group)
+            else:
+                for p in params:
                     self._adamw_step(p, group)
         return loss
 
-    def _muon_step(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
-        state["step"] += 1
-        g, w, buf = _local(_grad_like(p)), _local(p), _local(state["momentum_buffer"])
-        mu = group["momentum"]
-        buf.mul_(mu).add_(g)
-        update = g.add(buf, alpha=mu)  # Nesterov
-        if is_dtensor(p):
-            o = _own_shard(newton_schulz(_whole(update, p), group["ns_steps"]), p)
-        else:
-            o = newton_schulz(update, group["ns_steps"])
+    def _muon_steps(self, params: list[torch.Tensor], group: dict) -> None:
+        """B ← μ·B + g and u = g + μ·B for every matrix, then O of all of them at once, then the step."""
+        mu, updates = group["momentum"], []
+        for p in params:
+            state = self.state[p]
+            state["step"] += 1
+            g, buf = _local(_grad_like(p)), _local(state["momentum_buffer"])
+            buf.mul_(mu).add_(g)
+            updates.append(g.add(buf, alpha=mu))  # Nesterov
         lr = group["lr"]
-        w.mul_(1 - lr * group["weight_decay"])
-        w.add_(o.to(w.dtype), alpha=-lr * rms_scale(p.shape))
+        for p, o in zip(params, orthogonalize(params, updates, group["ns_steps"], self.spread), strict=True):
+            w = _local(p)
+            w.mul_(1 - lr * group["weight_decay"])
+            w.add_(o.to(w.dtype), alpha=-lr * rms_scale(p.shape))
 
     def _adamw_step(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
@@ -135,6 +140,56 @@ class Muon(torch.optim.Optimizer):
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
         w.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+
+
+def orthogonalize(
+    params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], steps: int, spread: bool = True
+) -> list[torch.Tensor]:
+    """O of each u in ``updates`` (this worker's part of it, laid out as its parameter).
+
+    A plain tensor is orthogonalized here. Sharded matrices go in turns of W, the number of workers
+    of their mesh: every worker gathers each u of the turn (all in the same order), worker k keeps
+    the k-th and runs Newton–Schulz on it, then broadcasts O, and every worker keeps its shard. Each
+    worker runs 1/W of the iterations; the same input gives the same bits on every worker, so the
+    result equals running them all everywhere (``spread`` False, or a mesh no process group spans).
+    """
+    out: list[torch.Tensor | None] = [None] * len(params)
+    sharded: dict[object, list[int]] = {}
+    for i, (p, u) in enumerate(zip(params, updates, strict=True)):
+        if is_dtensor(p):
+            sharded.setdefault(p.device_mesh, []).append(i)
+        else:
+            out[i] = newton_schulz(u, steps)
+    for mesh, indices in sharded.items():
+        group = _spanning_group(mesh) if spread else None
+        ranks = mesh.mesh.flatten().tolist()
+        if group is None:
+            for i in indices:
+                out[i] = _own_shard(newton_schulz(_whole(updates[i], params[i]), steps), params[i])
+            continue
+        me = ranks.index(dist.get_rank())
+        for start in range(0, len(indices), len(ranks)):
+            turn = indices[start : start + len(ranks)]
+            mine = None
+            for k, i in enumerate(turn):
+                whole = _whole(updates[i], params[i])  # a collective: every worker, every matrix
+                if k == me:
+                    mine = newton_schulz(whole, steps).contiguous()  # broadcast sends contiguous memory
+            for k, i in enumerate(turn):
+                o = mine if k == me else torch.empty(params[i].shape, dtype=torch.float32, device=updates[i].device)
+                dist.broadcast(o, src=ranks[k], group=group)
+                out[i] = _own_shard(o, params[i]).clone()  # a slice of o: keep the shard, not the whole
+    return out
+
+
+def _spanning_group(mesh: object) -> dist.ProcessGroup | None:
+    """A process group of exactly the mesh's workers: a 1-D mesh's own, or the default group when
+    the mesh spans it (dp x tp inside a replica group); None when no group is at hand."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -111,3 +111,11 @@ def test_bench_restart_quick(tmp_path, capsys):
             out
         )
     assert (tmp_path / "bench_restart.md").read_text().strip() == out.strip()
+
+
+@pytest.mark.slow
+def test_bench_muon_times_both_ways_and_gives_the_ratio(tmp_path, capsys):
+    args = ["--model", "tiny", "--steps", "1", "--warmup", "0", "--results", str(tmp_path)]
+    out, _ = run_main("bench_muon.py", args, TIMEOUT_S, capsys)
+    assert re.search(r"^\| FSDP2 x 2, spread over the workers \| \d+ \| [\d.]+ \|$", out, re.MULTILINE), out
+    assert (tmp_path / "bench_muon.md").read_text().strip() in out
