@@ -291,10 +291,14 @@ def describe_resume(spec: str, folders: dict[int, Path] | None, search_dir: Path
 
 
 def check_compatible(group_folder: Path, expected: dict[str, Any]) -> None:
-    """Refuse a checkpoint written by a job of another shape (model, groups, workers, algorithm)."""
-    info = complete_info(group_folder) or {}
+    """Refuse a checkpoint written by a job of another shape (model, groups, workers, algorithm, optimizers).
+
+    A key a checkpoint from before it was recorded lacks is not compared: loading checks its
+    tensors' names and shapes against the job's all the same (``load_rank``), only later.
+    """
+    info = complete_info(group_folder) or dict.fromkeys(expected)  # none at all: every key differs
     for key, value in expected.items():
-        if info.get(key) != value:
+        if key in info and info[key] != value:
             raise CheckpointError(
                 f"{group_folder / COMPLETE}: written with {key}={info.get(key)!r}, this job has {value!r}; "
                 "resume with the configuration the checkpoint was written with"

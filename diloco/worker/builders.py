@@ -217,6 +217,8 @@ def checkpoint_identity(job: JobConfig, signature: str, workers: int) -> dict[st
         "pp": job.parallel.pp,
         "pp_blocks": job.parallel.blocks_per_stage(job.model.n_layers),  # and which blocks each stage holds
         "algo": job.algo.name,
+        "inner_opt": job.inner_opt.name,  # each optimizer keeps other state tensors
+        "outer_opt": job.outer_opt.name,
         "fragments": job.algo.fragments,
         "windows_per_group": shard_windows(train_tokens, job.cluster.groups, job.trainer.seq_len),
         "data_seed": job.trainer.seed,

@@ -103,6 +103,28 @@ def test_resuming_on_other_data_is_refused_before_any_process_starts(tmp_path):
         preflight(compose_job([*resume, "trainer.seed=1"]), RunPaths(tmp_path / "other"))
 
 
+def test_resuming_with_another_inner_or_outer_optimizer_is_refused_before_any_process_starts(tmp_path):
+    """Muon's state is a momentum buffer where AdamW's is two moments: workers that each refused
+    the checkpoint's tensors were restarted until the job failed. A checkpoint recorded before the
+    optimizers were is left to that check of its tensors."""
+    saved = compose_job(["logger=none", "cluster.workers_per_group=1", "inner_opt=muon"])
+    identity = checkpoint_identity(saved, param_signature(saved.model, meta_model(saved.model)), 1)
+    run, older = tmp_path / "saved", tmp_path / "older"
+    for group in range(saved.cluster.groups):
+        _save_group(run, group, 20, info=identity)
+        _save_group(older, group, 20, info={k: v for k, v in identity.items() if k not in ("inner_opt", "outer_opt")})
+    resume = ["logger=none", "cluster.workers_per_group=1", f"trainer.resume={step_dir(run, 20)}"]
+    preflight(compose_job([*resume, "inner_opt=muon"]), RunPaths(tmp_path / "same"))
+    with pytest.raises(CheckpointError, match="written with inner_opt='muon', this job has 'adamw'"):
+        preflight(compose_job(resume), RunPaths(tmp_path / "other"))
+    with pytest.raises(CheckpointError, match="written with outer_opt='nesterov', this job has 'adam'"):
+        preflight(compose_job([*resume, "inner_opt=muon", "outer_opt=adam"]), RunPaths(tmp_path / "other"))
+    preflight(
+        compose_job(["logger=none", "cluster.workers_per_group=1", f"trainer.resume={step_dir(older, 20)}"]),
+        RunPaths(tmp_path / "o"),
+    )
+
+
 def test_resume_takes_each_groups_newest_whole_checkpoint_of_a_run(tmp_path):
     run = tmp_path / "outputs" / "day" / "run1"
     _save_group(run, 0, 20)
