@@ -15,6 +15,10 @@ from typing import NoReturn
 JOB_ENDED_EXIT_CODE = 3
 # A worker that stopped because it was asked to (SIGTERM, SIGINT) before the end: not finished, not crashed.
 INTERRUPTED_EXIT_CODE = 4
+# A worker that refused the job's configuration (a ConfigError only it could raise: a checkpoint's tensors
+# of another job, say): a restart would be refused alike, so the job fails at once with its one line.
+REFUSED_EXIT_CODE = 5
+REFUSED_PREFIX = "error: "  # what starts the refusal's line on the worker's stderr
 
 
 def exit_without_teardown(code: int = 0, message: str | None = None) -> NoReturn:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from diloco.config.base import to_dict
 from diloco.config.job import JobConfig
+from diloco.exits import REFUSED_PREFIX
 from diloco.files import writing
 from diloco.ft.fault_requests import request_fault
 from diloco.launch.spawn import (
@@ -172,6 +173,17 @@ def last_exception(path: Path, ignoring: str | None = None) -> str | None:
     if ignoring is None:
         return raised[-1] if raised else None
     return next((line for line in reversed(raised) if line and ignoring not in line), None)
+
+
+def refusal(path: Path) -> str | None:
+    """The one line a worker that refused the job's configuration wrote last (``REFUSED_PREFIX`` cut), if any."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next(
+        (line.removeprefix(REFUSED_PREFIX) for line in reversed(lines) if line.startswith(REFUSED_PREFIX)), None
+    )
 
 
 def logs_tail(logs: Path, lines: int) -> str:

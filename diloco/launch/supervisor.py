@@ -17,12 +17,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Container
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
-from diloco.exits import JOB_ENDED_EXIT_CODE
+from diloco.exits import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE
 from diloco.files import append_text
 from diloco.launch.lighthouse_watch import LighthouseWatch
-from diloco.launch.local_cluster import JobFailed, LocalCluster, crash_report
+from diloco.launch.local_cluster import JobFailed, LocalCluster, crash_report, refusal
 from diloco.launch.progress import format_duration, say
 from diloco.launch.recovery import RecoveryPlanner
 from diloco.stopped_watch import StoppedWatch
@@ -42,6 +42,7 @@ EVENT_LINES = {
     "lighthouse_up": "fault over: lighthouse started again",
     "skipped": "fault skipped: {fault} of group {group} (no group up may take it)",
     "crash": "crash: group {group} rank {rank} exited with code {code}",
+    "refused": "refused: group {group} rank {rank} refused the job's configuration",
     "hung": "hung: group {group} rank {rank} stopped for {stopped_s}s, killed",
     "spare_crash": "crash: warm spare {spare} rank {rank} exited with code {code}",
     "lighthouse_crash": "crash: lighthouse exited with code {code}",
@@ -182,6 +183,8 @@ class Supervisor:
                 self.finished_groups.add(group)
             elif any(w.process.poll() == JOB_ENDED_EXIT_CODE for w in workers):
                 self._too_late(group)
+            elif any(w.process.poll() == REFUSED_EXIT_CODE for w in workers):
+                self._refused(group)
             elif any(w.process.poll() not in (None, 0) for w in workers):
                 self._crashed(group, now)
             elif not self.job_over:
@@ -293,6 +296,14 @@ class Supervisor:
         self.cluster.signal_group(group, signal.SIGKILL)
         self.end_seen = True
         self.events.write("left_behind", group, reason="the job had ended")
+
+    def _refused(self, group: int) -> NoReturn:
+        """A worker refused the job's configuration: every restart would too, so the job fails now."""
+        failed = next(w for w in self.cluster.groups[group] if w.process.poll() == REFUSED_EXIT_CODE)
+        self._kill(group)
+        self.events.write("refused", group, rank=failed.rank)
+        said = refusal(failed.log_path) or crash_report(failed.log_path)
+        raise JobFailed(f"group {group} rank {failed.rank} refused the job (a restart would too): {said}")
 
     def _crashed(self, group: int, now: float) -> None:
         workers = self.cluster.groups[group]

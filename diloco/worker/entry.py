@@ -26,7 +26,13 @@ from diloco.config.base import ConfigError, to_dict
 from diloco.config.cluster import group_name
 from diloco.config.job import GroupConfig, JobConfig, job_config_from_dict
 from diloco.config.redaction import redacted
-from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
+from diloco.exits import (
+    INTERRUPTED_EXIT_CODE,
+    JOB_ENDED_EXIT_CODE,
+    REFUSED_EXIT_CODE,
+    REFUSED_PREFIX,
+    exit_without_teardown,
+)
 from diloco.files import write_atomically, write_json_atomically
 from diloco.ft.manager import JobEndedError
 from diloco.ft.state import is_dtensor
@@ -287,6 +293,8 @@ def run_launched_worker(
         report = run_worker(load_job(paths, 0 if group is None else group), env, paths, started_at, spare)
     except JobEndedError as error:
         exit_without_teardown(JOB_ENDED_EXIT_CODE, f"error: {error}")
+    except ConfigError as error:
+        exit_without_teardown(REFUSED_EXIT_CODE, f"{REFUSED_PREFIX}{error}")
     exit_without_teardown(INTERRUPTED_EXIT_CODE if report.get("interrupted") else 0)
 
 

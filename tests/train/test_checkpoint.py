@@ -19,7 +19,7 @@ import torch
 from diloco.config.base import ConfigError
 from diloco.launch.inference import locate_weights, read_weights
 from diloco.launch.launcher import launch, pin_resume
-from diloco.launch.local_cluster import wait_until
+from diloco.launch.local_cluster import JobFailed, wait_until
 from diloco.run_paths import RunPaths
 from diloco.train.checkpoint import (
     COMPLETE,
@@ -123,6 +123,23 @@ def test_resuming_with_another_inner_or_outer_optimizer_is_refused_before_any_pr
         compose_job(["logger=none", "cluster.workers_per_group=1", f"trainer.resume={step_dir(older, 20)}"]),
         RunPaths(tmp_path / "o"),
     )
+
+
+@pytest.mark.slow  # a job's workers start (~10 s)
+def test_a_worker_that_refuses_the_checkpoint_fails_the_job_at_once_in_one_line(fast_job, tmp_path):
+    """A checkpoint recorded as this job's whose tensors are another's passes the launcher's checks
+    and is refused by the worker that loads it: the job fails on that refusal, in its one line,
+    instead of restarting the group cluster.max_restarts times to the same refusal."""
+    job = fast_job("cluster.workers_per_group=1")
+    run = tmp_path / "saved"
+    _save_group(run, 0, 10, info=checkpoint_identity(job, param_signature(job.model, meta_model(job.model)), 1))
+    with pytest.raises(JobFailed) as failed:
+        launch(fast_job("cluster.workers_per_group=1", f"trainer.resume={step_dir(run, 10)}"), tmp_path / "run")
+    said = str(failed.value)
+    assert said.startswith("group 0 rank 0 refused the job (a restart would too): "), said
+    assert "holds other state than this job's workers" in said and "\n" not in said
+    kinds = [e["kind"] for e in read_jsonl(RunPaths(tmp_path / "run").events)]
+    assert "refused" in kinds and "restart" not in kinds and "crash" not in kinds, kinds
 
 
 def test_resume_takes_each_groups_newest_whole_checkpoint_of_a_run(tmp_path):
