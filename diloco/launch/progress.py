@@ -132,8 +132,9 @@ def render_done(summary: dict[str, Any], summary_path: Path) -> str:
     over 7s of training); 3 rounds, 6/6 syncs committed; no faults, 0 recoveries; summary in
     RUN/summary.json`` (``failed:`` when summary.json is not ok).
 
-    tok/s is summary.json's ``tokens_per_s``: every group's tokens over the longest group's
-    training time (from its first quorum to its last step, syncs and evaluations included).
+    tok/s is summary.json's ``tokens_per_s``: every group's tokens trained in this run (a resumed
+    job's before its checkpoint left out) over the longest group's training time (from its first
+    quorum to its last step, syncs and evaluations included).
     """
     recoveries = summary["recoveries"]
     parts = [

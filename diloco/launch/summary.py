@@ -172,6 +172,8 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
     current = [r for r in results if r["group"] in outcome.saved_by]
     current = current or [r for r in results if r.get("rounds", 0) == latest]
     tokens = sum(r["tokens_seen"] for r in results)
+    # Trained in this run: a resumed group's tokens_seen counts those before its checkpoint too.
+    trained_here = tokens - sum(r.get("resumed_tokens", 0) for r in results)
     train_seconds = max((r["train_seconds"] for r in results), default=0.0)
     eval_loss = statistics.fmean(r["final_eval_loss"] for r in current) if current else math.nan
     events = read_jsonl(paths.events)
@@ -200,7 +202,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "tokens_seen": tokens,
         "wall_seconds": wall_seconds,
         "train_seconds": train_seconds,
-        "tokens_per_s": tokens / train_seconds if train_seconds > 0 else 0.0,
+        "tokens_per_s": trained_here / train_seconds if train_seconds > 0 else 0.0,
         "rounds": latest,
         "syncs_committed": sum(r["committed"] for r in rounds),
         "syncs_attempted": len(rounds),

@@ -261,6 +261,7 @@ def _result_record(group: int, result: TrainResult, n_params: int, vocab_size: i
         "final_train_loss": result.final_train_loss,
         "final_eval_loss": result.final_eval_loss,
         "tokens_seen": result.tokens_seen,
+        "resumed_tokens": result.resumed_tokens,
         "train_seconds": result.train_seconds,
         "tokens_per_s": result.tokens_per_s,
         "parameters": n_params,

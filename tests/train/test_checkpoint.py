@@ -281,6 +281,8 @@ def test_a_resumed_job_equals_the_uninterrupted_one_bit_for_bit(tmp_path, layout
     assert len(digests) == 1, "θ_g and the outer state after the resume are the uninterrupted job's"
     assert resumed["final_eval_loss"] == whole["final_eval_loss"]
     assert resumed["tokens_seen"] == whole["tokens_seen"], "the tokens before the checkpoint still count"
+    trained = resumed["tokens_per_s"] * resumed["train_seconds"]
+    assert trained == pytest.approx(resumed["tokens_seen"] / 2), "its rate counts only the steps it trained"
     metrics = [json.loads(line) for line in (tmp_path / "resumed" / "metrics" / "group0.jsonl").open()]
     assert min(m["step"] for m in metrics) > 20, "the resumed job trained only the steps after the checkpoint"
     rounds = [r["inner_step"] for r in read_jsonl(RunPaths(tmp_path / "whole").commits(0)) if r["committed"]]
