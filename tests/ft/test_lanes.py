@@ -94,6 +94,7 @@ def test_a_rendezvous_held_up_by_a_hung_member_ends_at_the_cancel_and_the_next_l
     lanes.drop()
 
 
+@pytest.mark.slow  # a Gloo lane waits out its timeout (~1 s)
 def test_a_lane_that_times_out_is_marked_failed_and_one_given_up_on_a_cancel_is_not(store):
     """What the lighthouse's sit-out rule hears (``QuorumRequest.lane_failed``): a rendezvous or a
     collective that timed out or lost a peer, not one ended because a member left."""

@@ -369,6 +369,7 @@ def abandon(sock: socket.socket) -> None:
     sock.close()
 
 
+@pytest.mark.slow  # a lighthouse and its groups' rounds (~1-2 s)
 def test_open_long_polls_hold_no_thread_and_answers_nobody_reads_break_nothing(start):
     """Open requests are parked with the HTTP front, not given a thread each; the answers to a quorum
     request and a lane watch whose clients left go nowhere, and the lighthouse goes on serving."""
@@ -1050,6 +1051,7 @@ class NeverDone:
         raise RuntimeError(f"Timed out waiting {timeout} for the hung peer")
 
 
+@pytest.mark.slow  # a lighthouse and its groups' rounds (~1-2 s)
 def test_a_member_that_stops_heartbeating_ends_the_survivors_wait_at_once_and_commits_nothing(start):
     """A hung member, the rule with stand-ins: the lighthouse drops a silent member, the
     survivors' lane watch cancels their pending collective (30 s of collective timeout left) and

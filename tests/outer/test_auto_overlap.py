@@ -174,6 +174,7 @@ def test_auto_and_bandwidth_settings_are_checked(overrides, message):
         compose_job(BASE + overrides)
 
 
+@pytest.mark.slow  # a lighthouse and its groups' rounds (~1-2 s)
 # -- groups re-planning alike --------------------------------------------------------------------
 def test_groups_over_a_slow_link_move_to_the_same_larger_overlap_and_agree(tmp_path):
     """2 Mbit/s: a fragment's fp4 reduce (~33 KB) takes ~0.13 s, more than the H/P = 4 inner steps

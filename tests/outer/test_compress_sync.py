@@ -16,6 +16,7 @@ COMMON = BASE + ["cluster.groups=2", "algo.sync_every=4", "trainer.max_steps=8",
 IDENTITY = ["algo.compress=topk", "algo.density=1", "algo.value_bits=32", "algo.error_decay=0"]
 
 
+@pytest.mark.slow  # a lighthouse and its groups' rounds (~1-2 s)
 @pytest.mark.parametrize(
     "algo",
     [["algo=diloco"], ["algo=streaming", "algo.fragments=2", "algo.delay=1", "algo.quantize=none"]],

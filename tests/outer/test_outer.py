@@ -283,6 +283,7 @@ def test_one_group_sync_every_step_with_sgd_and_averaging_is_plain_sgd(tmp_path)
         torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # a lighthouse and its groups' rounds (~1-2 s)
 def test_two_groups_sync_every_step_with_sgd_and_averaging_is_data_parallel_sgd(tmp_path):
     """M=2, H=1, inner SGD, outer SGD lr 1 equals SGD on both groups' batches together."""
     job = compose_job(BASE + SGD_EXACT + AVERAGED + ["cluster.groups=2", "trainer.batch_size=4"])
@@ -314,6 +315,7 @@ def _two_group_trainers(job, tmp_path) -> list[Trainer]:
     return trainers
 
 
+@pytest.mark.slow  # a lighthouse and its groups' rounds (~1-2 s)
 def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco_bit_for_bit(tmp_path):
     common = BASE + [
         "cluster.groups=2",

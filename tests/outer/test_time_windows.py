@@ -211,6 +211,7 @@ def test_time_windows_at_equal_speeds_equal_step_windows_bit_for_bit(tmp_path):
     assert outers[0].group_digest() == outers[1].group_digest()
 
 
+@pytest.mark.slow  # a lighthouse and its groups' rounds (~1-2 s)
 def test_a_straggler_syncs_every_round_after_fewer_steps_weighted_by_its_tokens(tmp_path):
     """Group 1 takes 2 of every 5 steps; each round's θ_g is Σ tokens·θ_l / Σ tokens = (5·θ_0 + 2·θ_1)/7
     (outer_opt=avg), the same on both groups."""
