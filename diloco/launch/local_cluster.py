@@ -161,10 +161,7 @@ def crash_report(path: Path) -> str:
 def last_exception(path: Path, ignoring: str | None = None) -> str | None:
     """The ``Type: message`` line of the last Python traceback in a log, if there is one; with
     ``ignoring``, of the last whose line does not contain it (torchrun's own report of a failed worker)."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
+    lines = _log_lines(path)
     raised = [
         next((line for line in lines[i + 1 :] if line and not line[0].isspace()), None)
         for i, line in enumerate(lines)
@@ -177,13 +174,16 @@ def last_exception(path: Path, ignoring: str | None = None) -> str | None:
 
 def refusal(path: Path) -> str | None:
     """The one line a worker that refused the job's configuration wrote last (``REFUSED_PREFIX`` cut), if any."""
+    lines = reversed(_log_lines(path))
+    return next((line.removeprefix(REFUSED_PREFIX) for line in lines if line.startswith(REFUSED_PREFIX)), None)
+
+
+def _log_lines(path: Path) -> list[str]:
+    """A log's lines; none when it cannot be read (a worker that died before writing it)."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        return path.read_text(errors="replace").splitlines()
     except OSError:
-        return None
-    return next(
-        (line.removeprefix(REFUSED_PREFIX) for line in reversed(lines) if line.startswith(REFUSED_PREFIX)), None
-    )
+        return []
 
 
 def logs_tail(logs: Path, lines: int) -> str:
