@@ -269,25 +269,32 @@ def collect(config: Config, run_dir: Path, seed: int = 0) -> RunResult:
     return RunResult(config, summary, sorted(dict(curve).items()), seed)
 
 
-def collect_kept(roots: list[Path]) -> tuple[list[RunResult], str, int, str]:
-    """Every finished run under ``roots`` that names its row (``CONFIG_FILE``), in the table's
-    order, and the model, steps and device they share (runs of another shape are refused)."""
+def kept_by_shape(roots: list[Path]) -> dict[tuple[str, int, str], list[RunResult]]:
+    """Every finished run under ``roots`` that names its row (``CONFIG_FILE``), by the model, steps
+    and device it ran with, each list in the table's order."""
     order = {(c.name, c.groups): i for i, c in enumerate(CONFIGS)}
-    found, shapes = [], set()
+    found: dict[tuple[str, int, str], list[RunResult]] = {}
     for marker in sorted(m for root in roots for m in root.glob(f"**/{CONFIG_FILE}")):
         if RunPaths(marker.parent).summary.exists():
             saved = json.loads(marker.read_text())
             config = Config(saved["name"], saved["groups"], tuple(saved["overrides"]))
-            found.append(collect(config, marker.parent, saved.get("seed", 0)))
-            shapes.add((saved["model"], saved["steps"], saved.get("device", "cpu")))
-    if len(shapes) != 1:
-        sys.exit(f"--collect: need finished runs of one model, length and device under {roots}, found {sorted(shapes)}")
-    model, steps, device = shapes.pop()
+            shape = (saved["model"], saved["steps"], saved.get("device", "cpu"))
+            found.setdefault(shape, []).append(collect(config, marker.parent, saved.get("seed", 0)))
 
     def position(r: RunResult) -> tuple[int, str, int]:
         return order.get((r.config.name, r.config.groups), len(order)), r.config.name, r.seed
 
-    return sorted(found, key=position), model, steps, device
+    return {shape: sorted(runs, key=position) for shape, runs in found.items()}
+
+
+def collect_kept(roots: list[Path]) -> tuple[list[RunResult], str, int, str]:
+    """The runs kept under ``roots`` and the model, steps and device they share (runs of another
+    shape are refused: one table compares one model at one length)."""
+    found = kept_by_shape(roots)
+    if len(found) != 1:
+        sys.exit(f"--collect: need finished runs of one model, length and device under {roots}, found {sorted(found)}")
+    [(model, steps, device)] = found
+    return found[model, steps, device], model, steps, device
 
 
 def baseline(results: list[RunResult], algo: str, groups: int, seed: int, inner: str = "adamw") -> float | None:
@@ -629,6 +636,13 @@ class Planned:
     marker: dict[str, Any]  # CONFIG_FILE's contents: what ``--collect`` reads back
 
 
+def shared_overrides(model: str, steps: int, device: str, quick: bool = False) -> list[str]:
+    """What every job of one invocation shares: the model, its length, evaluations every
+    ``EVAL_EVERY`` steps, the device (and ``--quick``'s small batches)."""
+    shared = [f"model={model}", f"trainer.max_steps={steps}", f"trainer.eval_every={EVAL_EVERY}"]
+    return shared + [f"cluster.device={device}", *(QUICK_BATCH if quick else [])]
+
+
 def plan(args: argparse.Namespace, root: Path, shared: list[str], model: str, steps: int) -> list[Planned]:
     """Every chosen configuration at every seed, seed by seed (so a cut-short grid has whole seeds)."""
     seeds = range(args.first_seed, args.first_seed + args.seeds)
@@ -718,8 +732,7 @@ def main() -> None:
     if steps < EVAL_EVERY or steps % EVAL_EVERY:
         sys.exit(f"--steps={steps}: must be a positive multiple of {EVAL_EVERY} (every H divides it)")
     began = time.monotonic()
-    shared = [f"model={model}", f"trainer.max_steps={steps}", f"trainer.eval_every={EVAL_EVERY}"]
-    shared += [f"cluster.device={args.device}", *(QUICK_BATCH if args.quick else [])]
+    shared = shared_overrides(model, steps, args.device, args.quick)
     results, device = [], args.device
     if args.collect:
         results, model, steps, device = collect_kept(args.collect)
