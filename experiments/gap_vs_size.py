@@ -33,6 +33,7 @@ from common import (
     write_result,
 )
 from compare_ddp import (
+    EVAL_EVERY,
     EXPERIMENT,
     Planned,
     RunResult,
@@ -165,13 +166,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     began = time.monotonic()
     if args.collect:
-        found = {(model, steps): runs for (model, steps, _), runs in kept_by_shape(args.collect).items()}
+        kept = kept_by_shape(args.collect)
+        if len({device for *_, device in kept}) > 1:  # a GPU job's corpus and precision are not this machine's
+            sys.exit(f"--collect: runs of one device only, found {sorted(kept)} under {args.collect}")
+        found = {(model, steps): runs for (model, steps, _), runs in kept.items()}
     else:
+        if args.steps < EVAL_EVERY or args.steps % EVAL_EVERY:
+            sys.exit(f"--steps={args.steps}: must be a positive multiple of {EVAL_EVERY}, as compare_ddp's")
         with runs_root(args.keep_runs, EXPERIMENT) as root:
             found = scan(planned(args.models, args.steps, args.first_seed, args.device, root))
     scanned = points(found)
     if not scanned:
-        sys.exit(f"no finished diloco H=50 run at M={GROUPS} under {args.collect}")
+        sys.exit(f"no finished diloco H=50 run at M={GROUPS}" + (f" under {args.collect}" if args.collect else ""))
     title = f"DiLoCo H=50 against data parallel and local, M={GROUPS}, conf/experiment/{EXPERIMENT}.yaml's batches"
     folder = Path(args.results) if args.results else RESULTS
     text = "\n".join([title, "", table(scanned), "", plot(scanned, folder / "gap_vs_size.png", title)])

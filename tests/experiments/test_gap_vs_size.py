@@ -13,13 +13,16 @@ from gap_vs_size import main, planned
 from tests.experiments.test_compare_ddp import canned_run
 
 
-def kept(where: Path, name: str, model: str, loss: float, parameters: int, steps: int = 1000) -> None:
+def kept(
+    where: Path, name: str, model: str, loss: float, parameters: int, steps: int = 1000, device: str = "cpu"
+) -> None:
     """A finished compare_ddp run kept with ``--keep-runs``: its directory and its row's marker."""
     config = next(c for c in CONFIGS if c.name == name and c.groups == 2)
     canned_run(where, loss, [2.0, loss])
     summary = json.loads((where / "summary.json").read_text()) | {"parameters": parameters}
     (where / "summary.json").write_text(json.dumps(summary))
     marker = {"name": name, "groups": 2, "overrides": list(config.overrides), "model": model, "steps": steps, "seed": 1}
+    marker["device"] = device
     (where / CONFIG_FILE).write_text(json.dumps(marker))
 
 
@@ -55,3 +58,14 @@ def test_runs_of_several_models_make_one_row_each_smallest_first_and_a_missing_b
     with pytest.raises(SystemExit, match="no gap closed .* for: small 1000 steps seed 1"):
         main(["--collect", str(tmp_path), "--results", str(tmp_path / "out")])
     assert "| small | 19.10M | 1000 | 1 | – | – | 1.2000 | – | – |" in capsys.readouterr().out
+
+
+def test_a_length_compare_ddp_refuses_and_runs_of_two_devices_are_refused_before_anything_runs(tmp_path):
+    with pytest.raises(SystemExit, match="--steps=150: must be a positive multiple of 100"):
+        main(["--models", "mini", "--steps", "150", "--keep-runs", str(tmp_path / "runs")])
+    assert not (tmp_path / "runs").exists()
+    kept(tmp_path / "a" / "run0", "diloco H=50", "mini", 1.45, 800_000)
+    kept(tmp_path / "b" / "run0", "diloco H=50", "midi", 1.32, 4_600_000, device="cuda")
+    with pytest.raises(SystemExit, match="--collect: runs of one device only"):
+        main(["--collect", str(tmp_path), "--results", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
