@@ -447,6 +447,21 @@ def _muon_targets(results: list[RunResult], found: dict[tuple[str, int], Row]) -
     return lines
 
 
+def _sparse_with_muon(found: dict[tuple[str, int], Row], groups: int) -> list[str]:
+    """Each sparse row with Muon inside against DiLoCo H=50 with Muon at M groups, seed by seed."""
+    dense = found.get(("diloco H=50, muon", groups))
+    lines = []
+    for row in found.values():
+        if dense and row.config.family == "sparseloco" and row.config.inner == "muon" and row.config.groups == groups:
+            ratios = [s.loss / d.loss - 1 for s in row.runs for d in dense.runs if s.seed == d.seed]
+            if ratios:
+                lines.append(
+                    f"- M={groups}: {row.config.name} against DiLoCo H=50 with Muon: "
+                    f"mean {100 * _mean(ratios):+.1f}%, worst {100 * max(ratios):+.1f}%"
+                )
+    return lines
+
+
 def targets(results: list[RunResult]) -> list[str]:
     """The targets that this table decides (means and worst over the seeds): the gap closed
     at H=50, never worse than local, M=4 against ddp, Streaming against DiLoCo at the same H."""
@@ -468,6 +483,7 @@ def targets(results: list[RunResult]) -> list[str]:
         ]
         lines.append(f"- DiLoCo worse than local: {', '.join(worse) if worse else 'none'}")
     lines += _muon_targets(results, found)
+    lines += [line for groups in (2, 4) for line in _sparse_with_muon(found, groups)]
     four = found.get(("diloco H=50", 4))
     if four and four.ratios:
         lines.append(

@@ -238,6 +238,23 @@ def test_muon_rows_close_the_gap_against_data_parallel_with_muon_and_the_better_
     )
 
 
+def test_the_sparse_row_with_muon_is_weighed_against_dense_diloco_with_muon_seed_by_seed(tmp_path):
+    sparse, dense = "sparseloco H=20 1% 2-bit, α ramped, outer lr 1.75, muon", "diloco H=50, muon"
+    results = [
+        collect(by_name(name, 4), canned_run(tmp_path / f"{name}-{seed}", loss, [loss]), seed)
+        for name, seed, loss in [
+            (dense, 1, 0.90),
+            (sparse, 1, 0.99),
+            (dense, 2, 1.00),
+            (sparse, 2, 1.02),
+            (sparse, 3, 2.0),
+        ]
+    ]
+    results.append(collect(by_name("diloco H=50", 4), canned_run(tmp_path / "adamw", 0.5, [0.5]), 1))  # not Muon's
+    line = next(t for t in targets(results) if "with Muon" in t)
+    assert line == f"- M=4: {sparse} against DiLoCo H=50 with Muon: mean +6.0%, worst +10.0%", "seed 3 has no pair"
+
+
 def test_sparse_rows_are_their_own_family_and_the_target_line_picks_the_best_frugal_one(tmp_path):
     sparse, dense = by_name("sparseloco H=50 2% 2-bit"), by_name("diloco H=50")
     assert sparse.family == "sparseloco" and dense.family == "diloco" and sparse.algo == "diloco"
