@@ -232,13 +232,17 @@ CONFIGS = [
         _diloco(50, 2, "inner_opt=muon", f"inner_opt.lr={lr}", name=f"diloco H=50, muon lr {lr}")
         for lr in (0.0025, 0.005, 0.01, 0.04)
     ),
-    # The M = 4 sparse row measured best with AdamW (outer lr 1.75), with Muon inside.
-    _sparse(
-        20,
-        0.01,
-        4,
-        name=", α ramped, outer lr 1.75, muon",
-        changes={"algo.alpha": None, "outer_opt.lr": "1.75", "inner_opt": "muon"},
+    # The M = 4 sparse row measured best with AdamW (outer lr 1.75), with Muon inside; then its
+    # density and outer lr, the knobs that moved it with AdamW.
+    *(
+        _sparse(
+            20,
+            density,
+            4,
+            name=f", α ramped, outer lr {lr}, muon",
+            changes={"algo.alpha": None, "outer_opt.lr": lr, "inner_opt": "muon"},
+        )
+        for density, lr in [(0.01, "1.75"), (0.03, "1.75"), (0.01, "2.5")]
     ),
 ]
 QUICK_STEPS = 100
