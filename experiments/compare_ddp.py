@@ -242,7 +242,15 @@ CONFIGS = [
             name=f", α ramped, outer lr {lr}, muon",
             changes={"algo.alpha": None, "outer_opt.lr": lr, "inner_opt": "muon"},
         )
-        for density, lr in [(0.01, "1.75"), (0.03, "1.75"), (0.05, "1.75"), (0.01, "2.5"), (0.03, "1.25")]
+        for density, lr in [
+            (0.01, "1.75"),
+            (0.03, "1.75"),
+            (0.05, "1.75"),
+            (0.01, "2.5"),
+            (0.03, "1.25"),
+            (0.03, "1"),
+            (0.05, "1.25"),
+        ]
     ),
 ]
 QUICK_STEPS = 100
