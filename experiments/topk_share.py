@@ -27,8 +27,7 @@ from common import compose_job, markdown_table, write_result
 
 from diloco.outer.sparse import TopK
 from diloco.train.model import Transformer
-from diloco.train.trainer import next_token_loss
-from diloco.worker.builders import build_data, build_inner
+from diloco.worker.builders import build_trainer
 
 EXPERIMENT = "compare_ddp"
 
@@ -37,10 +36,14 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float()
 
 
-def kept_share(codec: TopK, x: torch.Tensor) -> float:
-    """‖top-k of x‖² / ‖x‖², chunk by chunk as the topk codec selects."""
-    kept = codec.decode(codec.encode(x), x.numel())
+def share(kept: torch.Tensor, x: torch.Tensor) -> float:
+    """‖kept‖² / ‖x‖²."""
     return float(kept.square().sum() / x.square().sum().clamp_min(1e-30))
+
+
+def kept_share(codec: TopK, x: torch.Tensor) -> float:
+    """The share of ‖x‖² its top-k keeps, chunk by chunk as the topk codec selects."""
+    return share(codec.decode(codec.encode(x), x.numel()), x)
 
 
 def measure(inner: str, args: argparse.Namespace) -> list[dict[str, float]]:
@@ -52,19 +55,11 @@ def measure(inner: str, args: argparse.Namespace) -> list[dict[str, float]]:
     )
     torch.manual_seed(job.trainer.seed)
     model = Transformer(job.model)
-    batches, _ = build_data(job, group=0, worker=0, num_workers=1)
-    optimizer, scheduler = build_inner(job, model)
+    trainer = build_trainer(job, model, group=0, worker=0, num_workers=1, device=torch.device("cpu"))
     codec = TopK(args.density, value_bits=32)
-    device = torch.device("cpu")
     start, error, records = flat(model), None, []
     for step in range(1, args.steps + 1):
-        micro = batches.next_step()
-        for batch in micro:
-            (next_token_loss(model, batch, device) / len(micro)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), job.inner_opt.grad_clip or float("inf"))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        trainer.train_step()  # the job's own inner step: micro-batches, clipping, the lr schedule
         if step % args.h == 0:
             now = flat(model)
             delta = start - now
@@ -75,7 +70,7 @@ def measure(inner: str, args: argparse.Namespace) -> list[dict[str, float]]:
                 {
                     "step": step,
                     "delta": kept_share(codec, delta),
-                    "with_error": float(sent.square().sum() / a.square().sum()),
+                    "with_error": share(sent, a),
                 }
             )
             start = now
