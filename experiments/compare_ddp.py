@@ -233,23 +233,27 @@ CONFIGS = [
         for lr in (0.0025, 0.005, 0.01, 0.04)
     ),
     # The M = 4 sparse row measured best with AdamW (outer lr 1.75), with Muon inside; then its
-    # density and outer lr, the knobs that moved it with AdamW.
+    # density and outer lr, the knobs that moved it with AdamW; then, at the best of those, H and
+    # the values' bits.
     *(
         _sparse(
-            20,
+            h,
             density,
             4,
+            bits,
             name=f", α ramped, outer lr {lr}, muon",
             changes={"algo.alpha": None, "outer_opt.lr": lr, "inner_opt": "muon"},
         )
-        for density, lr in [
-            (0.01, "1.75"),
-            (0.03, "1.75"),
-            (0.05, "1.75"),
-            (0.01, "2.5"),
-            (0.03, "1.25"),
-            (0.03, "1"),
-            (0.05, "1.25"),
+        for h, density, bits, lr in [
+            (20, 0.01, 2, "1.75"),
+            (20, 0.03, 2, "1.75"),
+            (20, 0.05, 2, "1.75"),
+            (20, 0.01, 2, "2.5"),
+            (20, 0.03, 2, "1.25"),
+            (20, 0.03, 2, "1"),
+            (20, 0.05, 2, "1.25"),
+            (10, 0.03, 2, "1.25"),
+            (20, 0.03, 4, "1.25"),
         ]
     ),
 ]
