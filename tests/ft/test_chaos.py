@@ -326,16 +326,19 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
         step_at_last_fault, end_faults = -1, 0
         while launcher.poll() is None:
             # Faults faster than the job recovers (a loaded machine recovers slowly) would lose its
-            # state again and again and never end it: each fault waits for a newer committed step
-            # than the last one saw. Once the last step is committed, END_FAULTS more come freely,
-            # in the closing rounds and the second after the end; more, and every group that holds
-            # the final state could die before another took it (lost, so trained again).
-            newest_step = _newest_committed_step(run_dir)
-            at_end = newest_step >= CHAOS_STEPS and end_faults < END_FAULTS
-            if step_at_last_fault >= newest_step and not at_end:
+            # state again and again and train it again and again: each fault waits until two
+            # groups committed a newer step than the last one saw once its target was down, so
+            # one kill leaves a holder (every holder lost is
+            # test_job_goes_on_when_every_holder_of_its_newest_state_dies). Once the last step is
+            # committed, up to END_FAULTS more come in the closing rounds and the second after the
+            # end, as long as each leaves a group that committed it.
+            committed = _groups_by_committed_step(run_dir)
+            newest_step = max(committed, default=-1)
+            at_end = newest_step >= CHAOS_STEPS and end_faults < min(END_FAULTS, len(committed[newest_step]) - 1)
+            if step_at_last_fault >= _held_twice(committed) and not at_end:
                 time.sleep(0.2)
                 continue
-            step_at_last_fault, end_faults = newest_step, end_faults + (newest_step >= CHAOS_STEPS)
+            end_faults += newest_step >= CHAOS_STEPS
             roles = _job_processes(run_dir, lighthouse_url)
             targets = {"kill lighthouse": roles["lighthouse"], "kill forkserver": roles["forkserver"]}
             targets |= {"kill worker": roles["worker"], "stop worker": roles["worker"]}
@@ -352,6 +355,7 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
                 if action == "stop worker":
                     threading.Timer(rng.uniform(1.0, 8.0), _resume, args=(pid,)).start()
             time.sleep(rng.uniform(1.5, 4.0))
+            step_at_last_fault = _held_twice(_groups_by_committed_step(run_dir))  # what a victim committed is in
             action = scripted[0] if scripted else rng.choices(list(targets), weights=[1, 1, 5, 3, 0.5, 0.5])[0]
         launcher.wait(timeout=300)
     finally:
@@ -394,10 +398,19 @@ def _lighthouse_url(launcher: subprocess.Popen, output: list[str]) -> str:
     return re.search(r"(http://\S+?)/?$", next(line for line in output if "status page" in line).strip()).group(1)
 
 
-def _newest_committed_step(run_dir: Path) -> int:
-    """The newest inner step any group committed a round at (-1 before the first)."""
-    records = [r for path in (run_dir / "commits").glob("*.jsonl") for r in read_jsonl(path)]
-    return max((r["inner_step"] for r in records if r["committed"]), default=-1)
+def _held_twice(committed: dict[int, set[str]]) -> int:
+    """The newest inner step at least two groups committed (-1 before the first)."""
+    return max((step for step, groups in committed.items() if len(groups) >= 2), default=-1)
+
+
+def _groups_by_committed_step(run_dir: Path) -> dict[int, set[str]]:
+    """The groups that committed a round at each inner step, so far."""
+    steps: dict[int, set[str]] = {}
+    for path in (run_dir / "commits").glob("*.jsonl"):
+        for record in read_jsonl(path):
+            if record["committed"]:
+                steps.setdefault(record["inner_step"], set()).add(path.stem)
+    return steps
 
 
 def _resume(pid: int) -> None:
