@@ -256,6 +256,17 @@ CONFIGS = [
             (20, 0.03, 4, "1.25"),
         ]
     ),
+    # At 3% and outer lr 1.25, what the unsent part of Δ does: all of it sent in time (β = 1), none
+    # kept in θ_l (α = 0, SparseLoCo's own); then DiLoCo's Nesterov outer step on what is sent.
+    _sparse(
+        20,
+        0.03,
+        4,
+        name=", α ramped, β=1, outer lr 1.25, muon",
+        changes={"algo.alpha": None, "algo.error_decay": "1", "outer_opt.lr": "1.25", "inner_opt": "muon"},
+    ),
+    _sparse(20, 0.03, 4, name=", α=0, outer lr 1.25, muon", changes={"outer_opt.lr": "1.25", "inner_opt": "muon"}),
+    _sparse(20, 0.03, 4, name=", DiLoCo's outer step, muon", changes=DILOCO_OUTER | {"inner_opt": "muon"}),
 ]
 QUICK_STEPS = 100
 QUICK_BATCH = ["trainer.batch_size=4", "trainer.seq_len=64"]  # a smoke run: start-up dominates anyway
