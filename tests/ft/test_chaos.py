@@ -306,9 +306,9 @@ def test_random_kills_and_hangs_of_any_process_end_with_one_trained_model_and_ex
     fork server, any worker of 3 groups x 2 workers), SIGSTOP of random workers for a while and
     of the lighthouse or the fork server for good, at random times, from outside the launcher, on
     streaming DiLoCo, each once two groups have committed a newer step since the last one's target
-    was down, and up to two in its closing rounds or the second after its end. The job must still end with one trained
-    model and exit 0; a group may only lack a result if the lighthouse saw it end holding the
-    final state (killed after the end, before it wrote its result). A stopped lighthouse is
+    was down, and up to two in its closing rounds or the second after its end. The job must still
+    end with one trained model and exit 0; a group may only lack a result if the lighthouse saw it
+    end holding the final state (killed after the end, before it wrote its result). A stopped lighthouse is
     alive, so only its silence tells: the launcher kills it after ``cluster.timeouts.lighthouse``
     and starts another on its address before the groups' collectives time out."""
     run_dir = tmp_path / "run"
