@@ -267,6 +267,27 @@ CONFIGS = [
     ),
     _sparse(20, 0.03, 4, name=", α=0, outer lr 1.25, muon", changes={"outer_opt.lr": "1.25", "inner_opt": "muon"}),
     _sparse(20, 0.03, 4, name=", DiLoCo's outer step, muon", changes=DILOCO_OUTER | {"inner_opt": "muon"}),
+    # Density has moved it most: 10%, and where the recipe's outer step leads as density reaches 1
+    # (dense DiLoCo at H = 20 with plain SGD, lr 1.25, no momentum: what e and top-k leave).
+    *(
+        _sparse(
+            20,
+            0.1,
+            4,
+            name=f", α ramped, outer lr {lr}, muon",
+            changes={"algo.alpha": None, "outer_opt.lr": lr, "inner_opt": "muon"},
+        )
+        for lr in ("1", "1.25")
+    ),
+    _diloco(
+        20,
+        4,
+        "inner_opt=muon",
+        "outer_opt=sgd",
+        "outer_opt.lr=1.25",
+        "outer_opt.momentum=0",
+        name="diloco H=20, outer SGD lr 1.25, muon",
+    ),
 ]
 QUICK_STEPS = 100
 QUICK_BATCH = ["trainer.batch_size=4", "trainer.seq_len=64"]  # a smoke run: start-up dominates anyway
