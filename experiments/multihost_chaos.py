@@ -4,7 +4,7 @@ Each host is a network namespace (``netns_hosts.NetnsHosts``): the lighthouse on
 multihost.sbatch's restart loop, group g under ``torchrun --max-restarts`` on host ``g{g}`` (4 groups
 of ``--workers-per-group`` workers, 1 by default), every link at ``--mbps``. The tiny model trains
 ``--steps`` inner steps (2800) with DiLoCo, H=20 (``algo.sync_every=20``, no warm-up). Every 20-30 s
-(seeded by ``--seed``) one fault is drawn from seven kinds, each dealt once before any repeats:
+(seeded by ``--seed``) one fault is drawn from nine kinds, each dealt once before any repeats:
 
 - ``kill_worker``: a worker SIGKILLed (torchrun restarts its group, which heals from a peer);
 - ``kill_host``: every process on a group's host SIGKILLed, its torchrun started again 3 s later;
@@ -13,11 +13,14 @@ of ``--workers-per-group`` workers, 1 by default), every link at ``--mbps``. The
 - ``kill_lighthouse``: the lighthouse SIGKILLed (its loop starts it again);
 - ``link_down``: a group's link down for 20 s, then up (the group is dropped, then heals);
 - ``partition``: two groups cut from each other (each still reaching the rest) for 20 s, healed;
+- ``halves``: the groups in two halves that cannot reach each other (all still reach the
+  lighthouse) for 20 s, healed;
+- ``cut_from_half``: one group cut from half of the others (it still reaches the rest) for 20 s;
 - ``slow_link``: a group's link shaped to a tenth of ``--mbps`` for 30 s, then restored.
 
 One fault at a time: the next one starts 20-30 s after the previous one did, and never before it
-has ended (undone, and every group it hit committed or healed since, or 60 s passed), so at most
-two of the four groups are ever affected. No fault starts in the last 10% of the steps.
+has ended (undone, and every group it hit committed or healed since, or 60 s passed), so one
+fault's effects never overlap another's. No fault starts in the last 10% of the steps.
 
 What it measures, per run, from the run directory (summary.json, the commit logs, the parts' logs):
 faults by kind and whether the groups hit came back; recoveries (heals from a peer); committed /
@@ -65,7 +68,18 @@ from diloco.launch.summary import survivor_stalls
 from diloco.run_paths import RunPaths
 from diloco.train.logger import read_jsonl
 
-KINDS = ("kill_worker", "kill_host", "stop_worker", "kill_lighthouse", "link_down", "partition", "slow_link")
+KINDS = (
+    "kill_worker",
+    "kill_host",
+    "stop_worker",
+    "kill_lighthouse",
+    "link_down",
+    "partition",
+    "halves",
+    "cut_from_half",
+    "slow_link",
+)
+CUTS = ("partition", "halves", "cut_from_half")  # faults between group hosts that all still reach the lighthouse
 DEATHS = ("kill_worker", "kill_host", "stop_worker")  # the group hit comes back as new processes
 FAULTED, FAULT_FREE = "faulted", "fault-free"
 H = 20
@@ -112,13 +126,13 @@ FULL = Settings(
     max_restarts=10,
     timeout_s=900.0,
 )
-# Two groups: a partition would cut both (no group left unaffected), so it is left out; every
-# other fault hits one group (or the lighthouse), leaving the other.
+# Two groups: a cut would leave no group unaffected, so the cuts are left out; every other fault
+# hits one group (or the lighthouse), leaving the other.
 QUICK = replace(
     FULL,
     groups=2,
     steps=1000,
-    kinds=tuple(k for k in KINDS if k != "partition"),
+    kinds=tuple(k for k in KINDS if k not in CUTS),
     gap_s=(8.0, 12.0),
     first_after_s=3.0,
     down_s=8.0,
@@ -150,14 +164,27 @@ class Deck:
         self.kinds, self.rng, self._left = kinds, rng, []
 
     def draw(self, groups: int) -> tuple[str, list[int]]:
-        """The next kind and the groups it hits (two for a partition, none for the lighthouse)."""
+        """The next kind and the groups it hits: two for a partition, half of them for ``halves``
+        (one side), one and then half of the others for ``cut_from_half`` (the group cut off first),
+        none for the lighthouse, else one."""
         if not self._left:
             self._left = list(self.kinds)
             self.rng.shuffle(self._left)
         kind = self._left.pop()
         if kind == "kill_lighthouse":
             return kind, []
-        return kind, sorted(self.rng.sample(range(groups), 2 if kind == "partition" else 1))
+        if kind == "cut_from_half":
+            cut_off, *others = self.rng.sample(range(groups), 1 + groups // 2)
+            return kind, [cut_off, *sorted(others)]
+        return kind, sorted(self.rng.sample(range(groups), {"partition": 2, "halves": groups // 2}.get(kind, 1)))
+
+
+def cut_pairs(kind: str, hit: list[int], groups: int) -> list[tuple[int, int]]:
+    """The pairs of groups a cut fault separates: the two of a partition, every pair across the
+    halves (``hit`` one side), or the first group hit from each of the others hit."""
+    if kind == "halves":
+        return [(a, b) for a in hit for b in range(groups) if b not in hit]
+    return [(hit[0], b) for b in hit[1:]]
 
 
 def commits(run_dir: Path, groups: int) -> dict[int, list[dict[str, Any]]]:
@@ -311,10 +338,14 @@ class Chaos:
             hosts.link_down(name[0])
             time.sleep(cfg.down_s)
             hosts.link_up(name[0])
-        elif fault.kind == "partition":
-            hosts.partition(*name)
+        elif fault.kind in CUTS:
+            pairs = cut_pairs(fault.kind, fault.hit, cfg.groups)
+            fault.detail = ", ".join(f"g{a}|g{b}" for a, b in pairs)
+            for a, b in pairs:
+                hosts.partition(f"g{a}", f"g{b}")
             time.sleep(cfg.partition_s)
-            hosts.heal(*name)
+            for a, b in pairs:
+                hosts.heal(f"g{a}", f"g{b}")
         elif fault.kind == "slow_link":
             hosts.shape(name[0], self.mbps / 10)
             fault.detail = f"{self.mbps / 10:g} Mbit/s"

@@ -92,7 +92,10 @@ class TimeoutsConfig:
     torchrun by the group's guard, after which the agent restarts the group; ``sit_out``: how long a
     group is left out of rounds after rounds with it failed twice in a row (two groups that cannot
     reach each other, a link too slow for the collective timeout), doubling each time it sits out
-    again (``diloco.ft.quorum.QuorumBook.sit_out``).
+    again (``diloco.ft.quorum.QuorumBook.sit_out``), and how long a pair of groups that was cut apart more
+    than once must reach each other again before they meet in a round (doubling per cut; a pair cut once
+    meets again at once); ``probe``: how long a group leader's connect to a peer may take before the peer
+    counts as unreachable from it (``diloco.ft.reach``).
     """
 
     connect: float = 60.0
@@ -107,6 +110,7 @@ class TimeoutsConfig:
     lighthouse: float = 10.0
     stopped: float = 30.0  # < end: a group stopped just before the end still comes back for it
     sit_out: float = 60.0
+    probe: float = 2.0
 
     def validate(self) -> None:
         for key in fields(self):
@@ -152,6 +156,11 @@ class ClusterConfig:
     # figure from its data sheet; on CPU, one core's matmul measured by the local launcher times a
     # worker's share of the cores; else a matmul measured by each worker (diloco/train/flops.py).
     peak_tflops: float = 0.0
+    # A group whose link its leader's probes time at under 1/slow_link_factor of the median of the
+    # others', and which would add over a tenth of the interval between rounds to each, sits out of
+    # training rounds while that lasts (an all-reduce moves at its slowest link; docs/fault-tolerance.md,
+    # "A slow link"). 0: never.
+    slow_link_factor: float = 4.0
     lighthouse: LighthouseConfig = field(default_factory=LighthouseConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
 
@@ -184,6 +193,12 @@ class ClusterConfig:
             "must be >= 0 TFLOP/s per device (0: from the GPU's name, else measured)",
         )
         check(self.restart_backoff >= 0, "cluster.restart_backoff", self.restart_backoff, "must be >= 0 seconds")
+        check(
+            self.slow_link_factor == 0 or self.slow_link_factor > 1,
+            "cluster.slow_link_factor",
+            self.slow_link_factor,
+            "must be 0 (off) or > 1 (how many times slower than the others' a link may be)",
+        )
         self.lighthouse.validate()
         self.timeouts.validate()
         self.quorum_rules().validate()
@@ -197,6 +212,7 @@ class ClusterConfig:
             start_timeout_s=self.timeouts.start,
             end_timeout_s=self.timeouts.end,
             sit_out_s=self.timeouts.sit_out,
+            slow_link_factor=self.slow_link_factor,
         )
 
 
@@ -206,7 +222,8 @@ class QuorumRules:
     first asker waits for the rest (``join_wait`` in ``diloco.ft.quorum`` lengthens it, up to
     ``heartbeat_timeout_s``, while groups ask far apart); a group silent for
     ``heartbeat_timeout_s`` is dropped; one that rounds keep failing with sits out for ``sit_out_s``
-    (doubling each time it does again).
+    (doubling each time it does again); one whose link is timed under ``1 / slow_link_factor`` of the
+    others' and holds rounds up sits out while it does (0: never; ``Reachability.slow_links``).
 
     ``expected_groups`` is the job's number of groups (0: unknown, which turns off the two
     waits it allows): a job's first quorum waits up to ``start_timeout_s`` for all of them,
@@ -221,6 +238,7 @@ class QuorumRules:
     start_timeout_s: float = 60.0
     end_timeout_s: float = 120.0
     sit_out_s: float = 60.0
+    slow_link_factor: float = 0.0
 
     def validate(self) -> None:
         check(self.min_groups >= 1, "cluster.min_groups", self.min_groups, "must be a positive integer")

@@ -35,6 +35,7 @@ from diloco.ft.protocol import (
     RoundWatch,
     SignOfLife,
     authorization_header,
+    probe_request_from_json,
     quorum_answer_from_json,
     round_open_from_json,
 )
@@ -71,8 +72,14 @@ class LighthouseClient:
         self._signed_at = -math.inf  # when the last sign of life went out (``beat_due_in``); -inf: none that arrived
 
     def heartbeat(
-        self, step: int, quorum_id: int, finished: bool = False, progress: GroupProgress | None = None
-    ) -> None:
+        self,
+        step: int,
+        quorum_id: int,
+        finished: bool = False,
+        progress: GroupProgress | None = None,
+        reach: dict[str, Any] | None = None,
+    ) -> dict[str, str]:
+        """A sign of life (``reach``: the leader's ``ReachReport``); the peers the lighthouse asks it to probe again."""
         self._seen(quorum_id)
         beat = Heartbeat(
             self.job_id,
@@ -82,8 +89,12 @@ class LighthouseClient:
             quorum_id=quorum_id,
             finished=finished,
             progress=_progress_json(progress),
+            reach=reach or {},
         )
-        self._post(beat, self.connect_timeout_s)
+        try:
+            return probe_request_from_json(self._post(beat, self.connect_timeout_s))
+        except ValueError as e:
+            raise LighthouseUnavailable(f"lighthouse at {self.url}: {e}") from None
 
     def beat_due_in(self, interval_s: float) -> float:
         """Seconds until the next heartbeat is due, ``interval_s`` after the last sign of life went out.
@@ -105,13 +116,14 @@ class LighthouseClient:
         digest: str = "",
         lane_failed: bool = False,
         progress: GroupProgress | None = None,
+        reach: dict[str, Any] | None = None,
     ) -> QuorumGrant | JobEnd:
         """Block (at most timeout_s + connect_timeout_s) until a quorum containing this group forms.
 
         ``round_step`` is the inner step the group asks at (see ``QuorumRequest``). A
         ``finished`` group (``digest``: its global state's) may instead learn that the job ended.
         ``lane_failed``: its last round failed on the lane itself (see ``QuorumRequest``).
-        ``progress``: for the status page, as a heartbeat's (``SignOfLife``).
+        ``progress``: for the status page, as a heartbeat's (``SignOfLife``); ``reach``: as a heartbeat's.
         """
         check(timeout_s > 0, "cluster.timeouts.quorum", timeout_s, "must be > 0 seconds")
         ask = QuorumAsk(
@@ -130,6 +142,7 @@ class LighthouseClient:
             known_quorum=0 if self._held is None else self._held.quorum_id,
             config_digest=self._config_digest,
             progress=_progress_json(progress),
+            reach=reach or {},
         )
         try:
             answer = quorum_answer_from_json(self._post(ask, timeout_s + self.connect_timeout_s), self._held)

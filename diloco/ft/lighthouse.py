@@ -221,8 +221,7 @@ class Lighthouse:
             log.warning("refused %s from %s (%s): %s", path, peer, refusal.code.value, refusal)
             return refusal.status, ErrorAnswer(refusal.code, str(refusal)).to_json()
         if isinstance(request, Heartbeat):
-            self._heartbeat(request)
-            return 200, _ACK
+            return 200, self._heartbeat(request, peer)
         if isinstance(request, RecoveryNotice):
             self._recovery(request)
             return 200, _ACK
@@ -235,6 +234,7 @@ class Lighthouse:
                 return self._round_watch_locked(request, reply)
             assert isinstance(request, QuorumAsk), f"no handler for {type(request).__name__} at {path}"
             store_host = local_host if self.cfg.host in _WILDCARD_HOSTS else self.cfg.host
+            self._reach_locked(request, peer)
             return self._quorum_locked(request, store_host, reply)
 
     def _grant_bytes(self, quorum: Quorum, store_host: str, known_quorum: int) -> bytes:
@@ -250,14 +250,34 @@ class Lighthouse:
             encoded = self._grant_cache[1][form] = json.dumps(grant.to_json(participants=not form[1])).encode()
         return encoded
 
-    def _heartbeat(self, beat: Heartbeat) -> None:
+    def _heartbeat(self, beat: Heartbeat, peer: str) -> bytes | dict:
+        """The beat taken in; the answer asks the group to probe again the peers it stands cut from."""
         progress = beat.group_progress  # parsed when the request was read, outside the lock
         with self._lock:
-            self._book.heartbeat(
-                beat.group, self._clock(), quorum_id_seen=beat.quorum_id, step=beat.step, finished=beat.finished
-            )
+            now = self._clock()
+            self._book.heartbeat(beat.group, now, quorum_id_seen=beat.quorum_id, step=beat.step, finished=beat.finished)
             self._steps[beat.group] = beat.step
             self._board.progress(beat.group, progress)
+            self._reach_locked(beat, peer)
+            probe = self._book.reach.to_probe(beat.group, now)
+        return {**HEARTBEAT_ACK, "probe": probe} if probe else _ACK
+
+    def _reach_locked(self, message: Heartbeat | QuorumAsk, peer: str) -> None:
+        """A leader's probe endpoint, on the address its request came from, and its probes since."""
+        report = message.reach_report
+        if report.port or report.reached or report.unreached or report.mbps or report.round_bytes:
+            host = f"[{peer}]" if ":" in peer else peer
+            before = set(self._book.reach.cut_since)
+            now = self._clock()
+            self._book.reach_report(
+                message.group, host, report.port, report.reached, report.unreached, now, report.mbps, report.round_bytes
+            )
+            for cut in set(self._book.reach.cut_since) - before:
+                self._board.event("cut", message.group, f"{' and '.join(sorted(cut))} cannot reach each other")
+            if report.unreached and self._book.give_up_cut_rounds(message.group, now):
+                self._decide_now.set()  # the round's other members stop waiting for its lane at once
+            for whole in before - set(self._book.reach.cut_since):
+                self._board.event("whole", message.group, f"{' and '.join(sorted(whole))} reach each other again")
 
     def _recovery(self, notice: RecoveryNotice) -> None:
         with self._lock:
@@ -301,10 +321,11 @@ class Lighthouse:
         progress = commit.group_progress if commit.progress else None  # none sent: the board keeps the last
         with self._lock:
             reason = self._book.commit(commit.group, commit.round_id, commit.step, self._clock())
-            if not reason:
-                self._steps[commit.group] = commit.step
             if progress is not None:
                 self._board.progress(commit.group, progress)
+            if not reason:
+                self._steps[commit.group] = commit.step
+                self._board.committed(commit.group)
         if reason:
             log.warning("group %s may not commit round %d: %s", commit.group, commit.round_id, reason)
         return RoundNews(commit.round_id, reason)  # only ``broken`` is read
@@ -479,10 +500,12 @@ class Lighthouse:
         self._board.membership(self._book.healthy(now))
         if quorum is not None:
             self._current = (quorum, now)
-            formed = {**quorum.to_json(), "formed_at": time.time(), "grants_sent_at": None}
+            shown = quorum.to_json()
+            del shown["endpoints"]  # the groups', for their probes: 30 KB at 1,000 groups, of no use in a log
+            formed = {**shown, "formed_at": time.time(), "grants_sent_at": None}
             self._history.append(formed)
             self._board.quorum_formed(quorum)
-            named = {**quorum.to_json(), "participants": status_page.shown_names(quorum.participants)}
+            named = {**shown, "participants": status_page.shown_names(quorum.participants)}
             log.info("quorum formed: %s", json.dumps(named))  # 1,000 names were 12 KB a round
             if quorum.round_floor:
                 log.warning(

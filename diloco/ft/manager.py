@@ -36,6 +36,7 @@ from diloco.ft.protocol import (
     QuorumTimeout,
 )
 from diloco.ft.quorum import JobEnd, Quorum
+from diloco.ft.reach import ReachProbes
 from diloco.ft.round_watch import RoundWatcher
 
 log = logging.getLogger(__name__)
@@ -100,9 +101,11 @@ class Manager:
         heartbeat_interval_s: float,
         watch_rounds: bool = False,
         lane_watch: LaneWatcher | None = None,
+        probes: ReachProbes | None = None,
     ) -> None:
         """``watch_rounds``: time-bounded windows; the leader learns the rounds its peers open
-        (``open_round_step``). ``lane_watch`` (every rank): rounds that lose a member are given up at once."""
+        (``open_round_step``). ``lane_watch`` (every rank): rounds that lose a member are given up at once.
+        ``probes`` (the leader): its probes of peers, reported in its asks and heartbeats (``diloco.ft.reach``)."""
         self.group = group
         self.inner_pg = inner_pg
         self.client = client  # only the leader has one
@@ -123,6 +126,10 @@ class Manager:
         self._round_step = 0  # the inner step of the last round this group asked for
         self._watcher = RoundWatcher(client, quorum_timeout_s) if watch_rounds and client is not None else None
         self._lane_watch = lane_watch
+        self._probes = probes
+        self._last_quorum: Quorum | None = None  # the leader's last grant: whom to probe once its lane failed
+        self._probed_failure: LaneCancel | None = None  # the failed lane whose peers were probed
+        self._round_bytes = 0
 
     def start(self) -> None:
         """The leader reaches the lighthouse, then heartbeats in the background, so a long inner
@@ -148,6 +155,8 @@ class Manager:
                 watcher.stop()
         if self._heartbeats is not None:
             self._heartbeats.join(timeout=self.heartbeat_interval_s + 5)
+        if self._probes is not None:
+            self._probes.close()
         self.lanes.drop()
 
     @property
@@ -172,6 +181,11 @@ class Manager:
         """Give up the current round everywhere: the lane is aborted, so its pending and later
         collectives fail at once on every member; the next quorum builds a fresh lane."""
         self.lanes.drop()
+
+    def note_round_bytes(self, nbytes: int) -> None:
+        """The bytes this worker's lane carried in its last round: reported (the leader's) with its
+        timed links, so the lighthouse weighs a slow link by what it holds up (``Reachability.slow_links``)."""
+        self._round_bytes = nbytes
 
     def note_progress(self, **changes: Any) -> None:
         """Update what the next heartbeat, ask or commit reports for the status page (``GroupProgress`` fields)."""
@@ -265,6 +279,8 @@ class Manager:
             self.lanes.drop()
             self.last_commit_failed = True
             return None
+        if self._probes is not None:
+            self._probes.round_opened({g: e for g, e in quorum.endpoints.items() if g != self.group})
         return Round(quorum=quorum, group=self.group, lane=lane, lane_rank=lane_rank, cancel=self.lanes.cancel)
 
     def commit(self, round_: Round, local_ok: bool) -> bool:
@@ -302,6 +318,8 @@ class Manager:
         return ok
 
     def _settled(self, ok: bool) -> None:
+        if self._probes is not None:
+            self._probes.round_closed()
         if not ok:
             self.lanes.drop()
         self.last_commit_failed = not ok
@@ -341,7 +359,7 @@ class Manager:
         deadline = time.monotonic() + self.client.connect_timeout_s
         while True:
             try:
-                self.client.heartbeat(self.committed, 0, self.finished)
+                self.client.heartbeat(self.committed, 0, self.finished, reach=self._reach_report())
                 return
             except LighthouseRefused as error:
                 raise MembershipError(f"the lighthouse refused group {self.group}: {error}") from None
@@ -355,11 +373,58 @@ class Manager:
                 time.sleep(FIRST_CONTACT_RETRY_S)
 
     def _ask(self, round_step: int, digest: str) -> dict[str, Any]:
+        """The leader's ask. Once its lane failed it first probes the last quorum's members, and
+        the ask reports whom it did not reach. A grant whose new lane would need a peer its probe
+        cannot reach is given up at once: a heartbeat reports the peer, the lighthouse ends the
+        round for every member, and all ask again at their next sync, where the lighthouse forms
+        a quorum of groups that reach each other instead of a lane that times out (``diloco.ft.reach``)."""
+        cancel = self.lanes.cancel
+        if cancel.failed and cancel is not self._probed_failure and self._last_quorum is not None:
+            self._probed_failure = cancel  # once per failed lane: suspects are probed again in the background
+            self._probe(self._last_quorum)
+        answer = self._ask_once(
+            round_step, digest, cancel.failed
+        )  # the leader's lane: every lane crosses the same links
+        quorum = Quorum.from_json(answer["quorum"]) if "quorum" in answer else None
+        if quorum is None or quorum.quorum_id == self.lanes.quorum_id:
+            return answer
+        unreached = self._probe(quorum)
+        if not unreached:
+            return answer
+        self._report_now()
+        return {"error": f"cannot reach group(s) {', '.join(unreached)} of quorum {quorum.quorum_id}: said so"}
+
+    def _report_now(self) -> None:
+        """A heartbeat now, carrying the probes' results (``_ask``); one that does not arrive goes with the next."""
+        assert self.client is not None
+        reach = self._reach_report()
+        try:
+            self.client.heartbeat(self.committed, self.lanes.quorum_id or 0, self.finished, self._progress, reach)
+        except (LighthouseUnavailable, LighthouseRefused) as error:
+            if self._probes is not None and reach is not None:
+                self._probes.keep_unsent(reach)
+            log.warning("group %s: could not report the peers it cannot reach: %s", self.group, error)
+
+    def _probe(self, quorum: Quorum) -> list[str]:
+        """Probe the quorum's other members (the leader, with probes); those not reached. Their
+        links are the ones it times from now on."""
+        self._last_quorum = quorum
+        if self._probes is None:
+            return []
+        peers = {g: e for g, e in quorum.endpoints.items() if g != self.group}
+        self._probes.time_links(peers)
+        return self._probes.probe_now(peers)
+
+    def _reach_report(self) -> dict[str, Any] | None:
+        return None if self._probes is None else self._probes.report() | {"round_bytes": self._round_bytes}
+
+    def _ask_once(self, round_step: int, digest: str, lane_failed: bool) -> dict[str, Any]:
         assert self.client is not None
         if self.refused:
             return {"refused": self.refused}
         if time.monotonic() < self._retry_at:
             return {"error": f"lighthouse unreachable; next try in {self._retry_at - time.monotonic():.1f}s"}
+        reach = self._reach_report()
         try:
             answer = self.client.quorum(
                 self.committed,
@@ -368,14 +433,17 @@ class Manager:
                 round_step=round_step,
                 finished=self.finished,
                 digest=digest,
-                lane_failed=self.lanes.cancel.failed,  # the leader's lane: every lane crosses the same links
+                lane_failed=lane_failed,
                 progress=self._progress,
+                reach=reach,
             )
         except LighthouseRefused as error:
             return {"refused": str(error), "code": error.code.value}
         except (QuorumTimeout, QuorumSuperseded) as error:  # superseded: our own abandoned request; ask again
             return {"error": str(error)}
         except LighthouseUnavailable as error:
+            if self._probes is not None and reach is not None:
+                self._probes.keep_unsent(reach)
             # Exponential backoff, so a dead lighthouse costs the groups nothing but skipped syncs.
             self._backoff_s = min(MAX_BACKOFF_S, max(MIN_BACKOFF_S, 2 * self._backoff_s))
             self._retry_at = time.monotonic() + self._backoff_s
@@ -406,20 +474,28 @@ class Manager:
 
     def _heartbeat_loop(self) -> None:
         """A beat every ``heartbeat_interval_s`` after the group's last sign of life: an ask or a
-        commit that went out meanwhile was one (``LighthouseClient.beat_due_in``)."""
+        commit that went out meanwhile was one (``LighthouseClient.beat_due_in``), unless a cut may
+        stand (``ReachProbes.suspecting``): the beat's answer then says whom to probe again."""
         assert self.client is not None
         wait = self.heartbeat_interval_s
         while not self._stop.wait(wait):
             wait = self.client.beat_due_in(self.heartbeat_interval_s)
-            if wait > 0:
+            if wait > 0 and not (self._probes is not None and self._probes.suspecting):
                 continue
             wait = self.heartbeat_interval_s
+            reach = self._reach_report()
             try:
-                self.client.heartbeat(self.committed, self.lanes.quorum_id or 0, self.finished, self._progress)
+                probe = self.client.heartbeat(
+                    self.committed, self.lanes.quorum_id or 0, self.finished, self._progress, reach
+                )
                 self._retry_at = 0.0  # the lighthouse answers again: stop backing off
+                if self._probes is not None:
+                    self._probes.suspect(probe)  # peers it stands cut from: is the link back?
             except LighthouseRefused as error:
                 self.refused = str(error)
                 log.error("group %s: heartbeat refused: %s", self.group, error)
                 return
             except LighthouseUnavailable as error:
+                if self._probes is not None and reach is not None:
+                    self._probes.keep_unsent(reach)
                 log.debug("group %s: heartbeat failed (%s); retrying", self.group, error)

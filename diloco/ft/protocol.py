@@ -27,10 +27,11 @@ from diloco.ft.quorum import JobEnd, Quorum
 MAX_BODY_BYTES = 64 * 1024
 MAX_GROUP_ID_CHARS = 200
 MAX_CONFIG_KEYS = 1000
+MAX_ENDPOINT_CHARS = 64  # "host:port" of a probe listener: an IPv6 address in brackets and a port fit
 # A request nests 3 deep (a config value that is a list); json.loads recurses once per level and
 # raised RecursionError on 30,000 brackets, well under MAX_BODY_BYTES.
 MAX_JSON_DEPTH = 32
-HEARTBEAT_ACK = {"ok": True}  # the answer to a heartbeat; it carries nothing else
+HEARTBEAT_ACK = {"ok": True}  # the answer to a heartbeat, with "probe" added while a cut of the group stands
 
 
 class ErrorCode(str, enum.Enum):
@@ -188,14 +189,20 @@ class SignOfLife(GroupMessage):
     """
 
     progress: dict[str, Any] = field(default_factory=dict, kw_only=True)
+    reach: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
     def __post_init__(self) -> None:
-        _ = self.group_progress  # refused (400) here, with the field named, if malformed
+        _ = self.group_progress, self.reach_report  # refused (400) here, with the field named, if malformed
 
     @functools.cached_property
     def group_progress(self) -> GroupProgress:
         """``progress`` parsed once, when the message is made (not a field: it is not sent)."""
         return GroupProgress.from_json(self.progress)
+
+    @functools.cached_property
+    def reach_report(self) -> ReachReport:
+        """``reach`` parsed once, as ``group_progress``."""
+        return ReachReport.from_json(self.reach)
 
 
 @dataclass(frozen=True)
@@ -244,6 +251,59 @@ class GroupProgress:
                 raise _bad_request(f"progress field {name!r}={value!r} must be a finite non-negative number")
             numbers[name] = None if value is None else float(value)
         return cls(inner_step=step, digest=digest, **numbers)
+
+
+@dataclass(frozen=True)
+class ReachReport:
+    """A leader's probe endpoint and its probes of peers since its last report (``diloco.ft.reach``):
+    what the lighthouse's reachability matrix is built from. ``port`` 0: it has no listener."""
+
+    port: int = 0
+    reached: dict[str, str] = field(default_factory=dict)  # peer -> the "host:port" probed
+    unreached: dict[str, str] = field(default_factory=dict)
+    mbps: dict[str, float] = field(default_factory=dict)  # peer -> the throughput its link to it was timed at
+    round_bytes: int = 0  # what its lane carried in its last round
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ReachReport:
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise _bad_request(f"unknown reach field {unknown[0]!r}")
+        port, round_bytes = data.get("port", 0), data.get("round_bytes", 0)
+        if not (isinstance(port, int) and not isinstance(port, bool) and 0 <= port <= 65535):
+            raise _bad_request(f"reach field 'port'={port!r} must be a TCP port (0 to 65535)")
+        if not (isinstance(round_bytes, int) and not isinstance(round_bytes, bool) and round_bytes >= 0):
+            raise _bad_request(f"reach field 'round_bytes'={round_bytes!r} must be a non-negative integer")
+        probed = {
+            name: _by_group(data, name, lambda v: isinstance(v, str) and len(v) <= MAX_ENDPOINT_CHARS)
+            for name in ("reached", "unreached")
+        }
+        mbps = _by_group(
+            data, "mbps", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+        )
+        return cls(port=port, mbps={g: float(r) for g, r in mbps.items()}, round_bytes=round_bytes, **probed)
+
+
+def _by_group(data: dict[str, Any], name: str, value_ok: Callable[[Any], bool]) -> dict[str, Any]:
+    """A reach field that maps group ids to values, checked; a problem is a 400 naming it."""
+    value = data.get(name, {})
+    if not (
+        isinstance(value, dict)
+        and len(value) <= MAX_CONFIG_KEYS
+        and all(isinstance(g, str) and 0 < len(g) <= MAX_GROUP_ID_CHARS for g in value)
+        and all(value_ok(v) for v in value.values())
+    ):
+        what = "endpoints probed" if name != "mbps" else "positive rates"
+        raise _bad_request(f"reach field {name!r} must map at most {MAX_CONFIG_KEYS} group ids to {what}")
+    return value
+
+
+def probe_request_from_json(data: Any) -> dict[str, str]:
+    """The peers a heartbeat's answer asks the group to probe again (``{"probe": {group: "host:port"}}``)."""
+    probe = data.get("probe", {}) if isinstance(data, dict) else None
+    if not (isinstance(probe, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in probe.items())):
+        raise ValueError(f"malformed heartbeat answer: {data!r}")
+    return probe
 
 
 @dataclass(frozen=True)
@@ -459,8 +519,9 @@ class QuorumGrant(NamedTuple):
     def to_json(self, *, participants: bool = True) -> dict[str, Any]:
         """Without ``participants`` for an asker that holds them (``QuorumAsk.known_quorum``): only their number."""
         quorum = self.quorum.to_json()
-        if not participants:
+        if not participants:  # nor their endpoints: an id names the same members, with the same endpoints
             quorum["members"] = len(quorum.pop("participants"))
+            del quorum["endpoints"]
         return {"quorum": quorum, "store": {"host": self.store[0], "port": self.store[1]}}
 
 
@@ -479,7 +540,8 @@ def quorum_answer_from_json(data: Any, held: Quorum | None = None) -> QuorumGran
             return JobEnd.from_json(data["end"])
         store, quorum = data["store"], data["quorum"]
         if "participants" not in quorum:
-            quorum = {**quorum, "participants": _held_participants(quorum, held)}
+            held_endpoints = held.endpoints if held is not None else {}
+            quorum = {**quorum, "participants": _held_participants(quorum, held), "endpoints": held_endpoints}
         return QuorumGrant(Quorum.from_json(quorum), (str(store["host"]), int(store["port"])))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"malformed quorum answer: {e!r}") from None

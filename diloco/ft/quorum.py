@@ -6,16 +6,21 @@ drive it with plain numbers. The rules, in words: docs/fault-tolerance.md, "The 
 
 from __future__ import annotations
 
+import itertools
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from diloco.config.cluster import QuorumRules
+from diloco.ft.reachability import Reachability, largest_reachable_set
 
 SKEW_MARGIN = 3.0  # a round waits this many times the latest recent ask (30 groups on 2 cores: spikes of 2.5x)
 SKEW_ROUNDS = 10  # how many recent rounds' ask skews the join wait remembers
 BROKEN_KEPT = 1024  # broken rounds remembered, so a member that comes back late still learns its round broke
 SIT_OUT_AFTER = 2  # rounds failed in a row before a group sits out (see QuorumBook.sit_out)
 SIT_OUT_DOUBLINGS = 3  # a group that sits out again and again does so for at most 2**3 times the period
+LANE_FAILED = "it gave the round up: its lane failed (cluster.timeouts.collective, or .connect while forming)"
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,8 @@ class Quorum:
     closing: bool = False  # finished groups hand their final state to those behind: nothing is reduced or committed
     # Which formation this is: the id stays while membership holds, a round is formed anew each time.
     round_id: int = 0
+    # Participant -> "host:port" of its probe listener (diloco.ft.reach), for those that have one.
+    endpoints: dict[str, str] = field(default_factory=dict)
 
     def rank_of(self, group: str) -> int:
         return self.participants.index(group)
@@ -74,6 +81,7 @@ class Quorum:
             "round_floor": self.round_floor,
             "closing": self.closing,
             "round_id": self.round_id,
+            "endpoints": dict(self.endpoints),
         }
 
     @classmethod
@@ -86,6 +94,7 @@ class Quorum:
             round_floor=int(data.get("round_floor", 0)),
             closing=bool(data.get("closing", False)),
             round_id=int(data.get("round_id", 0)),
+            endpoints={str(k): str(v) for k, v in data.get("endpoints", {}).items()},
         )
 
 
@@ -219,10 +228,10 @@ class QuorumBook:
     issued) forms nothing until it has heard from every expected group or a heartbeat
     timeout has passed, so no quorum forms before the holders of the newest state speak.
 
-    End: a group that trained to the end reports itself finished and stays. While any
-    healthy group is finished, quorums are closing ones: finished holders of the job's
-    state hand it to the askers behind it and nothing new is committed, so no group commits
-    from stale state after its peers finished. The job ends once every expected group has
+    End: a group that trained to the end reports itself finished and stays. While a healthy
+    finished group holds the job's newest state, quorums are closing ones: finished holders of
+    the job's state hand it to the askers behind it and nothing new is committed, so no group
+    commits from stale state after its peers finished (``_closing``). The job ends once every expected group has
     finished at one step, or ``end_timeout_s`` after the first group finished.
     """
 
@@ -254,8 +263,45 @@ class QuorumBook:
     failed_in_a_row: int = 0  # training rounds whose members all came back saying it failed (see sit_out)
     failures_counted_at: int = 0  # the round whose outcome failed_in_a_row last counted
     sitting_out: dict[str, float] = field(default_factory=dict)  # group -> until when it sits out
-    gave_up: dict[int, set[str]] = field(default_factory=dict)  # round -> members back saying its lane failed
+    # Round -> its members that gave it up -> why: back saying its lane failed, or found cut from a member.
+    gave_up: dict[int, dict[str, str]] = field(default_factory=dict)
     sat_out: dict[str, int] = field(default_factory=dict)  # group -> times it sat out since a round with it worked
+    reach: Reachability = field(init=False)  # who reaches whom, from the leaders' probes (see decide)
+    formed_at: deque[float] = field(default_factory=lambda: deque(maxlen=SKEW_ROUNDS))  # training rounds' times
+
+    def __post_init__(self) -> None:
+        self.reach = Reachability(hold_s=self.rules.sit_out_s)
+
+    def give_up_cut_rounds(self, group: str, now: float) -> bool:
+        """``group`` gives up its open round if it is cut from a member of it (its probe before the
+        round's lane formed found so): the lane could never form, so the others stop waiting for
+        it at once (``break_rounds``), and all of them ask again at their next sync. True if it did."""
+        round_id = self.granted_round.get(group, 0)
+        members = self.open_rounds.get(round_id, set())
+        cut = sorted(g for g in members if g != group and self.reach.is_cut(group, g, now))
+        if group in members and cut:
+            self.gave_up.setdefault(round_id, {})[group] = f"it cannot reach {', '.join(cut)} (its probes)"
+            return True
+        return False
+
+    def reach_report(
+        self,
+        group: str,
+        host: str,
+        port: int,
+        reached: dict[str, str],
+        unreached: dict[str, str],
+        now: float,
+        mbps: dict[str, float] | None = None,
+        round_bytes: int = 0,
+    ) -> None:
+        """A leader's probe endpoint (``host`` as the lighthouse sees it, ``port`` 0: none), its
+        probes, the throughput of the links it timed and what its lane carried in its last round."""
+        if port:
+            self.reach.register(group, f"{host}:{port}")
+        self.reach.report(group, reached, unreached, now, mbps)
+        if round_bytes:
+            self.reach.round_bytes[group] = round_bytes
 
     def heartbeat(
         self, group: str, now: float, quorum_id_seen: int = 0, step: int | None = None, finished: bool = False
@@ -282,7 +328,7 @@ class QuorumBook:
         self.awaited.pop(request.group, None)
         round_id = self.granted_round.get(request.group, 0)
         if request.lane_failed and len(self.open_rounds.get(round_id, ())) > 1:  # others still wait in it
-            self.gave_up.setdefault(round_id, set()).add(request.group)
+            self.gave_up.setdefault(round_id, {})[request.group] = LANE_FAILED
         self.leave_rounds(request.group)
         if request.group not in self.pending and self.last_round is not None and self.ask_skew:
             position, clock_start = self.last_round
@@ -304,6 +350,7 @@ class QuorumBook:
         self.last_heartbeat.pop(group, None)
         self._healthy_at = None
         self.awaited.pop(group, None)
+        self.reach.forget(group)
         self.withdraw(group)
 
     def withdraw(self, group: str) -> None:
@@ -339,7 +386,7 @@ class QuorumBook:
         for round_id in [r for r in self.gave_up if r not in self.open_rounds]:  # closed meanwhile
             del self.gave_up[round_id]
         for round_id, members in list(self.open_rounds.items()):
-            gone, given_up = members - healthy, self.gave_up.pop(round_id, set())
+            gone, given_up = members - healthy, self.gave_up.pop(round_id, {})
             if not gone and not given_up:
                 continue
             if gone:
@@ -351,11 +398,11 @@ class QuorumBook:
                 )
             else:
                 first = min(given_up)
-                why = "it gave the round up: its lane failed (cluster.timeouts.collective, or .connect while forming)"
+                why = given_up[first]
             earlier = self.broken.get(round_id)
             self.broken[round_id] = RoundBreak(
                 earlier.reason if earlier else f"group {first} left round {round_id}: {why}",
-                (earlier.gone if earlier else frozenset()) | gone | given_up,
+                (earlier.gone if earlier else frozenset()) | gone | given_up.keys(),
                 (earlier is not None and earlier.left) or bool(gone),
             )
             told.update(dict.fromkeys(members, self.broken[round_id].reason))
@@ -448,15 +495,17 @@ class QuorumBook:
             self._turn_away(group, f"no heartbeat for cluster.timeouts.heartbeat={hb:g} s while it waited")
         if self.ended is not None or not self._started(now):
             return None
-        if any(g in healthy for g in self.finished):  # few finish: not a pass over every group per decision
+        finished = [g for g in self.finished if g in healthy]  # few finish: not a pass over every group
+        if finished and self._closing(finished, healthy, now):
             return self._closing_quorum(healthy, now)
         if self._awaiting(now):
             return None
         self._keep_sitting_out(now)
-        askers = set(self.pending)
+        training = healthy - self.sitting_out.keys() - self.finished.keys()
+        taking_part = self._without_slow_links(self._reachable_part(training, now), now)
+        askers = set(self.pending) - self.finished.keys()
         previous = self.previous.participants if self.previous else None
         clock_start = self.join_clock_start()
-        taking_part = healthy - self.sitting_out.keys()
         if not quorum_ready(askers, taking_part, previous, clock_start, now, self.rules, self.join_wait()):
             return None
         participants = self.sit_out(tuple(sorted(askers)), now)
@@ -475,7 +524,56 @@ class QuorumBook:
         elif clock_start is not None:
             self._measure_skew(participants, clock_start)
         fresh_lanes = bool(heal_from) or round_floor > 0 or any(r.commit_failed for r in self.pending.values())
+        self.formed_at.append(now)
         return self._form(participants, steps, heal_from, fresh_lanes, round_floor=round_floor)
+
+    def _reachable_part(self, taking_part: frozenset[str], now: float) -> frozenset[str]:
+        """The largest set of ``taking_part`` whose groups all reach each other (``largest_reachable_set``);
+        the askers left out are turned away, saying which peers they cannot reach.
+
+        Only they wait: the quorum's majority is counted among the groups that can meet, so a cut
+        pair costs the job the smaller side of it, never a round, and no group outside the pair sits out.
+        """
+        cuts = self.reach.cuts(taking_part, now)
+        if not cuts:
+            return taking_part
+        chosen = largest_reachable_set(taking_part, cuts, self._position)
+        for group in [g for g in self.pending if g in taking_part and g not in chosen]:
+            unreached = ", ".join(g for g in self.reach.unreached_by(group, now) if g in chosen) or "the others"
+            self._turn_away(
+                group,
+                f"it cannot reach {unreached} (its probes or theirs, cluster.timeouts.probe): groups "
+                f"{', '.join(sorted(chosen))} train on; it trains apart and heals once its link is back",
+            )
+        return chosen
+
+    def _without_slow_links(self, taking_part: frozenset[str], now: float) -> frozenset[str]:
+        """``taking_part`` less the groups whose link is too slow for the others' rounds
+        (``Reachability.slow_links``), whose asks are turned away with the measurement."""
+        slow = self.reach.slow_links(taking_part, self.rules.slow_link_factor, self._round_interval(), now)
+        for group in [g for g in self.pending if g in slow]:
+            mbps, median = slow[group]
+            self._turn_away(
+                group,
+                f"its link was timed at {mbps:.3g} Mbit/s against the others' median {median:.3g} "
+                f"(cluster.slow_link_factor={self.rules.slow_link_factor:g}): every round with it would move "
+                "at its pace; it trains apart and heals once its link is timed faster",
+            )
+        return taking_part - slow.keys()
+
+    def _round_interval(self) -> float:
+        """The median time between the last training rounds formed (0 before two): what a slow link's
+        extra time per round is weighed against."""
+        gaps = [b - a for a, b in itertools.pairwise(self.formed_at)]
+        return statistics.median(gaps) if gaps else 0.0
+
+    def _position(self, group: str) -> tuple[int, int]:
+        """What ranks a group's state in ``largest_reachable_set``: its committed round, then whether
+        it was in the last quorum. Not its inner step: asking, or between two asks, must not flip
+        which side of a cut trains (each flip throws one side's work away)."""
+        request = self.pending.get(group)
+        step = max(self.reported.get(group, 0), request.step if request is not None else 0)
+        return (step, int(self.previous is not None and group in self.previous.participants))
 
     def end_of_job(self, now: float) -> JobEnd | None:
         """The job's end, once every expected group finished at one step or ``end_timeout_s`` passed
@@ -517,6 +615,13 @@ class QuorumBook:
             return len(self.pending) >= expected or now - self.first_seen_at >= self.rules.start_timeout_s
         return len(self.last_heartbeat) >= expected or now - self.started_at >= self.rules.heartbeat_timeout_s
 
+    def _closing(self, finished: list[str], healthy: frozenset[str], now: float) -> bool:
+        """Whether only closing rounds form: a finished group holds the job's newest state (or it was
+        lost). Groups that finished apart and behind (cut off, sitting out, on a slow link) hold up no
+        one: the others train on in rounds of their own, and the finished wait for their final state."""
+        top = max(self.finished[g][0] for g in finished)
+        return top >= self.high_water or self._newest_state_lost(healthy, now)
+
     def _closing_quorum(self, healthy: set[str], now: float) -> Quorum | None:
         """Finished holders of the job's state hand it to every asker behind it."""
         finished = {g: step for g, (step, _) in self.finished.items() if g in healthy}
@@ -527,6 +632,10 @@ class QuorumBook:
             self._turn_away(group, "other groups have finished training; no new round starts, train on to the end")
         holders = [g for g in self.pending if finished.get(g) == top]
         behind = [g for g, r in self.pending.items() if r.step < top]
+        if not holders or not behind:
+            return None
+        members = self._reachable_part(frozenset(holders + behind), now)  # a lane needs every pair to meet
+        holders, behind = [g for g in holders if g in members], [g for g in behind if g in members]
         if not holders or not behind:
             return None
         participants = tuple(sorted(holders + behind))
@@ -549,8 +658,9 @@ class QuorumBook:
         if self.previous is None or quorum_id != self.previous.quorum_id:
             quorum_id = max(quorum_id, self.quorum_id_floor + 1)
         self.rounds_formed += 1
+        endpoints = {g: self.reach.endpoints[g] for g in participants if g in self.reach.endpoints}
         quorum = Quorum(
-            quorum_id, participants, max(steps.values()), heal_from, round_floor, closing, self.rounds_formed
+            quorum_id, participants, max(steps.values()), heal_from, round_floor, closing, self.rounds_formed, endpoints
         )
         self.open_rounds[self.rounds_formed] = set(participants)
         self.previous = quorum
@@ -565,11 +675,14 @@ class QuorumBook:
 
         A round fails for every member when two of them cannot reach each other while both reach
         the lighthouse (a partition between two hosts), or a member's link is too slow for the
-        collective timeout: nobody dies, so the same members would meet, and fail, forever. The
-        lighthouse cannot see which pair it is, so once ``SIT_OUT_AFTER`` training rounds in a
+        collective timeout: nobody dies, so the same members would meet, and fail, forever. A cut
+        the leaders' probes found is handled by ``decide`` (the largest reachable set) and a slow
+        link they timed by ``_without_slow_links``; this is for failures no probe explains (a cut
+        between two hosts other than the leaders'). Once ``SIT_OUT_AFTER`` training rounds in a
         row failed on the lane for every member that asks again (each says so,
-        ``QuorumRequest.lane_failed``, or one gave the round up and the others were told to) and
-        no member left them (``break_rounds``), one asker sits out: the one that sat out most
+        ``QuorumRequest.lane_failed``, or one gave the round up and the others were told to), no
+        member left them (``break_rounds``) and no cut among them explains them, one asker sits
+        out: the one that sat out most
         since a round with it last worked (it came back and rounds failed again: then one failed
         round is enough), else the last by name. It trains on alone and heals when it returns
         after ``sit_out_s``, doubled for each time it sat out since. Each further failure sets
@@ -583,7 +696,9 @@ class QuorumBook:
             # A round a member left (it died, went silent) failed for a reason the lighthouse knows.
             broken = self.broken.get(previous.round_id)
             lane_failed = broken is not None or all(self.pending[g].lane_failed for g in back)
-            failed = bool(back) and lane_failed and not (broken and broken.left)
+            # A cut the probes found explains it: the largest reachable set takes care of it (decide).
+            explained = bool(self.reach.cuts(previous.participants, now))
+            failed = bool(back) and lane_failed and not (broken and broken.left) and not explained
             self.failed_in_a_row = self.failed_in_a_row + 1 if failed else 0
             if not failed:
                 for group in back:

@@ -37,7 +37,14 @@ TICK_ROWS = 100  # groups up to which the timeline marks every member of every q
 LINE_GROUPS = 16
 BAND_BINS = 200  # step bins of the loss band, each twice as wide whenever the run outgrows them
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
-EVENT_COLORS = {"joined": "#1f77b4", "lost": "#d62728", "heal": "#2ca02c", "end": "#000000"}
+EVENT_COLORS = {
+    "joined": "#1f77b4",
+    "lost": "#d62728",
+    "heal": "#2ca02c",
+    "cut": "#ff7f0e",  # two groups found unable to reach each other
+    "whole": "#9467bd",  # and reaching each other again
+    "end": "#000000",
+}
 
 
 class Curve:
@@ -110,6 +117,7 @@ class StatusBoard:
         self.curves: dict[str, Curve] = {}
         self.band = LossBand()
         self.timeline: deque[dict[str, Any]] = deque(maxlen=TIMELINE_EVENTS)
+        self.committed_at: dict[str, int] = {}  # group -> the inner step of its last commit
         self._healthy: set[str] = set()
 
     def progress(self, group: str, progress: GroupProgress) -> None:
@@ -117,6 +125,10 @@ class StatusBoard:
         if progress.train_loss is not None and progress.inner_step > 0:
             if self.curves.setdefault(group, Curve()).add(progress.inner_step, progress.train_loss):
                 self.band.add(progress.inner_step, progress.train_loss)
+
+    def committed(self, group: str) -> None:
+        """``group`` committed a round at the inner step its latest sign of life reported."""
+        self.committed_at[group] = self.latest.get(group, GroupProgress()).inner_step
 
     def membership(self, healthy: set[str]) -> None:
         """Events for the groups that started or stopped heartbeating since the last call."""
@@ -157,6 +169,8 @@ class StatusSnapshot:
     timeline: list[dict[str, Any]]
     ended: JobEnd | None
     rules: QuorumRules
+    cuts: list[dict[str, Any]]  # Reachability.status: the pairs that cannot meet now
+    committed_at: dict[str, int]  # StatusBoard.committed_at
 
 
 def snapshot(
@@ -188,6 +202,8 @@ def snapshot(
         timeline=list(board.timeline),
         ended=book.ended,
         rules=book.rules,
+        cuts=book.reach.status(now),
+        committed_at=dict(board.committed_at),
     )
 
 
@@ -208,6 +224,10 @@ def build_status(snap: StatusSnapshot) -> dict[str, Any]:
             "healthy": g in snap.healthy,
             "waiting_for_quorum": g in snap.pending,
             "finished": g in snap.finished,
+            # What it trained that no commit of its carries yet: a window's worth while rounds form.
+            "steps_since_commit": max(0, snap.progress.get(g, GroupProgress()).inner_step - snap.committed_at[g])
+            if g in snap.committed_at
+            else None,
         }
         | snap.progress.get(g, GroupProgress()).to_json()
         for g, t in sorted(snap.last_heartbeat.items())
@@ -225,6 +245,7 @@ def build_status(snap: StatusSnapshot) -> dict[str, Any]:
         "timeline": snap.timeline,
         "curves": dict(sorted(snap.curves.items())),
         "loss_band": snap.loss_band,
+        "reachability": {"cuts": snap.cuts},
         "rules": dataclasses.asdict(snap.rules),
     }
 
@@ -253,12 +274,13 @@ def _page(status: Mapping[str, Any], head: str, foot: str) -> str:
     """A small page with the same content as ``status`` (the /status JSON), as tables and inline SVG;
     ``head`` and ``foot`` are what the live page and the saved one differ in."""
     groups = _table(
-        ["group", "inner step", "train loss", "tokens/s", "committed round", "digest", "since heartbeat (s)"]
-        + ["healthy", "waiting for quorum", "finished"],
+        ["group", "inner step", "steps since its last commit", "train loss", "tokens/s", "committed round", "digest"]
+        + ["since heartbeat (s)", "healthy", "waiting for quorum", "finished"],
         [
             [
                 g["id"],
                 g.get("inner_step", "-"),
+                "-" if g.get("steps_since_commit") is None else g["steps_since_commit"],
                 _number(g.get("train_loss"), ".4f"),
                 _number(g.get("tokens_per_s"), ",.0f"),
             ]
@@ -292,6 +314,23 @@ def _page(status: Mapping[str, Any], head: str, foot: str) -> str:
             for h in reversed(status["history"])
         ],
     )
+    cuts = status.get("reachability", {}).get("cuts", [])
+    reachability = (
+        "<p>every group reaches every other (as far as their probes found)</p>"
+        if not cuts
+        else _table(
+            ["groups", "state", "for (s)", "times cut", "latest probes"],
+            [
+                [" and ".join(c["groups"]), "cut" if c["cut"] else "whole again, held apart (it flapped)"]
+                + [
+                    c["for_s"],
+                    c["times_cut"],
+                    ", ".join(f"{k}: {'reached' if v else 'not reached'}" for k, v in c["reached"].items()),
+                ]
+                for c in cuts
+            ],
+        )
+    )
     rules = _table(["rule", "value"], [[k, v] for k, v in status["rules"].items()])
     job = escape(str(status["job"]))
     return f"""<!doctype html>
@@ -303,6 +342,7 @@ td,th{{border:1px solid #bbb;padding:.2em .6em;text-align:left}}th{{background:#
 <p>model signature {escape(str(status["model_signature"]))}; at {_clock(status["now"])}</p>
 {ended}<h2>groups</h2>{groups}<h2>train loss</h2>{loss_svg(status["curves"], status["loss_band"], color)}
 <h2>timeline</h2>{timeline_svg(status["timeline"], status["history"], ids, status["now"])}
+<h2>who cannot reach whom</h2>{reachability}
 <h2>current quorum</h2>{current}<h2>recent quorums</h2>{history}
 <h2>rules</h2>{rules}{foot}</body></html>
 """

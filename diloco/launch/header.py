@@ -92,12 +92,19 @@ def tokens_line(job: JobConfig) -> str:
     2,048,000 in 500 steps``."""
     t = job.trainer
     dp = job.parallel.dp(job.cluster.workers_per_group)
-    per_group = t.batch_size * dp * t.grad_accum * t.seq_len
+    per_group = group_step_tokens(job)
     per_job = per_group * job.cluster.groups
     return (
         f"tokens: {per_group:,} per step per group (batch {t.batch_size} x dp {dp} x accum {t.grad_accum} "
         f"x seq {t.seq_len}), {per_job:,} per step; {per_job * t.max_steps:,} in {t.max_steps} steps"
     )
+
+
+def group_step_tokens(job: JobConfig) -> int:
+    """Tokens one group trains per inner step, the same in every group: summary.json turns a group's tokens
+    into steps with it (tokens_seen over a healed group's last step would count the steps it jumped over)."""
+    t = job.trainer
+    return t.batch_size * job.parallel.dp(job.cluster.workers_per_group) * t.grad_accum * t.seq_len
 
 
 def _count(n: int, noun: str) -> str:

@@ -121,16 +121,34 @@ def render_starting(elapsed_s: float, groups: int, built: int, joined: int | Non
     return f"starting: {doing} ({format_duration(elapsed_s)})"
 
 
-def render_faults(counts: dict[str, int]) -> str:
-    """``faults: 2 kill, 1 crash`` from summary.json's event counts, or ``no faults``."""
+def render_faults(counts: dict[str, int], work_lost: bool = False) -> str:
+    """``faults: 2 kill, 1 crash`` from summary.json's event counts, or ``no faults`` (``no other
+    faults`` once the line said work was lost: losing it is a fault even when no event caused it)."""
     faults = [f"{n} {kind}" for kind, n in counts.items() if kind in FAULT_EVENTS and n]
-    return f"faults: {', '.join(faults)}" if faults else "no faults"
+    if faults:
+        return f"faults: {', '.join(faults)}"
+    return "no other faults" if work_lost else "no faults"
+
+
+def render_lost_work(lost: dict[str, Any]) -> str | None:
+    """``work lost: the model is the global state of step 360 of 1,500, and 2,280 group-steps trained
+    never reached it (group 1: 1,140, group 2: 1,140)`` from summary.json's ``lost_work``; None when
+    every step reached the model, so a job that trained apart says so instead of ``no faults``."""
+    parts = []
+    if lost["steps_short"]:
+        parts.append(f"the model is the global state of step {lost['global_step']:,} of {lost['max_steps']:,}")
+    if lost["group_steps_lost"]:
+        groups = ", ".join(f"group {g}: {n:,}" for g, n in lost["per_group"].items() if n)
+        model = "it" if parts else "the global model"
+        parts.append(f"{lost['group_steps_lost']:,} group-steps trained never reached {model} ({groups})")
+    return f"work lost: {', and '.join(parts)}" if parts else None
 
 
 def render_done(summary: dict[str, Any], summary_path: Path) -> str:
     """The job's last line: ``done: eval loss 2.8389 (ppl 17.10); 245,760 tokens in 15s (34.7k tok/s
     over 7s of training); 3 rounds, 6/6 syncs committed; no faults, 0 recoveries; summary in
-    RUN/summary.json`` (``failed:`` when summary.json is not ok).
+    RUN/summary.json`` (``failed:`` when summary.json is not ok; ``work lost: ...`` before the
+    faults when steps never reached the global model, see ``render_lost_work``).
 
     tok/s is summary.json's ``tokens_per_s``: every group's tokens trained in this run (a resumed
     job's before its checkpoint left out) over the longest group's training time (from its first
@@ -147,7 +165,11 @@ def render_done(summary: dict[str, Any], summary_path: Path) -> str:
     if summary["algo"] != "local":
         committed, attempted = summary["syncs_committed"], summary["syncs_attempted"]
         parts.append(f"{summary['rounds']} rounds, {committed}/{attempted} syncs committed")
-    parts.append(f"{render_faults(summary['faults'])}, {recoveries} recover{'y' if recoveries == 1 else 'ies'}")
+    lost = render_lost_work(summary["lost_work"])
+    if lost:
+        parts.append(lost)
+    faults = render_faults(summary["faults"], work_lost=lost is not None)
+    parts.append(f"{faults}, {recoveries} recover{'y' if recoveries == 1 else 'ies'}")
     parts.append(f"summary in {summary_path}")
     return f"{'done' if summary['ok'] else 'failed'}: {'; '.join(parts)}"
 

@@ -16,6 +16,7 @@ from typing import Any
 from diloco.config.base import ConfigError
 from diloco.config.job import JobConfig
 from diloco.files import file_sha256, write_json_atomically
+from diloco.launch.header import group_step_tokens
 from diloco.launch.outcome import job_outcome
 from diloco.run_paths import RunPaths
 from diloco.train.checkpoint import whole_group_checkpoints
@@ -134,6 +135,66 @@ def state_losses(commits: dict[int, list[dict]]) -> list[dict[str, int]]:
     return list(losses.values())
 
 
+def lost_work(
+    job: JobConfig, results: list[dict[str, Any]], commits: dict[int, list[dict]], final_round: int | None
+) -> dict[str, Any]:
+    """What never reached the global model the job wrote, which exit 0 does not rule out: groups that could
+    not meet train apart, and their steps end in no commit. ``algo=local`` has no global model to reach."""
+    syncs = job.algo.name != "local"
+    global_step = global_model_step(commits, final_round)
+    step_tokens = group_step_tokens(job)
+    per_group = {
+        str(r["group"]): group_steps_lost(r, commits[r["group"]], step_tokens, job.algo.fragments) if syncs else 0
+        for r in results
+    }
+    return {
+        "global_step": global_step,
+        "max_steps": job.trainer.max_steps,
+        "steps_short": job.trainer.max_steps - global_step if syncs else 0,
+        "per_group": per_group,
+        "group_steps_lost": sum(per_group.values()),
+    }
+
+
+def global_model_step(commits: dict[int, list[dict]], final_round: int | None) -> int:
+    """The inner step of the final round's commits (else of the newest round committed): the model's step."""
+    syncs = [r for records in commits.values() for r in records if _carries(r)]
+    last = final_round if final_round is not None else max((r["round"] for r in syncs), default=None)
+    return max((r["inner_step"] for r in syncs if r["round"] == last), default=0)
+
+
+def group_steps_lost(result: dict[str, Any], records: list[dict], step_tokens: int, fragments: int) -> int:
+    """The inner steps a group trained in this run that none of its commits carries.
+
+    Counted for the process that wrote the result, whose records end the group's log (a killed
+    one's steps after its last round are in no record); the tokens before a resumed checkpoint
+    are no work of this run. A commit carries its fragment's window up to its inner step, its
+    tokens being 1/P of the window's (``algo.fragments``).
+    """
+    own = [r for r in records if r.get("pid") == records[-1].get("pid")] if records else []
+    spans = [
+        (r["inner_step"] - r.get("tokens", 0.0) * fragments / step_tokens, r["inner_step"]) for r in own if _carries(r)
+    ]
+    trained = (result["tokens_seen"] - result.get("resumed_tokens", 0)) / step_tokens
+    return steps_no_commit_carries(trained, spans)
+
+
+def steps_no_commit_carries(trained_steps: float, windows: list[tuple[float, float]]) -> int:
+    """``trained_steps`` less the steps the committed windows (first, last] cover together: Streaming
+    DiLoCo's fragments carry overlapping windows, so a step any commit carries is not lost (the
+    earlier fragments' last steps, which the job's last rounds leave to the later ones, included)."""
+    carried, reach = 0.0, -math.inf
+    for first, last in sorted(windows):
+        carried += max(0.0, last - max(first, reach))
+        reach = max(reach, last)
+    return max(0, round(trained_steps - carried))
+
+
+def _carries(record: dict) -> bool:
+    """A committed round of training: closing and join rounds move the job's state to a group, nothing more."""
+    return record["committed"] and not (record.get("closing") or record.get("join"))
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"count": 0}
@@ -210,6 +271,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "bytes_per_token": bytes_sent / tokens if tokens else 0.0,
         "recoveries": recoveries(commits),
         "state_lost": state_losses(commits),
+        "lost_work": lost_work(job, results, commits, outcome.final_round),
         "goodput_tokens_per_s": committed_tokens / wall_seconds if wall_seconds > 0 else 0.0,
         "faults": {kind: sum(e["kind"] == kind for e in events) for kind in sorted({e["kind"] for e in events})},
         "lighthouse_restarts": sum(e["kind"] == "lighthouse_restart" for e in events),

@@ -27,6 +27,7 @@ from diloco.ft.fault_requests import FaultHook
 from diloco.ft.lane_watch import LaneWatcher
 from diloco.ft.lanes import Lanes
 from diloco.ft.manager import Manager
+from diloco.ft.reach import ReachProbes
 from diloco.ft.state import HealState, counted_here, local_tensor
 from diloco.outer.auto_overlap import AutoOverlap
 from diloco.outer.bandwidth import bucket_for
@@ -96,6 +97,7 @@ def build_manager(member: Membership, timeouts: TimeoutsConfig, *, watch_rounds:
         heartbeat_interval_s=timeouts.heartbeat / HEARTBEATS_PER_TIMEOUT,
         watch_rounds=watch_rounds,
         lane_watch=LaneWatcher(client, poll_s=timeouts.quorum),
+        probes=ReachProbes(timeouts.probe, timeouts.heartbeat / HEARTBEATS_PER_TIMEOUT) if member.leader else None,
     )
 
 

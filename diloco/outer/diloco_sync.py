@@ -270,6 +270,7 @@ class OuterSync(Synchronizer):
             flight.averages.append(average if ok else None)
             flight.bytes_sent.append(reduce.bytes_sent)
         flight.shared = pending[0].extras
+        self.manager.note_round_bytes(sum(flight.bytes_sent))  # what a slow link would hold up (diloco.ft.reach)
         if all(a is not None for a in flight.averages):
             self.plan.transferred(time.perf_counter() - started, sum(flight.bytes_sent))
 

@@ -3,9 +3,11 @@ hosts: a worker SIGKILLed (torchrun restarts its group, which heals from the pee
 down and up again (the group is dropped, comes back and heals) and the lighthouse SIGKILLed (its
 restart loop starts it again). Each fault waits for the job's progress (new rounds in its commit
 logs), not for fixed times. The job must end as if nothing had happened: every part exits 0,
-summary.json ok with one digest, and no process nor namespace is left behind (slow; needs root,
-``ip`` and ``tc``: skipped with netns_link.unavailable()'s reason). And experiments/multihost_chaos.py's
-own arithmetic, on records made up here (fast).
+summary.json ok with one digest, and no process nor namespace is left behind. And two of three
+groups cut from each other while all reach the lighthouse: the third never sits out, the kept side
+commits again soon after the round at the cut failed, the cut-off one is back soon after the link
+(slow; need root, ``ip`` and ``tc``: skipped with netns_link.unavailable()'s reason). And
+experiments/multihost_chaos.py's and multihost_cuts.py's own arithmetic, on records made up here (fast).
 
 ``multihost_chaos.py --quick`` itself is not run here: its two jobs take 75 s on two idle cores
 (2.5 min on busy ones), past the minute a test of it may take.
@@ -21,7 +23,18 @@ from pathlib import Path
 
 import netns_link
 import pytest
-from multihost_chaos import KINDS, Deck, Fault, commits, digest_mismatches, fault_stalls, is_back, survivor_gap
+from multihost_chaos import (
+    KINDS,
+    Deck,
+    Fault,
+    commits,
+    cut_pairs,
+    digest_mismatches,
+    fault_stalls,
+    is_back,
+    survivor_gap,
+)
+from multihost_cuts import cut_off, failed_at, model_step, reformed, sat_out, seconds_to_back
 from netns_hosts import MultihostJob, NetnsHosts
 
 NO_NETNS = netns_link.unavailable()
@@ -32,6 +45,22 @@ OVERRIDES = ["trainer.max_steps=1400", "algo.sync_every=10"]
 LINK_DOWN_S = 8.0  # > cluster.timeouts.heartbeat (3 s): the group is dropped
 BACK_S = 60.0  # a restarted or cut-off group back at its peers' round; a lighthouse started again
 JOB_S = 240.0
+# Three groups, g0 | g1 cut for CUT_S: longer than the round at the cut takes to fail (a cut shorter than
+# cluster.timeouts.collective fails no round: its TCP connections resume), and steps enough that the job
+# outlasts it and the heal (~30 steps/s per group on two idle cores). No link is timed slow
+# (cluster.slow_link_factor=0): on two busy cores a probe times the same unshaped link at 36 Mbit/s and at
+# 760, and the group it calls slow would sit out for a reason this test is not about.
+CUT_GROUPS = 3
+CUT_OVERRIDES = [
+    "trainer.max_steps=600",
+    "algo.sync_every=20",
+    "trainer.warmup_share=0",
+    "cluster.timeouts.collective=5",
+    "cluster.timeouts.connect=5",
+    "cluster.slow_link_factor=0",
+]
+CUT_S = 10.0
+AGAIN_WITHIN_S = 5.0  # the kept side commits again after the failed round; the cut-off group is back after the link
 
 
 def _namespaces() -> set[str]:
@@ -48,17 +77,17 @@ def _wait(job: MultihostJob, done: Callable[[], bool], what: str, timeout_s: flo
 
 
 def _committed(job: MultihostJob, group: int) -> int:
-    return sum(r["committed"] for r in commits(job.run_dir, GROUPS)[group])
+    return sum(r["committed"] for r in commits(job.run_dir, job.groups)[group])
 
 
 def _more_rounds(job: MultihostJob, rounds: int, what: str) -> None:
     """Wait for every group to commit ``rounds`` more rounds."""
-    start = [_committed(job, g) for g in range(GROUPS)]
-    _wait(job, lambda: all(_committed(job, g) >= start[g] + rounds for g in range(GROUPS)), what)
+    start = [_committed(job, g) for g in range(job.groups)]
+    _wait(job, lambda: all(_committed(job, g) >= start[g] + rounds for g in range(job.groups)), what)
 
 
 def _back(job: MultihostJob, group: int, since: float, old_pids: set[int] = frozenset(), healed: bool = False) -> bool:
-    records = commits(job.run_dir, GROUPS)[group]
+    records = commits(job.run_dir, job.groups)[group]
     if healed:  # it took a peer's state after ``since``
         return any(r.get("healed") and r["time"] > since for r in records)
     return is_back(records, since, set(old_pids))
@@ -109,6 +138,45 @@ def test_a_multihost_job_rides_out_a_worker_kill_a_link_down_and_a_lighthouse_ki
     assert not _namespaces() & namespaces
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(NO_NETNS is not None, reason=f"namespaced hosts: {NO_NETNS}")
+def test_two_groups_cut_apart_leave_the_third_in_every_round_and_both_sides_commit_again_soon(tmp_path: Path):
+    with (
+        NetnsHosts(["lh", "g0", "g1", "g2"]) as hosts,
+        MultihostJob(hosts, tmp_path, groups=CUT_GROUPS, overrides=CUT_OVERRIDES) as job,
+    ):
+        job.start()
+        _more_rounds(job, 3, "first rounds")
+        cut_at = time.time()
+        hosts.partition("g0", "g1")
+        time.sleep(CUT_S)
+        hosts.heal("g0", "g1")
+        link_back = time.time()
+        _wait(job, lambda: _back(job, 0, link_back) and _back(job, 1, link_back), "both sides back after the link")
+        ended = job.wait(timeout_s=JOB_S)
+    for host, end in ended.items():
+        assert end.returncode == 0 and not end.killed, f"{host}:\n{end.tail}"
+    summary = job.summary()
+    assert summary is not None and summary["ok"], summary and summary["failure"]
+    assert len({r["digest"] for r in summary["per_group"]}) == 1, summary["per_group"]
+
+    after = {g: [r for r in rs if r["time"] > cut_at] for g, rs in commits(job.run_dir, CUT_GROUPS).items()}
+    failed = failed_at(after, cut_at)
+    assert failed is not None, "the round at the cut failed"
+    first = reformed(after, cuts=((0, 1),), since=failed)
+    assert first is not None, "groups 0 and 1 never met apart"
+    third_failed = [r["time"] for r in after[2] if not r["committed"]]
+    assert len(third_failed) <= 1 and all(t < first["time"] for t in third_failed), "group 2 failed no other round"
+    assert all("group2" in r["participants"] for rs in after.values() for r in rs), "group 2 in every quorum"
+    again = first["time"] - failed
+    assert again <= AGAIN_WITHIN_S, f"{first['participants']} committed {again:.1f} s after the failed round"
+    # Cut off: the one of the pair the last commit before the link's return left out (the side kept may
+    # change while the cut stands: a quorum forms of the groups asking, and either side of the pair asks).
+    [left_out] = cut_off(after, cuts=((0, 1),), at=link_back)
+    back = seconds_to_back(after[left_out], link_back)
+    assert back is not None and back <= AGAIN_WITHIN_S, f"group {left_out}, cut off, back {back} s after its link"
+
+
 def _records(times: list[float], pid: int = 1, **extra: object) -> list[dict]:
     return [
         {"committed": True, "time": t, "inner_step": 20 * (i + 1), "pid": pid, **extra} for i, t in enumerate(times)
@@ -139,7 +207,11 @@ def test_the_deck_deals_every_kind_before_repeating_one_and_hits_groups_as_each_
     dealt = [deck.draw(4) for _ in range(2 * len(KINDS))]
     assert sorted(k for k, _ in dealt[: len(KINDS)]) == sorted(KINDS) == sorted(k for k, _ in dealt[len(KINDS) :])
     for kind, hit in dealt:
-        assert len(hit) == {"partition": 2, "kill_lighthouse": 0}.get(kind, 1) and set(hit) <= {0, 1, 2, 3}
+        sizes = {"partition": 2, "halves": 2, "cut_from_half": 3, "kill_lighthouse": 0}
+        assert len(hit) == sizes.get(kind, 1) and set(hit) <= {0, 1, 2, 3} and len(set(hit)) == len(hit)
+    assert cut_pairs("halves", [0, 2], 4) == [(0, 1), (0, 3), (2, 1), (2, 3)], "every pair across the halves"
+    assert cut_pairs("cut_from_half", [3, 0, 1], 4) == [(3, 0), (3, 1)], "the first hit from the others hit"
+    assert cut_pairs("partition", [1, 2], 4) == [(1, 2)]
     again = Deck(KINDS, random.Random(3))
     assert [again.draw(4) for _ in range(len(dealt))] == dealt, "seeded"
 
@@ -155,3 +227,47 @@ def test_digest_mismatches_count_the_groups_off_the_common_digest():
     assert digest_mismatches({"per_group": [{"digest": "a"}, {"digest": "a"}, {"digest": "b"}]}) == 1
     assert digest_mismatches({"per_group": [{"digest": "a"}, {}]}) == 1
     assert digest_mismatches({"per_group": [{"digest": "a"}] * 4}) == 0
+
+
+def _round(at: float, groups: list[int], committed: bool = True, **extra: object) -> dict:
+    return {"time": at, "committed": committed, "participants": [f"group{g}" for g in groups], **extra}
+
+
+def _cut_records() -> dict[int, list[dict]]:
+    """g0 | g1 cut at 10.5 in three groups committing every second: the round at 11 fails after a
+    timeout (at 15), g0 and g2 commit again from 17, g1 heals at 25 once its link is back (at 24)."""
+    kept = [_round(t, [0, 1, 2]) for t in range(11)] + [_round(15.0, [0, 1, 2], committed=False)]
+    kept += [_round(t, [0, 2]) for t in range(17, 25)] + [_round(t, [0, 1, 2]) for t in range(25, 28)]
+    cut_off = [_round(t, [0, 1, 2]) for t in range(11)] + [_round(15.0, [0, 1, 2], committed=False)]
+    cut_off += [_round(25.0, [0, 1, 2], healed=True)] + [_round(t, [0, 1, 2]) for t in range(26, 28)]
+    return {0: kept, 1: cut_off, 2: kept}
+
+
+def test_the_job_forms_again_from_the_first_failed_round_to_the_first_commit_without_a_cut_pair():
+    records = _cut_records()
+    records[0].insert(0, _round(-1.0, [0, 1, 2], committed=False, join=True))
+    failed = failed_at(records, since=10.5)
+    assert failed == 15.0, "the join round before the cut is no failure"
+    assert failed_at(records, since=15.0) is None
+    first = reformed(records, cuts=((0, 1),), since=failed)
+    assert first["time"] == 17.0 and first["participants"] == ["group0", "group2"]
+    assert reformed(records, cuts=((0, 2),), since=failed) is None, "every quorum since holds the cut pair"
+    assert cut_off(records, cuts=((0, 1),), at=24.0) == [1], "the one the last commit before the link left out"
+    assert cut_off(records, cuts=((0, 1),), at=-1.0) == [0, 1], "nothing committed yet: both"
+    assert seconds_to_back(records[1], since=24.0) == pytest.approx(1.0), "its heal counts as back"
+    assert seconds_to_back(records[1], since=27.0) is None
+
+
+def test_a_group_sat_out_from_its_last_commit_to_its_heal_while_others_committed_without_it():
+    records = _cut_records()
+    assert sat_out(records, 1) == pytest.approx(15.0), "10 -> 25, rounds 17..24 without it"
+    assert sat_out(records, 0) == 0.0 == sat_out(records, 2), "a failed round everyone shared is no sitting out"
+    late = {0: [_round(t, [0]) for t in range(5)], 1: [_round(3.0, [0, 1], healed=True), _round(4.0, [0, 1])]}
+    assert sat_out(late, 1) == pytest.approx(3.0), "from the job's first record to its first heal"
+
+
+def test_the_final_step_is_summarys_lost_work_else_the_final_rounds_commits():
+    lost = {"global_step": 1480, "max_steps": 1500, "group_steps_lost": 360}
+    assert model_step({"lost_work": lost}, {}, 1500) == {"step": 1480, "max_steps": 1500, "lost": 360}
+    records = {0: [_round(1.0, [0, 1], round=74, inner_step=1500)], 1: [_round(1.0, [0, 1], round=73, inner_step=1480)]}
+    assert model_step({"final_round": 73}, records, 1500) == {"step": 1480, "max_steps": 1500, "lost": None}

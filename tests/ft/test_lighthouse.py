@@ -885,8 +885,9 @@ def test_the_heartbeat_thread_sends_no_beat_while_asks_and_commits_stand_for_the
         url, connect_timeout_s = "http://stand-in", 1.0
         beats, signed = 0, True
 
-        def heartbeat(self, *args: object) -> None:
+        def heartbeat(self, *args: object, **kwargs: object) -> dict[str, str]:
             self.beats += 1
+            return {}
 
         def beat_due_in(self, interval_s: float) -> float:
             return interval_s if self.signed else 0.0

@@ -25,6 +25,7 @@ from diloco.ft.protocol import (
     QuorumGrant,
     QuorumSuperseded,
     QuorumTimeout,
+    ReachReport,
     RecoveryNotice,
     RoundCommit,
     RoundNews,
@@ -46,14 +47,17 @@ WHO = {"job": "job-1", "signature": "sig", "group": "A"}
 def test_the_field_names_on_the_wire_are_fixed():
     """Clients and lighthouses of one release talk JSON with exactly these keys."""
     progress = GroupProgress(inner_step=40, train_loss=2.5, tokens_per_s=1000.0, digest="ab12")
-    beat = Heartbeat(**WHO, step=3, quorum_id=2, progress=progress.to_json())
+    reach = {"port": 4567, "reached": {"B": "10.0.0.2:4000"}, "unreached": {"C": "10.0.0.3:4000"}, "mbps": {"B": 9.5}}
+    beat = Heartbeat(**WHO, step=3, quorum_id=2, progress=progress.to_json(), reach=reach)
     assert beat.to_json() == {
         **WHO,
         "step": 3,
         "quorum_id": 2,
         "finished": False,
         "progress": {"inner_step": 40, "train_loss": 2.5, "tokens_per_s": 1000.0, "digest": "ab12"},
+        "reach": reach,
     }
+    assert beat.reach_report == ReachReport(4567, {"B": "10.0.0.2:4000"}, {"C": "10.0.0.3:4000"}, {"B": 9.5})
     assert GroupProgress.from_json(beat.progress) == progress
     assert beat.group_progress == progress, "parsed once, when the message is made, and kept off the wire"
     assert GroupProgress().to_json() == {"inner_step": 0}, "unknown numbers are left out, not sent as null"
@@ -61,6 +65,7 @@ def test_the_field_names_on_the_wire_are_fixed():
     assert ask.to_json() == {
         **WHO,
         "progress": {},
+        "reach": {},
         "step": 3,
         "commit_failed": True,
         "timeout_s": 1.5,
@@ -80,7 +85,7 @@ def test_the_field_names_on_the_wire_are_fixed():
     lane_watch = LaneWatch(**WHO, round_id=7, timeout_s=60.0, gone_seen=1)
     assert lane_watch.to_json() == {**WHO, "round_id": 7, "timeout_s": 60.0, "gone_seen": 1}
     commit = RoundCommit(**WHO, round_id=7, step=4, progress={"inner_step": 41})
-    assert commit.to_json() == {**WHO, "round_id": 7, "step": 4, "progress": {"inner_step": 41}}
+    assert commit.to_json() == {**WHO, "round_id": 7, "step": 4, "progress": {"inner_step": 41}, "reach": {}}
     assert commit.group_progress == GroupProgress(inner_step=41), "every sign of life reports progress"
     assert sorted(ENDPOINTS) == ["/commit", "/heartbeat", "/lane_watch", "/quorum", "/recovery", "/round_open"]
     for message in (beat, ask, watch, notice, lane_watch, commit):
@@ -112,6 +117,9 @@ def test_a_round_open_answer_is_checked():
             round_open_from_json(bad)
 
 
+ASK = {"step": 1, "commit_failed": False, "timeout_s": 1}
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -124,6 +132,11 @@ def test_a_round_open_answer_is_checked():
         (json.dumps({**WHO, "step": 1, "commit_failed": False, "timeout_s": 1, "x": 1}).encode(), "unknown field 'x'"),
         (json.dumps({**WHO, "step": 1, "commit_failed": False, "timeout_s": 1, "config": [1]}).encode(), "'config'"),
         (json.dumps({**WHO, "group": "g" * 201, "step": 1, "commit_failed": False, "timeout_s": 1}).encode(), "1 to"),
+        (json.dumps({**WHO, **ASK, "reach": {"port": 70000}}).encode(), "reach field 'port'=70000 must be a TCP port"),
+        (json.dumps({**WHO, **ASK, "reach": {"reached": ["B"]}}).encode(), "reach field 'reached' must map"),
+        (json.dumps({**WHO, **ASK, "reach": {"unreached": {"B": 1}}}).encode(), "'unreached' must map .* endpoints"),
+        (json.dumps({**WHO, **ASK, "reach": {"mbps": {"B": -1}}}).encode(), "'mbps' must map .* positive rates"),
+        (json.dumps({**WHO, **ASK, "reach": {"host": "x"}}).encode(), "unknown reach field 'host'"),
     ],
 )
 def test_a_malformed_request_is_a_bad_request_naming_the_field(body, message):

@@ -625,6 +625,21 @@ class TestStartAndEnd:
         assert book.end_of_job(now=202.0) is None, "the end timeout runs from the first finish at round 10"
         assert book.end_of_job(now=321.0) == JobEnd(round=10, digest="d10", holders=("g0", "g1"))
 
+    def test_groups_ahead_of_one_that_finished_apart_and_behind_train_on_in_rounds_of_their_own(self):
+        """g2 trained apart (cut off, on a slow link) and finished first, at round 5: g0 and g1, at
+        round 10, still form training rounds without it; the closing rounds come once they finish."""
+        book = self._book({"g0": 10, "g1": 10, "g2": 5})
+        self._finish(book, "g2", 5, now=1.0)
+        for g in ("g0", "g1"):
+            book.ask(QuorumRequest(g, step=10, round_step=40), now=1.0)
+        q = book.decide(now=1.0)
+        assert q is not None and q.participants == ("g0", "g1") and not q.closing
+        assert "g2" in book.pending, "it waits for the final state, not turned away"
+        for g in ("g0", "g1"):
+            self._finish(book, g, 11, now=2.0)
+        q = book.decide(now=2.0)
+        assert q.closing and q.heal_from == {"g2": "g0"}
+
     def test_a_restarted_process_of_a_finished_group_trains_again(self):
         book = self._book({"g0": 10, "g1": 10, "g2": 10})
         self._finish(book, "g0", 10, now=1.0)

@@ -187,6 +187,7 @@ SUMMARY = {
     "syncs_attempted": 36,
     "faults": {"kill": 2, "hang": 1, "recovery": 3, "restart": 2, "resume": 1, "skipped": 1},
     "recoveries": 2,
+    "lost_work": {"global_step": 500, "max_steps": 500, "steps_short": 0, "per_group": {"0": 0}, "group_steps_lost": 0},
 }
 
 
@@ -200,6 +201,26 @@ def test_the_done_line_counts_tokens_rate_rounds_faults_and_recoveries():
     assert render_done(calm, path) == (
         "failed: eval loss 1.5310 (ppl 4.62); 2,048,000 tokens in 95s (24.5k tok/s over 84s of training); "
         "no faults, 1 recovery; summary in /run/summary.json"
+    )
+
+
+def test_the_done_line_says_in_words_what_never_reached_the_global_model_instead_of_no_faults():
+    path = Path("/run/summary.json")
+    apart = {"global_step": 360, "max_steps": 1500, "steps_short": 1140, "per_group": {"0": 0, "1": 1140, "2": 1140}}
+    calm = SUMMARY | {"faults": {}, "recoveries": 0, "rounds": 33, "syncs_committed": 97, "syncs_attempted": 101}
+    assert render_done(calm | {"lost_work": apart | {"group_steps_lost": 2280}}, path) == (
+        "done: eval loss 1.5310 (ppl 4.62); 2,048,000 tokens in 95s (24.5k tok/s over 84s of training); "
+        "33 rounds, 97/101 syncs committed; work lost: the model is the global state of step 360 of 1,500, "
+        "and 2,280 group-steps trained never reached it (group 1: 1,140, group 2: 1,140); no other faults, "
+        "0 recoveries; summary in /run/summary.json"
+    )
+    failed_round = {"global_step": 500, "max_steps": 500, "steps_short": 0, "per_group": {"0": 30, "1": 0}}
+    assert "; work lost: 30 group-steps trained never reached the global model (group 0: 30); faults: 2 kill, " in (
+        render_done(SUMMARY | {"lost_work": failed_round | {"group_steps_lost": 30}}, path)
+    )
+    short = apart | {"per_group": {"0": 0}, "group_steps_lost": 0}
+    assert "; work lost: the model is the global state of step 360 of 1,500; no other faults, 0 recoveries; " in (
+        render_done(calm | {"lost_work": short}, path)
     )
 
 
