@@ -76,6 +76,16 @@ def _wait(job: MultihostJob, done: Callable[[], bool], what: str, timeout_s: flo
         time.sleep(0.2)
 
 
+def _ended_ok(job: MultihostJob) -> dict:
+    """Wait for the job's end: every part exited 0, summary.json ok with one digest; the summary."""
+    for host, end in job.wait(timeout_s=JOB_S).items():
+        assert end.returncode == 0 and not end.killed, f"{host}:\n{end.tail}"
+    summary = job.summary()
+    assert summary is not None and summary["ok"], summary and summary["failure"]
+    assert len({r["digest"] for r in summary["per_group"]}) == 1, summary["per_group"]
+    return summary
+
+
 def _committed(job: MultihostJob, group: int) -> int:
     return sum(r["committed"] for r in commits(job.run_dir, job.groups)[group])
 
@@ -124,12 +134,7 @@ def test_a_multihost_job_rides_out_a_worker_kill_a_link_down_and_a_lighthouse_ki
             restarted_at = time.time()
             _wait(job, lambda: all(_back(job, g, restarted_at) for g in range(GROUPS)), "rounds after the restart")
 
-            ended = job.wait(timeout_s=JOB_S)
-            for host, end in ended.items():
-                assert end.returncode == 0 and not end.killed, f"{host}:\n{end.tail}"
-            summary = job.summary()
-            assert summary is not None and summary["ok"], summary and summary["failure"]
-            assert len({r["digest"] for r in summary["per_group"]}) == 1, summary["per_group"]
+            summary = _ended_ok(job)
             assert summary["recoveries"] >= 2, summary
             assert job.leftovers() == []
         logs = {g: (job.log_dir / f"g{g}.log").read_text() for g in range(GROUPS)}
@@ -153,12 +158,7 @@ def test_two_groups_cut_apart_leave_the_third_in_every_round_and_both_sides_comm
         hosts.heal("g0", "g1")
         link_back = time.time()
         _wait(job, lambda: _back(job, 0, link_back) and _back(job, 1, link_back), "both sides back after the link")
-        ended = job.wait(timeout_s=JOB_S)
-    for host, end in ended.items():
-        assert end.returncode == 0 and not end.killed, f"{host}:\n{end.tail}"
-    summary = job.summary()
-    assert summary is not None and summary["ok"], summary and summary["failure"]
-    assert len({r["digest"] for r in summary["per_group"]}) == 1, summary["per_group"]
+        _ended_ok(job)
 
     after = {g: [r for r in rs if r["time"] > cut_at] for g, rs in commits(job.run_dir, CUT_GROUPS).items()}
     failed = failed_at(after, cut_at)
