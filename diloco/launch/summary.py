@@ -195,6 +195,16 @@ def _carries(record: dict) -> bool:
     return record["committed"] and not (record.get("closing") or record.get("join"))
 
 
+def round_phases(rounds: list[dict]) -> dict[str, dict[str, float]]:
+    """Per phase of a committed round (``diloco.outer.phases``), its milliseconds over every group's rounds."""
+    phases: dict[str, list[float]] = {}
+    for r in rounds:
+        if r["committed"]:
+            for phase, ms in r.get("phases_ms", {}).items():
+                phases.setdefault(phase, []).append(ms)
+    return {phase: _stats(values) for phase, values in phases.items()}
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"count": 0}
@@ -273,6 +283,8 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "state_lost": state_losses(commits),
         "lost_work": lost_work(job, results, commits, outcome.final_round),
         "goodput_tokens_per_s": committed_tokens / wall_seconds if wall_seconds > 0 else 0.0,
+        "round_sync_ms": _stats([r["sync_ms"] for r in rounds if r["committed"]]),
+        "round_phases_ms": round_phases(rounds),
         "faults": {kind: sum(e["kind"] == kind for e in events) for kind in sorted({e["kind"] for e in events})},
         "lighthouse_restarts": sum(e["kind"] == "lighthouse_restart" for e in events),
         "time_to_heal_s": _stats(times_to_heal(events, commits)),

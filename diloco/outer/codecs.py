@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from diloco.config.algo import AlgoConfig
 from diloco.outer.bandwidth import TokenBucket
+from diloco.outer.phases import PhaseClock
 from diloco.outer.quantize import packed_nbytes, quantize, reduce_quantized
 from diloco.outer.sparse import TopK, outgoing, reduce_sparse
 from diloco.outer.update import weighted_mean
@@ -44,12 +45,16 @@ class PendingReduce:
     extras: torch.Tensor | None = None
     error: torch.Tensor | None = None  # the e this member keeps if the round commits (error feedback)
 
-    def result(self, wait: Callable[[dist.Work], None]) -> torch.Tensor | None:
-        """The weighted mean Δ̄ over contributing groups, or None if nobody contributed."""
-        wait(self.work)
-        if self.bucket is not None:
-            self.bucket.wait_until(self.ready_at)
-        mean, self.extras = self.finish()
+    def result(self, wait: Callable[[dist.Work], None], clock: PhaseClock | None = None) -> torch.Tensor | None:
+        """The weighted mean Δ̄ over contributing groups, or None if nobody contributed; ``clock``
+        times the wait (``wire``) and the decode."""
+        clock = clock or PhaseClock()
+        with clock.timed("wire"):
+            wait(self.work)
+            if self.bucket is not None:
+                self.bucket.wait_until(self.ready_at)
+        with clock.timed("decode"):
+            mean, self.extras = self.finish()
         return mean
 
 
@@ -70,12 +75,21 @@ class Codec(Protocol):
     def encode(
         self, delta: torch.Tensor, weight: float, error: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This group's payload for w and Δ (on the CPU), and the e to keep if the round commits (None: no e)."""
+        """This group's payload for w and Δ (on the CPU), and the e to keep if the round commits (None: no e).
+        Δ is the round's own buffer: a codec may scale it in place."""
 
     def send(
-        self, lane: dist.ProcessGroup, payload: torch.Tensor, numel: int, weight: float, extras: torch.Tensor, size: int
+        self,
+        lane: dist.ProcessGroup,
+        payload: torch.Tensor,
+        numel: int,
+        weight: float,
+        extras: torch.Tensor,
+        size: int,
+        staging: torch.Tensor | None,
     ) -> PendingReduce:
-        """Start combining every member's payload, weight and ``extras`` over the lane."""
+        """Start combining every member's payload, weight and ``extras`` over the lane; ``staging``: the
+        buffer Δ was written into, with room behind it for the weight and extras (``launch_reduce``)."""
 
 
 def _tail(n_extras: int) -> int:
@@ -98,12 +112,19 @@ class Dense:
         return None
 
     def encode(self, delta: torch.Tensor, weight: float, error: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        return delta * weight, None
+        return delta.mul_(weight), None
 
     def send(
-        self, lane: dist.ProcessGroup, payload: torch.Tensor, numel: int, weight: float, extras: torch.Tensor, size: int
+        self,
+        lane: dist.ProcessGroup,
+        payload: torch.Tensor,
+        numel: int,
+        weight: float,
+        extras: torch.Tensor,
+        size: int,
+        staging: torch.Tensor | None,
     ) -> PendingReduce:
-        return sum_over_lane(lane, payload, weight, extras, size)
+        return sum_over_lane(lane, payload, weight, extras, size, staging)
 
 
 class Gathered:
@@ -113,7 +134,14 @@ class Gathered:
         return (size - 1) * (self.nbytes(numel) + _tail(n_extras))
 
     def send(
-        self, lane: dist.ProcessGroup, payload: torch.Tensor, numel: int, weight: float, extras: torch.Tensor, size: int
+        self,
+        lane: dist.ProcessGroup,
+        payload: torch.Tensor,
+        numel: int,
+        weight: float,
+        extras: torch.Tensor,
+        size: int,
+        staging: torch.Tensor | None,
     ) -> PendingReduce:
         return gather_and_sum(lane, payload, weight, extras, size, lambda gathered, w: self.reduce(gathered, w, numel))
 
@@ -136,7 +164,7 @@ class Quantized(Gathered):
         return None
 
     def encode(self, delta: torch.Tensor, weight: float, error: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        return quantize((delta * weight).to(self.device or delta.device), self.fmt).cpu(), None
+        return quantize(delta.mul_(weight).to(self.device or delta.device), self.fmt).cpu(), None
 
     def reduce(self, gathered: list[torch.Tensor], weights: list[float], numel: int) -> torch.Tensor:
         """Σ_m w_m·Δ_m: the payloads already hold w_m·Δ_m."""
@@ -184,16 +212,21 @@ def launch_reduce(
     error: torch.Tensor | None = None,
     extras: torch.Tensor | None = None,
     bucket: TokenBucket | None = None,
+    clock: PhaseClock | None = None,
+    staging: torch.Tensor | None = None,
 ) -> PendingReduce:
     """Start summing ``codec``'s payload of ``weight * delta``, ``weight`` and the float32 ``extras``
-    over the lane, without waiting; ``error``: this group's e, if the codec feeds it back.
+    over the lane, without waiting; ``error``: this group's e, if the codec feeds it back; ``clock``
+    times the encode. ``delta`` is the round's own: the codec may scale it in place, and with
+    ``staging`` (the buffer ``delta`` heads, with room behind it) the dense sum runs in that buffer.
 
     With a ``bucket`` the result is held back until the link has carried the bytes this member sends.
     Every codec step is elementwise IEEE arithmetic, so the bits on a worker's GPU equal the CPU's
     and groups on different devices still agree.
     """
-    payload, kept = codec.encode(delta, weight, error)
-    pending = codec.send(lane, payload, delta.numel(), weight, as_float32(extras), size)
+    with (clock or PhaseClock()).timed("encode"):
+        payload, kept = codec.encode(delta, weight, error)
+    pending = codec.send(lane, payload, delta.numel(), weight, as_float32(extras), size, staging)
     pending.error = kept
     return held_back(pending, bucket)
 
@@ -220,11 +253,25 @@ def ring_allreduce_bytes(nbytes: int, size: int) -> int:
 
 
 def sum_over_lane(
-    lane: dist.ProcessGroup, payload: torch.Tensor, weight: float, extras: torch.Tensor, size: int
+    lane: dist.ProcessGroup,
+    payload: torch.Tensor,
+    weight: float,
+    extras: torch.Tensor,
+    size: int,
+    staging: torch.Tensor | None = None,
 ) -> PendingReduce:
-    """All-reduce the fp32 ``payload`` (w·Δ) behind which the weight and extras ride; ``finish`` averages."""
+    """All-reduce the fp32 ``payload`` (w·Δ) behind which the weight and extras ride; ``finish`` averages.
+
+    In ``staging`` when ``payload`` heads it and the tail fits behind (no copy of the model's size),
+    else in a new buffer.
+    """
     n = payload.numel()
-    buffer = torch.cat([payload, torch.tensor([weight], dtype=torch.float32), extras])
+    tail = torch.cat([torch.tensor([weight], dtype=torch.float32), extras])
+    if staging is not None and staging.data_ptr() == payload.data_ptr() and staging.numel() >= n + tail.numel():
+        buffer = staging[: n + tail.numel()]
+        buffer[n:] = tail
+    else:
+        buffer = torch.cat([payload, tail])
     work = lane.allreduce([buffer])
     return PendingReduce(
         work,

@@ -34,6 +34,7 @@ from diloco.config.algo import AlgoConfig
 from diloco.ft.lanes import LaneError, wait_work
 from diloco.ft.manager import Round
 from diloco.outer.codecs import launch_reduce
+from diloco.outer.phases import PhaseClock
 from diloco.outer.round_plan import RoundPlan
 from diloco.outer.synchronizer import Synchronizer
 from diloco.outer.update import contribution_weight, outer_update, pseudo_gradient, reset_local
@@ -41,6 +42,8 @@ from diloco.schedule import fragments_to_apply, fragments_to_launch, mixing_alph
 from diloco.train.sync_hooks import OuterOutcome
 
 log = logging.getLogger(__name__)
+
+TAIL_ROOM = 16  # float32 slots behind each fragment's Δ in the staging buffer: the weight and the plan's extras
 
 
 @dataclass
@@ -84,6 +87,8 @@ class Flight:
     measured: torch.Tensor | None = None  # the plan's measurements from this group, sent with the first fragment
     shared: torch.Tensor | None = None  # every group's, summed over the lane
     unweighted: bool = False  # a reduce completed with Σ_m w_m = 0: no group of the round contributed
+    clock: PhaseClock = field(default_factory=PhaseClock)  # the round's phases so far
+    staging: list[torch.Tensor | None] = field(default_factory=list)  # the buffer each Δ heads (``OuterSync._stage``)
 
 
 class OuterSync(Synchronizer):
@@ -94,8 +99,11 @@ class OuterSync(Synchronizer):
     inner steps train, so overlap hides the wait for the other groups as well as the
     transfer. A round that makes this group send or receive state is finished on the
     training thread at the apply step, where the state is consistent (a healing peer waits
-    up to τ steps for it).
+    up to τ steps for it). θ_g is a copy the inner steps never touch, so a large one is hashed
+    beside them (``Synchronizer.hashes_behind``).
     """
+
+    hashes_behind = True
 
     def __init__(
         self,
@@ -115,6 +123,7 @@ class OuterSync(Synchronizer):
         for f in fragments:
             f.error = plan.codec.error_buffer(sum(g.numel() for g in f.global_))
         self._flight: Flight | None = None
+        self._staging = torch.empty(0)  # the launched fragments' Δ, reused every round (``_stage``)
         self.rounds_nobody_finite = 0  # in a row: every member of the round sent a non-finite Δ, this group too
 
     def join(self) -> OuterOutcome:
@@ -212,9 +221,13 @@ class OuterSync(Synchronizer):
         started = time.perf_counter()
         self._round_starts()
         fragments = [self.fragments[p] for p in due]
-        deltas = [pseudo_gradient(f.global_, f.local) for f in fragments]
+        clock = PhaseClock()
+        staging = self._stage(fragments)
+        with clock.timed("delta"):
+            deltas = [pseudo_gradient(f.global_, f.local, out) for f, out in zip(fragments, staging)]
         weights = [contribution_weight(self.algo.weighting, f.tokens_since_sync) for f in fragments]
-        flight = Flight(launch_step=step, fragments=fragments, deltas=deltas, weights=weights)
+        flight = Flight(launch_step=step, fragments=fragments, deltas=deltas, weights=weights, clock=clock)
+        flight.staging = staging
         flight.measured = self.plan.measurements()
         if self.plan.delay > 0:
             flight.done = run_in_background(lambda: self._quorum_and_reduce(flight), f"outer-round-{step}")
@@ -223,12 +236,24 @@ class OuterSync(Synchronizer):
         flight.held_ms = 1000 * (time.perf_counter() - started)
         self._flight = flight
 
+    def _stage(self, fragments: list[Fragment]) -> list[torch.Tensor]:
+        """Each launched fragment's staging buffer: room for its Δ and ``TAIL_ROOM`` behind, carved from
+        one buffer that grows to the most ever launched at once and is reused every round, so a round
+        allocates nothing of the model's size. One flight at a time (τ < H/P): the buffer is free again
+        once the previous round has been applied."""
+        sizes = [sum(g.numel() for g in f.global_) + TAIL_ROOM for f in fragments]
+        if self._staging.numel() < sum(sizes):
+            self._staging = torch.empty(0)  # the old buffer goes before the larger one is made
+            self._staging = torch.empty(sum(sizes), dtype=torch.float32, device=fragments[0].global_[0].device)
+        return list(self._staging[: sum(sizes)].split(sizes))
+
     def _quorum_and_reduce(self, flight: Flight) -> None:
         """The part of a round that overlaps inner steps: the quorum, then the reduce.
 
         No reduce when a healing transfer involves this group, or in a closing round.
         """
-        flight.round = round_ = self.manager.start_round(flight.launch_step)
+        with flight.clock.timed("quorum"):
+            flight.round = round_ = self.manager.start_round(flight.launch_step)
         if round_ is None or round_.quorum.closing or round_.heal_source is not None or round_.heal_targets:
             return
         self._reduce(flight)
@@ -244,14 +269,18 @@ class OuterSync(Synchronizer):
         local_ok, pending = [], []
         started = time.perf_counter()
         for i, (delta, weight) in enumerate(zip(flight.deltas, flight.weights)):
-            finite = weight == 0.0 or self._all_finite(delta)
+            with flight.clock.timed("finite"):
+                finite = weight == 0.0 or self._all_finite(delta)
             if not finite:
                 delta.zero_()
             # Not guarded: Gloo reports a broken lane when the collective is waited on (a
             # failed round); an error here is a bug, and it stops the worker with its traceback.
             extras = flight.measured if i == 0 else None
             weight, error = (weight if finite else 0.0), flight.fragments[i].error
-            reduce = launch_reduce(round_.lane, delta, weight, self.plan.codec, round_.size, error, extras, self.bucket)
+            codec, staging = self.plan.codec, flight.staging[i] if flight.staging else None
+            reduce = launch_reduce(
+                round_.lane, delta, weight, codec, round_.size, error, extras, self.bucket, flight.clock, staging
+            )
             pending.append(reduce)
             local_ok.append(finite)
         flight.errors = [reduce.error for reduce in pending]
@@ -263,10 +292,12 @@ class OuterSync(Synchronizer):
         for ok, reduce in zip(local_ok, pending):
             average = None
             try:
-                average = reduce.result(lambda work: wait_work(work, self.collective_timeout_s, round_.stop_when()))
+                wait = lambda work: wait_work(work, self.collective_timeout_s, round_.stop_when())  # noqa: E731
+                average = reduce.result(wait, flight.clock)
                 flight.unweighted |= average is None
             except LaneError as error:
                 log.warning("group %s: round %s failed: %s", self.manager.group, round_.quorum.quorum_id, error)
+                self._staging = torch.empty(0)  # a collective given up on may still write into it: never reuse it
             flight.averages.append(average if ok else None)
             flight.bytes_sent.append(reduce.bytes_sent)
         flight.shared = pending[0].extras
@@ -287,14 +318,15 @@ class OuterSync(Synchronizer):
             self._take_final_state(flight, step, outcome, started)
             return
         if flight.averages is None:  # a healing transfer involves us: do it now, then reduce
-            ok, healed = self._heal_and_serve(round_, step, flight.launch_step)
+            with flight.clock.timed("heal"):
+                ok, healed = self._heal_and_serve(round_, step, flight.launch_step)
             if healed is not None:
                 step = outcome.jump_to_step = healed.inner_step
-                flight = self._joining_flight(round_, healed.round_step)
+                flight = self._joining_flight(round_, healed.round_step, flight.clock)
             if not flight.fragments:  # a join round moves no tensors and commits no new state
                 self.manager.settle(ok)
                 sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
-                outcome.metrics.update(self._record(round_, False, step, sync_ms, join=True))
+                outcome.metrics.update(self._record(round_, False, step, sync_ms, join=True, clock=flight.clock))
                 return
             if ok:
                 self._reduce(flight)
@@ -343,9 +375,9 @@ class OuterSync(Synchronizer):
         sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
         outcome.metrics.update(self._record(flight.round, False, step, sync_ms))
 
-    def _joining_flight(self, round_: Round, round_step: int) -> Flight:
+    def _joining_flight(self, round_: Round, round_step: int, clock: PhaseClock) -> Flight:
         """After healing: the peers' round, which this group joins with zeros and weight 0
-        (docs/design.md, invariant 3)."""
+        (docs/design.md, invariant 3); ``clock`` goes on timing the round."""
         due = self._schedule(fragments_to_launch, round_step) if round_step > 0 else []
         fragments = [self.fragments[p] for p in due]
         deltas = [torch.zeros(sum(g.numel() for g in f.global_)) for f in fragments]
@@ -356,6 +388,7 @@ class OuterSync(Synchronizer):
             weights=[0.0] * len(due),
             round=round_,
             measured=self.plan.nothing_measured(),
+            clock=clock,
         )
 
     def _wait_background(self, flight: Flight) -> None:
@@ -372,14 +405,17 @@ class OuterSync(Synchronizer):
     def _apply(self, flight: Flight, i: int, step: int, started: float) -> dict[str, float]:
         """Commit the flight's i-th fragment iff every rank has its average: then the outer step, else reset θ_l."""
         fragment, average = flight.fragments[i], flight.averages[i]
+        clock = flight.clock.copy()  # the flight's phases, then this fragment's own
         self.attempted += 1
         if average is not None and self._injects("fail_round"):
             average = None
-        committed = self.manager.commit(flight.round, average is not None)
+        with clock.timed("commit"):
+            committed = self.manager.commit(flight.round, average is not None)
         tokens = 0.0
         schedule = {}
         if committed:
-            schedule = self._outer_step(fragment, average, flight.launch_step, flight.round.size)
+            with clock.timed("outer_step"):
+                schedule = self._outer_step(fragment, average, flight.launch_step, flight.round.size)
             if fragment.error is not None:  # e as the round left it: what it holds back beside Δ̄
                 fragment.error.copy_(flight.errors[i])
                 schedule["outer/error_norm"] = math.sqrt(
@@ -392,13 +428,14 @@ class OuterSync(Synchronizer):
             reset_local(fragment.global_, fragment.local)
         fragment.tokens_since_sync = 0
         sync_ms = flight.held_ms + 1000 * (time.perf_counter() - started)
-        return self._record(flight.round, committed, step, sync_ms, tokens) | schedule
+        return self._record(flight.round, committed, step, sync_ms, tokens, clock=clock) | schedule
 
     def _outer_step(self, fragment: Fragment, average: torch.Tensor, launch_step: int, groups: int) -> dict[str, float]:
         """``outer_update`` with this round's α and μ (``_warmed_up``); returns them with the
         fragment's ‖Δ̄‖ over the whole group (a collective), as metrics."""
         alpha, mu = self._warmed_up(fragment, launch_step, groups)
         squares = self.manager.sum_over_ranks(owned_square_sum(average, fragment))
+        self._settle_digest()  # the step changes the θ_g a previous commit's digest may still be hashing
         outer_update(fragment.global_, fragment.local, average, fragment.optimizer, alpha, mu)
         self._state_changed(fragment.index)
         schedule = {"outer/pseudo_grad_norm": math.sqrt(squares), "outer/alpha": alpha}

@@ -41,14 +41,26 @@ def global_copy(theta_l: Sequence[torch.Tensor], pin_memory: bool) -> list[torch
 
 
 @torch.no_grad()
-def pseudo_gradient(theta_g: Sequence[torch.Tensor], theta_l: Sequence[torch.Tensor]) -> torch.Tensor:
+def pseudo_gradient(
+    theta_g: Sequence[torch.Tensor], theta_l: Sequence[torch.Tensor], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Δ = θ_g − θ_l of one fragment, flattened into one fp32 vector on θ_g's device.
 
     θ_l (the model's tensors: any dtype, any device) is cast to fp32 and brought to θ_g's
     device (the CPU) first, so a bf16 model's Δ keeps fp32 precision against the fp32 θ_g.
-    Δ points from θ_l to θ_g: a descent step on it moves θ_g towards θ_l.
+    Δ points from θ_l to θ_g: a descent step on it moves θ_g towards θ_l. ``out``: a flat
+    fp32 buffer on θ_g's device with room for Δ (a fragment's staging buffer, reused every
+    round), written without a temporary; Δ is its head. Either way the bits are the same.
     """
-    return torch.cat([(g - local.float().cpu()).flatten() for g, local in zip(theta_g, theta_l, strict=True)])
+    if out is None:
+        return torch.cat([(g - local.float().cpu()).flatten() for g, local in zip(theta_g, theta_l, strict=True)])
+    offset = 0
+    for g, local in zip(theta_g, theta_l, strict=True):
+        view = out[offset : offset + g.numel()]
+        view.copy_(local.reshape(-1))  # cast to fp32 and brought over, in place
+        torch.sub(g.reshape(-1), view, out=view)
+        offset += g.numel()
+    return out[:offset]
 
 
 def contribution_weight(weighting: Literal["uniform", "tokens"], tokens: int) -> float:
@@ -62,14 +74,15 @@ def contribution_weight(weighting: Literal["uniform", "tokens"], tokens: int) ->
 
 
 def weighted_mean(summed: torch.Tensor, total_weight: float) -> torch.Tensor | None:
-    """Δ̄ = Σ_m w_m·Δ_m / Σ_m w_m, from the two sums the lane's all-reduce returns.
+    """Δ̄ = Σ_m w_m·Δ_m / Σ_m w_m, from the two sums the lane's all-reduce returns, divided in
+    place: ``summed`` is the reduce's own buffer.
 
     None when no group contributed (Σ_m w_m = 0: every group healing or non-finite), so
     there is nothing to step with. A group with w_m = 0 leaves the others' Δ̄ untouched.
     """
     if total_weight <= 0:
         return None
-    return summed / total_weight
+    return summed.div_(total_weight)
 
 
 @torch.no_grad()
@@ -86,10 +99,11 @@ def outer_update(
     ``theta_g``: the fp32 global parameters, which ``optimizer`` (``outer_opt``'s, built over
     exactly these) steps; ``theta_l``: the model's tensors of the same fragment, in the same
     order (views into the model, written in place in their own dtype and device);
-    ``mean_delta``: Δ̄ flattened in that order, as ``pseudo_gradient`` lays Δ out.
+    ``mean_delta``: Δ̄ flattened in that order, as ``pseudo_gradient`` lays Δ out; the optimizer
+    may write to it (pass a copy to keep it).
 
-    Δ̄ is θ_g's gradient for one optimizer step (a copy: an optimizer may change its
-    ``.grad``), so outer SGD with lr 1 and no momentum gives θ_g − Δ̄ = mean_m θ_l,m
+    Δ̄ is θ_g's gradient for one optimizer step (``.grad`` views into ``mean_delta``, no
+    copy of the model's size), so outer SGD with lr 1 and no momentum gives θ_g − Δ̄ = mean_m θ_l,m
     (parameter averaging) and Nesterov SGD gives DiLoCo's default outer step. Then each
     group keeps α of its own θ_l (Streaming DiLoCo's mixing): α = 0 is DiLoCo's reset
     θ_l ← θ_g, α = 1 keeps θ_l as it was. α and this round's μ (``momentum``, set on every
@@ -100,7 +114,7 @@ def outer_update(
     assert mean_delta.numel() == numel, f"Δ̄ has {mean_delta.numel()} values, θ_g {numel}"
     offset = 0
     for g in theta_g:
-        g.grad = mean_delta[offset : offset + g.numel()].view_as(g).clone()
+        g.grad = mean_delta[offset : offset + g.numel()].view_as(g)
         offset += g.numel()
     if momentum is not None:
         for group in optimizer.param_groups:

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import signal
 import threading
 from pathlib import Path
@@ -267,6 +268,7 @@ def _result_record(group: int, result: TrainResult, n_params: int, vocab_size: i
         "parameters": n_params,
         "interrupted": result.interrupted,
         "uniform_loss": math.log(vocab_size),  # guessing every token equally likely: what learning must beat
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux counts it in KiB
     }
 
 

@@ -6,9 +6,11 @@ ratio against DDP is deterministic, so the smoke run checks it.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+import bench_model_size
 import bench_overhead
 import bench_restart
 import bench_sync
@@ -119,3 +121,17 @@ def test_bench_muon_times_both_ways_and_gives_the_ratio(tmp_path, capsys):
     out, _ = run_main("bench_muon.py", args, TIMEOUT_S, capsys)
     assert re.search(r"^\| FSDP2 x 2, spread over the workers \| \d+ \| [\d.]+ \|$", out, re.MULTILINE), out
     assert (tmp_path / "bench_muon.md").read_text().strip() in out
+
+
+@pytest.mark.slow
+def test_bench_model_size_quick_times_every_phase_of_a_round_and_a_heal_beside_the_bare_figures(tmp_path, capsys):
+    out = run_script("bench_model_size.py", tmp_path, capsys)
+    (row,) = json.loads((tmp_path / "bench_model_size.json").read_text())
+    assert row["ok"] and row["size"] == "tiny" and row["parameters"] == 131_392, out
+    assert set(row["phases_ms"]) == set(bench_model_size.PHASES) and row["phases_ms"]["wire"] > 0, out
+    assert row["allreduce_ms"] > 0 and row["send_ms"] > 0 and row["heal_transfer_ms"] > 0, out
+    bytes_by_kind = row["heal_bytes"]
+    assert bytes_by_kind["theta_g"] == bytes_by_kind["outer state"] == 4 * 131_392, bytes_by_kind
+    assert bytes_by_kind["inner state"] >= 8 * 131_392, bytes_by_kind  # AdamW's two moments, and its steps
+    assert row["heal_ms"] is not None and row["death_to_commit_s"] is not None and row["peak_rss_mb"] > 0, out
+    assert "| tiny | 0.1M |" in out

@@ -18,6 +18,7 @@ from diloco.ft import transport
 from diloco.ft.transport import (
     StateBundle,
     TransferError,
+    lay_out_state,
     pack_state,
     recv_state,
     send_packed,
@@ -74,6 +75,20 @@ def test_round_trip_mixed_dtypes_bit_exact() -> None:
     got = unpack_state(header, payload, zeros_like(tensors))
     assert_bit_equal(got.tensors, tensors)
     assert got.meta == {"committed": 3, "inner_step": 300, "loss": 2.5}
+
+
+@pytest.mark.parametrize("chunk", [64, 1000, 4096, 1 << 20])
+def test_the_laid_out_payload_reads_chunk_by_chunk_as_the_packed_bytes_without_packing_the_whole(chunk: int) -> None:
+    tensors = mixed_tensors(scale=3)
+    header, packed = pack_state(StateBundle(tensors, {}))
+    laid_header, laid_out = lay_out_state(StateBundle(tensors, {}))
+    assert laid_header == header and laid_out.total == packed.numel()
+    starts = range(0, laid_out.total, chunk)
+    # Each chunk as _stream asks for it, taken before a later one may reuse its buffer.
+    read = [laid_out.chunk(i, start, min(chunk, laid_out.total - start)).clone() for i, start in enumerate(starts)]
+    assert torch.equal(torch.cat(read), packed)
+    first = tensors["global.0.0"]  # the payload's first tensor, at offset 0
+    assert laid_out.chunk(0, 0, min(chunk, first.numel() * 4)).data_ptr() == first.data_ptr()  # a view, no copy
 
 
 def test_header_lists_tensors_in_order_with_aligned_offsets() -> None:

@@ -21,6 +21,7 @@ from diloco.outer.diloco_sync import OuterSync
 from diloco.outer.fragments import fragment_parameter_names
 from diloco.schedule import SyncWarmup, fragments_to_apply, fragments_to_launch
 from diloco.train.inner_opt import build_inner_optimizer
+from diloco.train.logger import read_jsonl
 from diloco.train.model import Transformer, param_signature
 from diloco.train.trainer import Trainer
 from diloco.worker.builders import build_inner, build_trainer
@@ -420,3 +421,35 @@ def test_a_bug_inside_a_round_stops_the_worker_instead_of_failing_the_round(tmp_
             trainer.fit()
         trainer.outer.close()
     assert trainer.step < job.trainer.max_steps
+
+
+@pytest.mark.slow  # two lighthouses and their groups' rounds (~3 s)
+@pytest.mark.parametrize(
+    "algo",
+    [["algo=diloco"], ["algo=streaming", "algo.fragments=2", "algo.delay=1"]],
+    ids=["diloco", "streaming-overlap"],
+)
+def test_a_state_hashed_beside_the_inner_steps_gives_every_record_the_digest_the_commit_would_have_hashed(
+    tmp_path, monkeypatch, algo
+):
+    """A large θ_g is hashed on the digest thread and its record appended when the next round starts:
+    the same records, the same digests round by round, and the two groups agree on each."""
+    import diloco.outer.synchronizer as synchronizer
+
+    job = compose_job(BASE + ["cluster.groups=2", "algo.sync_every=4", "trainer.max_steps=12", *algo])
+
+    def records(folder: Path) -> list[list[dict]]:
+        _, outers, _ = _groups_mock(job, folder, scales=(1.0, 3.0), steps=12)
+        for outer in outers:
+            assert_cached_digest_is_fresh(outer)  # also appends a record still held
+        return [read_jsonl(folder / f"commits{g}.jsonl") for g in range(2)]
+
+    on_commit = records(tmp_path / "on-commit")
+    monkeypatch.setattr(synchronizer, "DIGEST_BEHIND_BYTES", 0)
+    behind = records(tmp_path / "behind")
+    for group_on_commit, group_behind in zip(on_commit, behind, strict=True):
+        assert [r["digest"] for r in group_behind] == [r["digest"] for r in group_on_commit]
+        assert [r["round"] for r in group_behind] == [r["round"] for r in group_on_commit]
+        committed = [r for r in group_behind if r["committed"]]
+        assert committed and all(r["digest"] and r["phases_ms"]["digest"] > 0 for r in committed)
+    assert [r["digest"] for r in behind[0] if r["committed"]] == [r["digest"] for r in behind[1] if r["committed"]]

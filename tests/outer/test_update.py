@@ -55,6 +55,17 @@ def test_pseudo_gradient_is_global_minus_local_flattened_in_fp32():
     assert torch.equal(delta, flat(theta_g) - flat(theta_l).float())
 
 
+def test_pseudo_gradient_into_a_staging_buffer_has_the_same_bits_and_leaves_the_room_behind_it():
+    theta_g = global_copy(normals(0), pin_memory=False)
+    theta_l = [t.to(torch.bfloat16) for t in normals(1)]
+    numel = sum(t.numel() for t in theta_g)
+    staging = torch.full((numel + 4,), 7.0)
+    delta = pseudo_gradient(theta_g, theta_l, staging)
+    assert delta.data_ptr() == staging.data_ptr() and delta.numel() == numel
+    assert torch.equal(delta, pseudo_gradient(theta_g, theta_l))
+    assert torch.equal(staging[numel:], torch.full((4,), 7.0))
+
+
 def test_global_copy_is_an_fp32_cpu_copy_that_does_not_share_the_model_storage():
     theta_l = eighths(0, torch.bfloat16)
     theta_g = global_copy(theta_l, pin_memory=False)
