@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_DIFFERENCES_SHOWN = 8
 _UNSET = object()
+_GROUP_NAME = re.compile(r"group(\d+)")  # diloco.config.cluster.group_name's
 
 
 class NotThisJob(ValueError):
@@ -45,21 +47,28 @@ class JobIdentity:
 
     The configuration is pinned in full by a group's first ask, or by its digest alone when the
     first ask a (restarted) lighthouse hears is one of a group that had been granted a quorum.
+    ``groups``: the lighthouse's own ``cluster.groups`` (0: unknown), which no group pins: a group
+    ``group<id>`` whose id is not below it, or whose configuration counts other groups, is refused,
+    so a group the job does not have never trains alone in it.
     """
 
     job_id: str
     signature: str | None = None
     config: dict[str, Any] | None = None
+    groups: int = 0
     digest: str | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.config is not None:
             self.digest = config_digest(self.config)
 
-    def admit(self, job: str, signature: str, config: Mapping[str, Any] | None, digest: str = "") -> None:
+    def admit(
+        self, job: str, signature: str, config: Mapping[str, Any] | None, digest: str = "", group: str = ""
+    ) -> None:
         """Raise ``NotThisJob`` unless the group belongs to this job; pins what is still open.
 
-        ``config`` is the group's training configuration in full, or (empty) ``digest`` stands for it.
+        ``config`` is the group's training configuration in full, or (empty) ``digest`` stands for it;
+        ``group`` its name (``group<id>``).
         """
         if job != self.job_id:
             raise NotThisJob(
@@ -84,6 +93,7 @@ class JobIdentity:
                 + (f" (and {more} more)" if more > 0 else "")
                 + "; every group of a job must run the same configuration"
             )
+        self._check_count(group, config)  # before anything is pinned: a refusal changes nothing
         if (config and self.config is None) or (digest and not config):  # else the keys compared above
             digest = config_digest(config) if config else digest
             if self.digest is not None and digest != self.digest:
@@ -95,3 +105,19 @@ class JobIdentity:
         self.signature = signature
         if config and self.config is None:
             self.config = dict(config)
+
+    def _check_count(self, group: str, config: Mapping[str, Any] | None) -> None:
+        if not self.groups:
+            return
+        theirs = (config or {}).get("cluster.groups", self.groups)
+        if theirs != self.groups:
+            raise NotThisJob(
+                f"cluster.groups: this lighthouse's job has {self.groups}, this group {theirs!r}; start the "
+                "lighthouse and every group with the same cluster.groups"
+            )
+        named = _GROUP_NAME.fullmatch(group)  # a name of one's own (a test's, a script's) has no id to check
+        if named is not None and int(named[1]) >= self.groups:
+            raise NotThisJob(
+                f"{group} is not a group of this job: its lighthouse has cluster.groups={self.groups} "
+                f"(group.id 0 to {self.groups - 1}); check group.id, or start the lighthouse with the job's cluster.groups"
+            )

@@ -111,7 +111,8 @@ class Lighthouse:
         self.cfg = cfg
         self.rules = rules
         self.job_id = job_id
-        self._identity = JobIdentity(job_id, model_signature, job_config)  # None parts: pinned by the first group
+        # None parts: pinned by the first group; the group count is the lighthouse's own
+        self._identity = JobIdentity(job_id, model_signature, job_config, groups=rules.expected_groups)
         self._clock = clock
         self._lock = threading.Lock()
         self._book = QuorumBook(rules, started_at=clock())
@@ -214,7 +215,7 @@ class Lighthouse:
             config, digest = (request.config, request.config_digest) if isinstance(request, QuorumAsk) else (None, "")
             with self._lock:
                 try:
-                    self._identity.admit(request.job, request.signature, config, digest)
+                    self._identity.admit(request.job, request.signature, config, digest, request.group)
                 except NotThisJob as refusal:
                     raise LighthouseRefused(ErrorCode.WRONG_JOB, str(refusal)) from None
         except LighthouseRefused as refusal:

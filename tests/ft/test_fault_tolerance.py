@@ -387,9 +387,10 @@ def test_groups_with_wrong_token_job_or_model_are_refused_and_change_nothing(job
         "model signature": dataclasses.replace(
             real, model=dataclasses.replace(real.model, dim=32), cluster=three_groups
         ),
-        "training configuration": dataclasses.replace(
-            real, algo=dataclasses.replace(real.algo, sync_every=5), cluster=three_groups
-        ),
+        # A third group by its own cluster.groups, refused at its first heartbeat by the lighthouse's
+        # count (a third group of another configuration too, before its configuration is read: that
+        # refusal, by key, is tests/library/test_misuse.py's).
+        "not a group of this job": dataclasses.replace(real, cluster=three_groups),
     }
     clusters = {}
     try:

@@ -33,6 +33,21 @@ def test_the_first_admitted_group_pins_what_the_launcher_left_open():
         identity.admit("job", "other", {"a": 1})
 
 
+def test_a_group_the_lighthouses_job_does_not_have_is_refused_before_it_pins_anything():
+    """The lighthouse's own cluster.groups is pinned from the start: a group with an id past it, or
+    counting other groups, never becomes the job's first group and trains alone."""
+    identity = JobIdentity("job", groups=2)
+    with pytest.raises(NotThisJob, match=r"group2 is not a group of this job: .*cluster.groups=2 \(group.id 0 to 1\)"):
+        identity.admit("job", "sig", {"cluster.groups": 2, "a": 1}, group="group2")
+    with pytest.raises(NotThisJob, match="cluster.groups: this lighthouse's job has 2, this group 3"):
+        identity.admit("job", "sig", {"cluster.groups": 3, "a": 1}, group="group1")
+    assert identity.signature is None and identity.config is None and identity.digest is None  # nothing pinned
+    identity.admit("job", "sig", {"cluster.groups": 2, "a": 1}, group="group1")
+    identity.admit("job", "sig", None, group="group0")  # a heartbeat: no configuration, a name in range
+    identity.admit("job", "sig", None, group="a name of its own")  # a script's or a test's: no id to check
+    JobIdentity("job").admit("job", "sig", {"cluster.groups": 3}, group="group7")  # count unknown: pinned by it
+
+
 def test_a_granted_group_sends_its_configurations_digest_which_must_be_the_jobs():
     """A group sends its configuration in full until it is granted a quorum, then only
     its digest; a restarted lighthouse that has not seen it in full pins the digest."""
