@@ -153,8 +153,8 @@ def lay_out_state(bundle: StateBundle) -> tuple[bytes, LaidOut]:
 
 
 def pack_state(bundle: StateBundle) -> tuple[bytes, torch.Tensor]:
-    """Header JSON bytes and one flat uint8 payload holding every tensor's raw bytes: the bytes
-    ``send_state`` puts on the wire, whole (for a receiver's side read from memory)."""
+    """Header JSON bytes and one flat uint8 payload holding every tensor's raw bytes: what
+    ``send_state`` streams, as one tensor (``unpack_state`` reads it; ``send_packed`` sends it)."""
     header, laid_out = lay_out_state(bundle)
     payload = laid_out.chunk(0, 0, laid_out.total).clone() if laid_out.total else torch.empty(0, dtype=torch.uint8)
     return header, payload

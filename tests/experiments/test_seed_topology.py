@@ -97,11 +97,12 @@ def test_spread_and_job_memory_count_a_child():
 
 @pytest.mark.slow
 def test_seed_topology_quick(tmp_path, capsys):
-    """8 groups, 60 steps each (--steps skips the calibration), faults from 6 s: a kill lands at
-    ~6 s, before the job ends even on an idle machine. The same run directories are read back
+    """8 groups, 100 steps each (--steps skips the calibration), faults from 6 s: a kill every 8 s,
+    and the job lasts past the second one (~14 s), since under load the first one finds too few
+    groups holding the state yet (faults.min_alive) and is skipped. The same run directories are read back
     with soak.py's figures, table and targets: the soak's machinery is this (Streaming DiLoCo,
     kills, soak's Progress and digest check), so its own smoke test needs no run."""
-    args = ["--quick", "--steps", "60", "--results", str(tmp_path), "--keep-runs", str(tmp_path / "runs")]
+    args = ["--quick", "--steps", "100", "--results", str(tmp_path), "--keep-runs", str(tmp_path / "runs")]
     out, _ = run_main("seed_topology.py", args, TIMEOUT_S, capsys)
     figures = json.loads((tmp_path / "seed_topology.json").read_text())
     assert list(figures) == [FAULT_FREE, "kill every 8 s"], out

@@ -350,7 +350,7 @@ def test_refused_header_tells_the_sender_at_once_and_leaves_the_lane_usable() ->
 def test_sender_dying_after_header_fails_the_receiver_long_before_its_timeout() -> None:
     """The lost peer itself ends the wait: the receiver's 600 s timeout would outlast run_pair's hang guard."""
     message = run_pair("dies", expect=(1,))[1]
-    assert "payload chunk 1/" in message and "peer gone" in message, message
+    assert re.search(r"payload chunk \d+/", message) and "peer gone" in message, message  # whichever chunk noticed
 
 
 @pytest.mark.slow
