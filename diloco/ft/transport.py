@@ -207,10 +207,11 @@ def _name_mismatch(names: list[Any], want: list[str]) -> str:
     return f"tensor #{i}: expected {want[i]!r}, got {names[i]!r} (same names in a different order)"
 
 
-def _check_payload(doc: dict[str, Any], payload: torch.Tensor) -> None:
+def _check_payload(doc: dict[str, Any], payload: torch.Tensor, crc: int | None = None) -> None:
+    """``crc``: the payload's CRC32 if already taken (as its chunks arrived), else taken here."""
     if payload.numel() != doc["payload_nbytes"]:
         raise TransferError(f"payload is {payload.numel()} bytes, header says {doc['payload_nbytes']}")
-    want, got = doc["checksum"]["value"], _crc32(payload)
+    want, got = doc["checksum"]["value"], _crc32(payload) if crc is None else crc
     if got != want:
         raise TransferError(f"payload checksum mismatch: header says crc32 {want:#010x}, bytes give {got:#010x}")
 
@@ -267,19 +268,27 @@ def _stream(
     n: int,
     chunk: int,
     deadline: _Deadline,
+    done: Callable[[torch.Tensor], None] = lambda piece: None,
 ) -> None:
     """Send or receive ``n`` payload bytes in ``chunk``-byte slices (``slice_of(index, start, nbytes)``,
-    asked for only once the slice _WINDOW before it is done), at most _WINDOW in flight."""
+    asked for only once the slice _WINDOW before it is done), at most _WINDOW in flight; ``done`` is
+    handed each slice, in order, once its operation completed (while later ones are in flight)."""
     pending = deque()
     count = -(-n // chunk)
+
+    def finish() -> None:
+        work, step, piece = pending.popleft()
+        deadline.wait(work, step)
+        done(piece)
+
     for i, start in enumerate(range(0, n, chunk)):
         if len(pending) == _WINDOW:
-            deadline.wait(*pending.popleft())
+            finish()
         step = f"payload chunk {i + 1}/{count}"
         piece = slice_of(i, start, min(chunk, n - start))
-        pending.append((deadline.post(lambda: op(piece), step), step))
+        pending.append((deadline.post(lambda: op(piece), step), step, piece))
     while pending:
-        deadline.wait(*pending.popleft())
+        finish()
 
 
 def _touched(payload: torch.Tensor, index: int, start: int, nbytes: int) -> torch.Tensor:
@@ -372,9 +381,14 @@ def recv_state(
         _refuse(pg, src, deadline, error)
     _reply(pg, src, True, deadline, "header verdict")
     payload = torch.empty(payload_n, dtype=torch.uint8)
-    _stream(lambda t: pg.recv([t], src, _TAG), partial(_touched, payload), payload_n, chunk, deadline)
+    crc = [0]  # taken as the chunks arrive, beside the ones still on the wire
+
+    def arrived(piece: torch.Tensor) -> None:
+        crc[0] = zlib.crc32(byte_view(piece), crc[0])
+
+    _stream(lambda t: pg.recv([t], src, _TAG), partial(_touched, payload), payload_n, chunk, deadline, arrived)
     try:
-        _check_payload(doc, payload)
+        _check_payload(doc, payload, crc[0])
     except TransferError as error:
         _refuse(pg, src, deadline, error)
     _reply(pg, src, True, deadline, "payload verdict")
