@@ -112,7 +112,7 @@ def _bare_peer(rank: int, port: int, shapes: list[torch.Size], reps: int, out: A
                 "send_ms": send_ms,
                 "heal_transfer_ms": 1000 * (received - started),
                 "heal_apply_ms": 1000 * (applied - received),
-                "heal_bytes": {kind: nbytes for kind, nbytes in _bytes_by_kind(state).items()},
+                "heal_bytes": _bytes_by_kind(state),
             }
         )
     dist.barrier()

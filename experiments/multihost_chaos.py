@@ -84,8 +84,13 @@ CUTS = ("partition", "halves", "cut_from_half")  # faults between group hosts th
 DEATHS = ("kill_worker", "kill_host", "stop_worker")  # the group hit comes back as new processes
 # Faults that keep groups out of rounds for as long as they last, whatever the recovery: how many.
 # A cut keeps the smaller side out (one of a pair, one half, the group cut from half); a slow link sits out.
-KEPT_OUT = {"link_down": lambda hit: len(hit), "slow_link": len, "partition": lambda hit: 1, "halves": len}
-KEPT_OUT["cut_from_half"] = KEPT_OUT["partition"]
+KEPT_OUT = {
+    "link_down": len,
+    "slow_link": len,
+    "halves": len,
+    "partition": lambda hit: 1,
+    "cut_from_half": lambda hit: 1,
+}
 FAULTED, FAULT_FREE = "faulted", "fault-free"
 H = 20
 POLL_S = 0.25

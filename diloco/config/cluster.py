@@ -63,6 +63,12 @@ def group_name(group: int) -> str:
     return f"group{group}"
 
 
+def group_id(name: str) -> int | None:
+    """The id ``group_name`` made ``name`` from; None for a name of one's own (a test's, a script's)."""
+    digits = name.removeprefix("group")
+    return int(digits) if digits != name and digits.isdigit() else None
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is this machine's loopback (a name other than localhost may resolve beyond it)."""
     if host == "localhost":

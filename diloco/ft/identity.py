@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from diloco.config.cluster import group_id
+
 MAX_DIFFERENCES_SHOWN = 8
 _UNSET = object()
-_GROUP_NAME = re.compile(r"group(\d+)")  # diloco.config.cluster.group_name's
 
 
 class NotThisJob(ValueError):
@@ -115,8 +115,8 @@ class JobIdentity:
                 f"cluster.groups: this lighthouse's job has {self.groups}, this group {theirs!r}; start the "
                 "lighthouse and every group with the same cluster.groups"
             )
-        named = _GROUP_NAME.fullmatch(group)  # a name of one's own (a test's, a script's) has no id to check
-        if named is not None and int(named[1]) >= self.groups:
+        named = group_id(group)  # a name of one's own (a test's, a script's) has no id to check
+        if named is not None and named >= self.groups:
             raise NotThisJob(
                 f"{group} is not a group of this job: its lighthouse has cluster.groups={self.groups} "
                 f"(group.id 0 to {self.groups - 1}); check group.id, or start the lighthouse with the job's cluster.groups"

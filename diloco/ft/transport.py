@@ -91,11 +91,9 @@ class LaidOut:
     ten times the wire's time for the same bytes.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], table: list[dict[str, Any]], total: int) -> None:
-        # reshape(-1) first: a 0-d tensor cannot be dtype-viewed; works for bfloat16 without numpy
-        raw = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
-        self.pieces = [(entry["offset"], r) for entry, r in zip(table, raw, strict=True) if r.numel()]
-        self.total = total
+    def __init__(self, pieces: list[tuple[int, torch.Tensor]], total: int) -> None:
+        """``pieces``: (offset, flat uint8 CPU tensor) in payload order, none empty; ``total``: the payload's bytes."""
+        self.pieces, self.total = pieces, total
         self._buffers: dict[int, torch.Tensor] = {}
 
     def crc32(self) -> int:
@@ -126,18 +124,12 @@ class LaidOut:
         return buffer
 
 
-class Packed(LaidOut):
-    """A payload already in one flat uint8 tensor (``pack_state``): every chunk is a view of it."""
-
-    def __init__(self, payload: torch.Tensor) -> None:
-        byte_view(payload)  # a flat contiguous CPU uint8 tensor, or ValueError here rather than on the wire
-        self.pieces, self.total, self._buffers = [(0, payload)], payload.numel(), {}
-
-
 def lay_out_state(bundle: StateBundle) -> tuple[bytes, LaidOut]:
     """Header JSON bytes and the payload laid out over the bundle's tensors, its checksum taken."""
     table, total = _table(bundle.tensors)
-    payload = LaidOut(bundle.tensors, table, total)
+    # reshape(-1) first: a 0-d tensor cannot be dtype-viewed; works for bfloat16 without numpy
+    raw = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in bundle.tensors.values()]
+    payload = LaidOut([(entry["offset"], r) for entry, r in zip(table, raw, strict=True) if r.numel()], total)
     header = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -330,7 +322,9 @@ def send_packed(
     payload (checksum), if the peer is gone, once ``timeout_s`` has passed in all, or at
     once when ``cancel`` hits it (the receiver left the round, or this group did).
     """
-    payload = payload if isinstance(payload, LaidOut) else Packed(payload)
+    if not isinstance(payload, LaidOut):  # one flat tensor (``pack_state``): every chunk is a view of it
+        byte_view(payload)  # a flat contiguous CPU uint8 tensor, or ValueError here rather than on the wire
+        payload = LaidOut([(0, payload)] if payload.numel() else [], payload.numel())
     deadline = _Deadline(timeout_s, f"sending state to lane rank {dst}", cancel)
     chunk = CHUNK_BYTES  # read at call time, so tests can shrink it
     sizes = torch.tensor([len(header), payload.total, chunk], dtype=torch.int64)
