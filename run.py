@@ -2,8 +2,8 @@
 
 ``conf/`` presets are composed onto the dataclass defaults (``diloco.launch.compose``); the job
 runs per its role in ``diloco.launch.roles``, which gets plain values from here, nothing of
-hydra's. Invalid values stop the run before any process starts, and a refused run takes back the
-output folder hydra made for it. Nothing imports this file.
+hydra's. Invalid values stop the run before any process starts, and a refused run (or a sample,
+whose text goes to stdout) takes back the output folder hydra made for it. Nothing imports this file.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from diloco.launch.compose import (
     key_problem_on_command_line,
     output_folder_problem,
     plain_config,
-    remove_refused_run_folder,
+    remove_unused_run_folder,
     store_base_config,
 )
 from diloco.launch.job_token import token_problem_on_command_line
@@ -37,12 +37,16 @@ def main(cfg: DictConfig) -> float | None:
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep = SweepJob(hydra_cfg.sweep.dir, hydra_cfg.job.num, hydra_cfg.job.override_dirname)
     output_dir = Path(hydra_cfg.runtime.output_dir)
+    log = f"{hydra_cfg.job.name}.log"
     try:
-        return run_role(plain_config(cfg), output_dir, sweep, os.environ, list(hydra_cfg.overrides.task))
+        objective = run_role(plain_config(cfg), output_dir, sweep, os.environ, list(hydra_cfg.overrides.task))
     except SystemExit as stop:
         if stop.code not in (None, 0) and not sweep:  # a sweep's sweep.md lists every job's folder
-            remove_refused_run_folder(output_dir, FOLDER_BEFORE, hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log")
+            remove_unused_run_folder(output_dir, FOLDER_BEFORE, hydra_cfg.output_subdir, log)
         raise
+    if cfg.role == "sample" and not sweep:  # its text went to stdout: nothing of it to keep
+        remove_unused_run_folder(output_dir, FOLDER_BEFORE, hydra_cfg.output_subdir, log, said_too=True)
+    return objective
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ loaded on first use, so ``run.py``'s roles and the launcher import none of the o
 
 from typing import Any
 
-__all__ = ["AlgoConfig", "DiLoCo", "OuterOptConfig", "OuterResult", "TimeoutsConfig", "init_group"]
+__all__ = ["AlgoConfig", "DiLoCo", "OuterOptConfig", "OuterResult", "TimeoutsConfig", "init_group", "refuse"]
 
 
 def __getattr__(name: str) -> Any:

@@ -62,6 +62,10 @@ class RunPaths:
         """The global model a group held when a planned stop ended it (the launcher keeps the newest as model.pt)."""
         return self.root / "results" / f"group{group}.model.pt"
 
+    def refusal(self, group: int) -> Path:
+        """Why ``group`` was refused for a cause a restart would meet again: an orchestrator does not restart it."""
+        return self.root / "refused" / f"group{group}.txt"
+
     def commits(self, group: int) -> Path:
         return self.root / "commits" / f"group{group}.jsonl"
 

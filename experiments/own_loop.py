@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from diloco import DiLoCo, init_group
+from diloco import DiLoCo, init_group, refuse
+from diloco.config.base import ConfigError
 from diloco.config.tokens_meta import metadata_path, read_meta_file
 
 EVAL_SEED = 12345  # the held-out windows: the same in every group, so their losses compare
@@ -59,10 +60,18 @@ def parse_args() -> argparse.Namespace:
 def load_tokens(path: str) -> tuple[np.ndarray, int]:
     """The token file as a read-only memory map (every worker shares the page cache, nothing is
     copied), and the vocabulary size its metadata records: the tokenizer's, not a guess."""
-    meta = read_meta_file(metadata_path(path))
+    if not os.path.isfile(path):  # refused, not raised: torchrun would start the group again to meet it again
+        refuse(
+            f"--data {path}: no such token file; prepare a corpus first (python run.py role=prepare "
+            "prepare.input=TEXT_DIR prepare.output=corpus) and pass --data corpus/tokens.bin"
+        )
+    try:
+        meta = read_meta_file(metadata_path(path))
+    except ConfigError as error:
+        refuse(str(error))
     tokens = np.memmap(path, dtype=meta.token_dtype, mode="r")
     if tokens.size != meta.tokens:
-        raise SystemExit(f"{path}: {tokens.size} tokens, its metadata counts {meta.tokens}; run role=prepare again")
+        refuse(f"{path}: {tokens.size} tokens, its metadata counts {meta.tokens}; run role=prepare again")
     return tokens, meta.tokenizer.vocab_size
 
 
@@ -97,13 +106,13 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)  # many small processes on few cores: threads would only contend
     group = int(os.environ.get("DILOCO_GROUP", "0"))
+    tokens, vocab_size = load_tokens(args.data)  # before anything joins: a missing corpus costs nothing
     # torchrun's workers of one group train data-parallel (DDP over gloo); DiLoCo syncs between groups.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
         init_group("gloo")  # restart-safe under torchrun (a prefix per restart)
     rank = dist.get_rank() if dist.is_initialized() else 0
 
-    tokens, vocab_size = load_tokens(args.data)
     n_val = int(tokens.size * args.val_fraction)
     train, val = tokens[: tokens.size - n_val], tokens[tokens.size - n_val :]
 

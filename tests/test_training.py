@@ -120,6 +120,7 @@ def test_a_sweeps_jobs_get_their_own_wandb_names_in_one_group_and_a_sweep_table(
     assert table[2].startswith("| 0 | cluster.groups=1 cluster.workers_per_group=1 trainer.max_steps=60 ")
     assert table[2].endswith("algo.sync_every=25 | no | – | – | – | – |"), table
     assert "algo.sync_every=10 | yes | 6 |" in table[3] and "algo.sync_every=20 | yes | 3 |" in table[4], table
+    assert f"sweep job 2: its row, with every job's so far, in {tmp_path / 'sweep.md'}" in result.stdout
 
 
 def test_python_run_py_end_to_end_with_offline_wandb_then_eval_and_sample(tmp_path):

@@ -80,6 +80,11 @@ def read_meta_file(path: Path) -> CorpusMeta:
     is refused by name, with the fix."""
     try:
         record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path}: no such file: role=prepare writes it beside the token file it describes; prepare the "
+            "corpus first (python run.py role=prepare prepare.input=TEXT prepare.output=DIR)"
+        ) from None
     except (OSError, ValueError) as error:
         raise ConfigError(f"{path}: cannot read it as JSON ({error}); run role=prepare again or remove it") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT:

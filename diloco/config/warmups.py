@@ -58,30 +58,31 @@ def warmup_line(job: JobConfig) -> str | None:
     if algo.name not in SYNCING:
         return None
     run_algo, run_opt = scheduled(job)
-    parts = []
+    said, keys = [], []
     if window := run_algo.sync_warmup_window():
         short, warm = window
-        key = _key("algo.sync_warmup_steps", warm, algo.sync_warmup_steps)
-        parts.append(f"windows of {short} steps up to step {warm}, then H={algo.sync_every} ({key})")
+        said.append(f"outer rounds every {short} steps until step {warm}, then every {algo.sync_every}")
+        keys.append(_key("algo.sync_warmup_steps", warm, algo.sync_warmup_steps))
     elif algo.sync_warmup_window():
-        parts.append(
-            f"none of the sync warm-up's short windows (algo.sync_warmup_steps={algo.sync_warmup_steps}, cut to 0)"
-        )
+        said.append("no short windows at the start (too few steps for one)")
+        keys.append(f"algo.sync_warmup_steps={algo.sync_warmup_steps} cut to 0")
     if run_algo.alpha_warmup_steps and algo.alpha:
-        key = _key("algo.alpha_warmup_steps", run_algo.alpha_warmup_steps, algo.alpha_warmup_steps)
-        parts.append(f"α 0→{algo.alpha:g} over {run_algo.alpha_warmup_steps} steps ({key})")
+        said.append(f"the mixing weight α rising from 0 to {algo.alpha:g} over {run_algo.alpha_warmup_steps} steps")
+        keys.append(_key("algo.alpha_warmup_steps", run_algo.alpha_warmup_steps, algo.alpha_warmup_steps))
     momentum = outer_opt.momentum if outer_opt.name in ("nesterov", "sgd") else 0.0
     if run_opt.momentum_warmup_steps and momentum:
-        key = _key("outer_opt.momentum_warmup_steps", run_opt.momentum_warmup_steps, outer_opt.momentum_warmup_steps)
-        parts.append(f"outer momentum 0→{momentum:g} over {run_opt.momentum_warmup_steps} steps ({key})")
-    if not parts:
+        said.append(f"the outer momentum rising from 0 to {momentum:g} over {run_opt.momentum_warmup_steps} steps")
+        keys.append(
+            _key("outer_opt.momentum_warmup_steps", run_opt.momentum_warmup_steps, outer_opt.momentum_warmup_steps)
+        )
+    if not said:
         return None
     return (
-        f"warm-ups (each at most {job.trainer.warmup_share:.0%} of the {max_steps} steps, trainer.warmup_share; "
-        f"its key =0 turns one off): {'; '.join(parts)}"
+        f"warm-up: {'; '.join(said)} ({', '.join(keys)}; each at most trainer.warmup_share="
+        f"{job.trainer.warmup_share:.0%} of the {max_steps} steps; a key =0 turns its warm-up off)"
     )
 
 
 def _key(name: str, run: int, configured: int) -> str:
-    """``algo.alpha_warmup_steps=1000, cut``: the key, and whether the share shortened it."""
-    return f"{name}={configured}" + (", cut" if run < configured else "")
+    """``algo.alpha_warmup_steps=1000 cut to 100``: the key, and what the share shortened it to."""
+    return f"{name}={configured}" + (f" cut to {run}" if run < configured else "")

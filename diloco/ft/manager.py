@@ -52,6 +52,11 @@ class MembershipError(RuntimeError):
     at start. Not a fault to retry: the message says what to fix."""
 
 
+class GroupRefused(MembershipError):
+    """The lighthouse refused this group (its token, job, group count or configuration): the same
+    group started again would be refused alike, so an orchestrator must not restart it."""
+
+
 class JobEndedError(MembershipError):
     """The job ended before this (unfinished) group asked: too late to take part, and no crash
     either; a supervisor restarts nothing for it."""
@@ -244,7 +249,7 @@ class Manager:
         answer = self._broadcast(self._ask(round_step, digest) if self.client is not None else None)
         if "refused" in answer:
             too_late = answer.get("code") == ErrorCode.JOB_ENDED.value
-            raise (JobEndedError if too_late else MembershipError)(
+            raise (JobEndedError if too_late else GroupRefused)(
                 f"the lighthouse refused group {self.group}: {answer['refused']}"
             )
         return answer
@@ -362,7 +367,7 @@ class Manager:
                 self.client.heartbeat(self.committed, 0, self.finished, reach=self._reach_report())
                 return
             except LighthouseRefused as error:
-                raise MembershipError(f"the lighthouse refused group {self.group}: {error}") from None
+                raise GroupRefused(f"the lighthouse refused group {self.group}: {error}") from None
             except LighthouseUnavailable as error:
                 if time.monotonic() >= deadline:
                     raise MembershipError(

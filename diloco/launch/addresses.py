@@ -12,10 +12,13 @@ address must be an IPv4 one or a name that resolves to one.
 from __future__ import annotations
 
 import socket
+import time
 
 from diloco.config.base import ConfigError
+from diloco.config.cluster import LighthouseConfig
 from diloco.config.job import JobConfig
 
+LISTEN_RETRY_S = 0.5  # between connects to a lighthouse that may still be starting
 BIND_HINT = "use 127.0.0.1 for a job on this machine, or an address of one of this machine's interfaces"
 
 
@@ -89,6 +92,27 @@ def check_port_free(host: str, port: int) -> None:
                 "stop what listens there (another lighthouse?) or pick another cluster.lighthouse.port "
                 "(0 picks a free one)"
             ) from None
+
+
+def check_lighthouse_listens(lighthouse: LighthouseConfig, within_s: float) -> None:
+    """``ConfigError`` unless the lighthouse accepts a connection within ``within_s`` (one try every
+    half second): checked before a group builds its model, so a wrong address costs one wait, not
+    a model built and a wait on every restart."""
+    address = (resolve("cluster.lighthouse.host", lighthouse.host), lighthouse.port)
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with socket.create_connection(address, timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"cannot reach the lighthouse at {lighthouse.host}:{lighthouse.port} within "
+                    f"cluster.timeouts.connect={within_s:g}s ({error.strerror or error}), and this group was never "
+                    "part of this job: check cluster.lighthouse.host and cluster.lighthouse.port, and that "
+                    "role=lighthouse runs there"
+                ) from None
+        time.sleep(LISTEN_RETRY_S)
 
 
 def _is_ipv6(host: str) -> bool:

@@ -30,6 +30,7 @@ from diloco.run_paths import RunPaths
 
 BASE_CONFIG = "base_config"
 HYDRA_RUN_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what hydra writes in .hydra/ as a job starts
+RESOLVED_CONFIG = "config.yaml"  # the run's resolved config, written beside them before the job starts
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the checkout's conf/, beside run.py
 
 # Keys left out of the base: absent, they follow another key. ``model.vocab_size`` is the
@@ -100,7 +101,7 @@ class SweepJobFailed(CompactHydraException):
 SWEEP_COLUMNS = ("job", "overrides", "ok", "rounds", "final eval loss", "bytes/token", "wall s")
 
 
-def write_sweep_table(sweep_dir: Path) -> None:
+def write_sweep_table(sweep_dir: Path) -> Path:
     """``sweep.md`` in the sweep directory: one row per finished job, rewritten as each one ends
     (jobs run one after another: a job folder without a summary is one that failed before it ran)."""
     rows = []
@@ -116,7 +117,9 @@ def write_sweep_table(sweep_dir: Path) -> None:
         rows.append(cells + (f"{summary['bytes_per_token']:.1f}", f"{summary['wall_seconds']:.0f}"))
     lines = ["| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    write_atomically(sweep_dir / "sweep.md", lambda fh: fh.write(("\n".join(lines) + "\n").encode()))
+    table = sweep_dir / "sweep.md"
+    write_atomically(table, lambda fh: fh.write(("\n".join(lines) + "\n").encode()))
+    return table
 
 
 EVERY_KEY = "every key: docs/configuration.md"
@@ -279,37 +282,43 @@ def existing_ancestor(argv: list[str]) -> Path:
     return next(part for part in (known, *known.parents) if part.is_dir())
 
 
-def remove_refused_run_folder(folder: Path, kept: Path, hydra_subdir: str | None, hydra_log: str) -> None:
-    """Undo the output folder hydra made for a run that was refused: ``folder`` goes if it holds
-    hydra's own files alone (``.hydra/`` and an empty log), then the folders made for it that are
-    left empty, up to ``kept`` (``existing_ancestor``), which stays. Files are removed by name and
-    folders only when empty, so nothing written meanwhile is lost."""
-    if kept not in folder.parents or not holds_only_hydra_files(folder, hydra_subdir, hydra_log):
+def remove_unused_run_folder(
+    folder: Path, kept: Path, hydra_subdir: str | None, hydra_log: str, *, said_too: bool = False
+) -> None:
+    """Undo the output folder hydra made for a run that left nothing of its own (refused, or a
+    ``role=sample`` whose text went to stdout): ``folder`` goes if it holds hydra's own files alone
+    (``.hydra/``, an empty log, or with ``said_too`` one with the console's lines) and the resolved
+    ``config.yaml`` written before the job starts, then the folders made for it that are left empty,
+    up to ``kept`` (``existing_ancestor``), which stays. Files are removed by name and folders only
+    when empty, so nothing written meanwhile is lost."""
+    if kept not in folder.parents or not holds_only_hydra_files(folder, hydra_subdir, hydra_log, said_too):
         return
     try:
         if hydra_subdir and (folder / hydra_subdir).is_dir():
             for name in HYDRA_RUN_FILES:
                 (folder / hydra_subdir / name).unlink(missing_ok=True)
             (folder / hydra_subdir).rmdir()
-        (folder / hydra_log).unlink(missing_ok=True)
+        for name in (hydra_log, RESOLVED_CONFIG):
+            (folder / name).unlink(missing_ok=True)
         for made in (folder, *folder.parents[: folder.parents.index(kept)]):
             made.rmdir()
     except OSError:  # something else is there after all (another run's folder beside it): it stays
         return
 
 
-def holds_only_hydra_files(folder: Path, hydra_subdir: str | None, hydra_log: str) -> bool:
+def holds_only_hydra_files(folder: Path, hydra_subdir: str | None, hydra_log: str, said_too: bool = False) -> bool:
     """Whether ``folder`` holds nothing but what hydra writes as a job starts: its config files in
-    ``hydra_subdir`` and an empty ``hydra_log`` (a line said there, or any other file, is the run's)."""
+    ``hydra_subdir`` and an empty ``hydra_log`` (a line said there, or any other file, is the run's,
+    but with ``said_too``), and the resolved ``config.yaml`` written before anything else."""
     for entry in folder.iterdir():
         if entry.is_symlink():
             return False
         if entry.name == hydra_log:
-            hydra_made = entry.is_file() and entry.stat().st_size == 0
+            hydra_made = entry.is_file() and (said_too or entry.stat().st_size == 0)
         elif entry.name == hydra_subdir:
             hydra_made = entry.is_dir() and all(p.name in HYDRA_RUN_FILES and p.is_file() for p in entry.iterdir())
         else:
-            hydra_made = False
+            hydra_made = entry.name == RESOLVED_CONFIG and entry.is_file()
         if not hydra_made:
             return False
     return True

@@ -62,21 +62,23 @@ def _shape(model: ModelConfig) -> dict[str, object]:
 
 def algo_line(job: JobConfig, n_params: int) -> str:
     """How the groups sync and what each sends per round: ``algo: diloco H=50 P=1 τ=0, payload
-    fp32, outer nesterov lr 0.7; 18 rounds of ~526 kB per group``."""
+    fp32, inner adamw lr 0.003, outer nesterov lr 0.7; 18 rounds of ~526 kB per group``."""
     algo = job.algo
+    inner = f"inner {job.inner_opt.name} lr {job.inner_opt.lr:g}"
     if algo.name == "local":
-        return "algo: local, every group trains alone (no sync; the no-communication baseline)"
+        return f"algo: local, every group trains alone (no sync; the no-communication baseline), {inner}"
     if algo.name == "ddp":
         gradients = _size(Dense().nbytes(n_params))
         return (
-            f"algo: ddp, the gradients all-reduced every step: {job.trainer.max_steps} rounds of ~{gradients} per group"
+            f"algo: ddp, the gradients all-reduced every step, {inner}: {job.trainer.max_steps} rounds of "
+            f"~{gradients} per group"
         )
     payload, bytes_per_model = payload_of(algo, n_params)
     rounds = planned_windows(job) * algo.fragments
     auto = " (algo.auto re-picks τ and the format each round)" if algo.auto else ""
     return (
         f"algo: {algo.name} H={algo.sync_every} P={algo.fragments} τ={algo.delay}, payload {payload}{auto}, "
-        f"outer {job.outer_opt.name} lr {job.outer_opt.lr:g}; "
+        f"{inner}, outer {job.outer_opt.name} lr {job.outer_opt.lr:g}; "
         f"{rounds} rounds of ~{_size(bytes_per_model / algo.fragments)} per group"
     )
 

@@ -60,7 +60,8 @@ def render_progress(
     mfu: float | None = None,
     width: int = 24,
 ) -> str:
-    """``step 120/300 [#########...] loss 2.31 eval 2.40 round 3 tok/s 9.1k TFLOP/s 0.12 MFU 31% 0:31<0:46``.
+    """``step 120/300 [#########...] loss 2.31 eval 2.40@100 round 3 tok/s 9.1k TFLOP/s 0.12 MFU 31% 0:31<0:46``
+    (the eval loss of step 100).
 
     ``tok/s`` and ``TFLOP/s`` are the whole job's (every group's), at the rate the caller gives:
     while training the groups' last logged steps', on the last line the job's average (summary.json's
@@ -72,8 +73,9 @@ def render_progress(
     parts = [f"step {step}/{max_steps}", f"[{'#' * filled}{'.' * (width - filled)}]"]
     if last.get("train/loss") is not None:
         parts.append(f"loss {last['train/loss']:.3f}")
-    if last.get("eval/loss") is not None:
-        parts.append(f"eval {last['eval/loss']:.3f}")
+    if last.get("eval/loss") is not None:  # the step it was measured at: the line repeats it until the next
+        at = f"@{int(last['eval/step'])}" if last.get("eval/step") is not None else ""
+        parts.append(f"eval {last['eval/loss']:.3f}{at}")
     if last.get("outer/round") is not None:
         parts.append(f"round {int(last['outer/round'])}")
     if job_tokens_per_s is not None:
@@ -110,7 +112,7 @@ def render_starting(elapsed_s: float, groups: int, built: int, joined: int | Non
     groups with a commit record (through their first quorum); None for a job without rounds."""
     ready = built if joined is None else joined
     if ready == groups:
-        doing = f"training to step {log_every}, the first one logged"
+        doing = f"training; a line every trainer.log_every={log_every} steps"
     elif joined:
         doing = f"{joined} of {groups} groups joined the first quorum"
     elif built:
@@ -242,7 +244,10 @@ class ProgressView:
         for path in self.files:
             records, self._offsets[path] = read_jsonl_tail(path, self._offsets.get(path, 0))
             for record in records:
-                self._latest.setdefault(path, {}).update({k: v for k, v in record.items() if v is not None})
+                latest = self._latest.setdefault(path, {})
+                latest.update({k: v for k, v in record.items() if v is not None})
+                if record.get("eval/loss") is not None:
+                    latest["eval/step"] = record.get("step")
             news = news or bool(records)
         return news
 

@@ -26,8 +26,8 @@ from diloco.config.redaction import redacted
 from diloco.exits import INTERRUPTED_EXIT_CODE, JOB_ENDED_EXIT_CODE, exit_without_teardown
 from diloco.files import OutputError, write_json_atomically, write_text_atomically
 from diloco.ft.lighthouse import serve_forever
-from diloco.ft.manager import JobEndedError, MembershipError
-from diloco.launch.addresses import check_addresses
+from diloco.ft.manager import GroupRefused, JobEndedError, MembershipError
+from diloco.launch.addresses import check_addresses, check_lighthouse_listens
 from diloco.launch.compose import SweepJobFailed, load_saved_config, to_yaml, write_sweep_table
 from diloco.launch.export import EXPORT_FOLDER, export_checkpoint
 from diloco.launch.inference import evaluate_checkpoint, locate_weights, sample_text
@@ -40,6 +40,7 @@ from diloco.launch.summary import summarize_after_the_end, summarize_finished_ru
 from diloco.launch.trained_run import RUN_SETTINGS, data_words, overridden_line, override_keys, with_run_settings
 from diloco.launch.wandb_key import check_wandb_key
 from diloco.prepare.pipeline import prepare_corpus
+from diloco.refusal import clear_refusal, refuse_group
 from diloco.run_paths import RunPaths
 from diloco.train.data import DataError
 from diloco.worker.entry import refuse_finished_group, run_worker
@@ -83,6 +84,7 @@ def run_role(
         if job.role in ("local", "group"):
             check_wandb_key(job.logger, environ)
         if job.role == "group":
+            clear_refusal(paths, job.group.id)
             refuse_finished_group(paths, job.group.id)
             if paths.summary.exists():  # the job ended; torchrun restarting a group after it gets a quick no
                 exit_without_teardown(
@@ -94,7 +96,9 @@ def run_role(
         if job.role not in ("summary", "local"):  # the summary reads a run; the launcher claims its directory first
             write_text_atomically(paths.root / "config.yaml", to_yaml(redacted(as_resolved(raw, job))))
         if job.role == "group":
-            run_group(job, paths, env)
+            if not paths.commits(job.group.id).exists():  # never in this job: an address no one listens on is a typo
+                check_lighthouse_listens(job.cluster.lighthouse, job.cluster.timeouts.connect)
+            run_group(job, paths, env, environ)
         if job.role in ("eval", "sample", "export"):
             return use_trained_model(job, paths, raw, override_keys(overrides))
         if job.role == "prepare":  # a corpus into tokens: no lighthouse, no groups
@@ -116,7 +120,11 @@ def run_role(
             with run_dir_claimed(paths):
                 write_text_atomically(paths.root / "config.yaml", to_yaml(redacted(as_resolved(raw, job))))
                 summary = launch(job, paths.root)
-    except (ConfigError, DataError, OutputError) as error:
+    except (ConfigError, DataError) as error:
+        if raw.get("role") == "group":  # torchrun would start it again, to be refused alike
+            refuse_group(f"error: {error}", paths, _group_id(raw), environ)
+        fail(f"error: {error}", sweep)
+    except OutputError as error:
         fail(f"error: {error}", sweep)
     except JobFailed as error:
         fail(f"job failed: {error}", sweep)
@@ -126,7 +134,8 @@ def run_role(
         sys.exit("interrupted: all workers stopped")
     finally:
         if sweep:
-            write_sweep_table(Path(sweep.dir))
+            table = write_sweep_table(Path(sweep.dir))
+            say(f"sweep job {sweep.num}: its row, with every job's so far, in {table}", sys.stdout)
     for loss in summary.get("state_lost", []):  # the model is still the job's, but steps were trained twice
         say(
             f"warning: every group holding round {loss['lost_round']} (inner step {loss['lost_step']}) died "
@@ -214,11 +223,13 @@ def trained_job_config(run_dir: Path, job: JobConfig) -> JobConfig:
     return job_config_from_dict(raw)
 
 
-def run_group(job: JobConfig, paths: RunPaths, env: WorkerEnv) -> NoReturn:
+def run_group(job: JobConfig, paths: RunPaths, env: WorkerEnv, environ: Mapping[str, str]) -> NoReturn:
     """One worker of a multi-host job's group: exits 0 only if the group ends holding the job's final model.
 
     Under torchrun, which restarts the group when a worker exits, a worker dies with its agent,
-    and the leader starts the guard that kills a worker stopped for good (``stopped_guard``).
+    and the leader starts the guard that kills a worker stopped for good (``stopped_guard``); a
+    group the lighthouse refuses, or whose data or configuration a worker refuses, is not
+    restarted (``diloco.refusal``).
     """
     if env.under_agent:
         lifeline.die_with_parent()
@@ -226,6 +237,8 @@ def run_group(job: JobConfig, paths: RunPaths, env: WorkerEnv) -> NoReturn:
             start_guard(job.cluster.timeouts.stopped)
     try:
         report = run_worker(job, env, paths)
+    except (GroupRefused, ConfigError, DataError) as error:
+        refuse_group(f"error: {error}", paths, job.group.id, environ)
     except (MembershipError, OutputError) as error:
         too_late = isinstance(error, JobEndedError)  # an orchestrator need not restart it
         exit_without_teardown(JOB_ENDED_EXIT_CODE if too_late else 1, f"error: {error}")
@@ -236,6 +249,12 @@ def run_group(job: JobConfig, paths: RunPaths, env: WorkerEnv) -> NoReturn:
         )
     problem = group_outcome(report, job.algo.name)
     exit_without_teardown(1 if problem else 0, problem and f"job failed: {problem}")
+
+
+def _group_id(raw: dict[str, Any]) -> int | None:
+    """``group.id`` as composed, where the job's config could not be read whole (None: not an integer)."""
+    group = (raw.get("group") or {}).get("id")
+    return group if isinstance(group, int) and group >= 0 else None
 
 
 def exit_like(stop: SystemExit | None) -> NoReturn:

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> str | None:
         print(
             f"{args.groups} groups of {args.workers_per_group} running {args.script}; logs in {paths.logs}", flush=True
         )
-        codes = wait_for(groups, args.timeout)
+        codes = wait_for(groups, args.timeout, paths)
         save_page(lighthouse, paths.status_page)
     return verdict(codes, paths, args.groups)
 
@@ -111,14 +111,15 @@ def start_group(group: int, args: argparse.Namespace, environ: dict[str, str], p
     )
 
 
-def wait_for(groups: dict[int, subprocess.Popen], timeout_s: float) -> dict[int, int | None]:
-    """Each group's exit code (None: still running at ``timeout_s`` or at Ctrl-C, and stopped)."""
+def wait_for(groups: dict[int, subprocess.Popen], timeout_s: float, paths: RunPaths) -> dict[int, int | None]:
+    """Each group's exit code (None: still running at ``timeout_s``, at Ctrl-C or once a group was
+    refused (``diloco.refusal``: the job cannot end as asked), and stopped)."""
     stop = {"asked": False}
     previous = {s: signal.signal(s, lambda *_: stop.update(asked=True)) for s in (signal.SIGINT, signal.SIGTERM)}
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline and not stop["asked"]:
-            if all(p.poll() is not None for p in groups.values()):
+            if all(p.poll() is not None for p in groups.values()) or any(paths.refusal(g).exists() for g in groups):
                 break
             time.sleep(POLL_S)
     finally:
@@ -139,6 +140,11 @@ def wait_for(groups: dict[int, subprocess.Popen], timeout_s: float) -> dict[int,
 
 def verdict(codes: dict[int, int | None], paths: RunPaths, groups: int) -> str | None:
     """Why the job failed (one line), or None: every group exited 0 and the holders agree."""
+    refused = [g for g in codes if paths.refusal(g).exists()]
+    if refused:
+        return (
+            f"{group_name(refused[0])} was refused, and not restarted: {paths.refusal(refused[0]).read_text().strip()}"
+        )
     running = [g for g, code in codes.items() if code is None]
     if running:
         return f"{group_name(running[0])} was still running when stopped (--timeout, or a signal)"

@@ -4,7 +4,7 @@
 from diloco.config.algo import AlgoConfig
 from diloco.config.cluster import TimeoutsConfig
 from diloco.library.build import Membership, OuterSettings, build_outer_sync
-from diloco.library.group import init_group
+from diloco.library.group import init_group, refuse
 from diloco.library.loop import DiLoCo, OuterResult
 from outer_opt import OuterOptConfig
 
@@ -18,4 +18,5 @@ __all__ = [
     "TimeoutsConfig",
     "build_outer_sync",
     "init_group",
+    "refuse",
 ]

@@ -12,12 +12,18 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
 
 from diloco.config.base import ConfigError
+from diloco.refusal import refuse_group
+from diloco.run_paths import RunPaths
 
 RESTART_KEY = "TORCHELASTIC_RESTART_COUNT"
+GROUP_ENV = "DILOCO_GROUP"  # this process's replica group, 0..M-1
+RUN_DIR_ENV = "DILOCO_RUN_DIR"  # where the leader writes its commits and its result (optional)
 
 
 def group_store(
@@ -70,3 +76,13 @@ def init_group(
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
     )
+
+
+def refuse(message: str, environ: Mapping[str, str] = os.environ) -> NoReturn:
+    """End this worker for a cause its next start would meet again (a missing corpus, a bad flag):
+    ``message`` on stderr, exit 5, and under torchrun no restart of the group (its agent is
+    stopped); with ``DILOCO_RUN_DIR`` and ``DILOCO_GROUP`` set the line is kept in
+    ``RUN_DIR/refused/group<k>.txt`` for the orchestrator (docs/fault-tolerance.md, "Exit codes")."""
+    run_dir, group = environ.get(RUN_DIR_ENV), environ.get(GROUP_ENV, "").strip()
+    paths = RunPaths(Path(run_dir)) if run_dir else None
+    refuse_group(f"error: {message}", paths, int(group) if group.isdigit() else None, environ)

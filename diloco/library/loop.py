@@ -36,6 +36,7 @@ from diloco.config.redaction import TOKEN_ENV
 from diloco.files import write_json_atomically
 from diloco.ft.state import local_tensor
 from diloco.library.build import Membership, OuterSettings, build_outer_sync
+from diloco.library.group import GROUP_ENV, RUN_DIR_ENV
 from diloco.outer.digest import state_digest
 from diloco.outer.diloco_sync import OuterSync
 from diloco.outer.fragments import count_blocks
@@ -45,9 +46,7 @@ from diloco.train.sync_hooks import OuterOutcome
 from outer_opt import OuterOptConfig
 
 LIGHTHOUSE_ENV = "DILOCO_LIGHTHOUSE"  # the lighthouse's URL, http://HOST:PORT
-GROUP_ENV = "DILOCO_GROUP"  # this process's replica group, 0..M-1
 JOB_ENV = "DILOCO_JOB"  # the job's name, as the lighthouse was started with (run.py name=...)
-RUN_DIR_ENV = "DILOCO_RUN_DIR"  # where the leader writes its commits and its result (optional)
 DEFAULT_JOB = "diloco"  # run.py's default name
 ALGOS = ("diloco", "streaming")
 

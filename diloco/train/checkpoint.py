@@ -256,14 +256,46 @@ def whole_group_checkpoints(root: Path) -> list[Path]:
 
 def _newest_run(search_dir: Path, exclude: Path, finished_too: bool) -> Path | None:
     newest: tuple[float, Path] | None = None
+    done = set() if finished_too else carried_to_the_end(search_dir)
     for marker in whole_group_checkpoints(search_dir):
         run = marker.parents[3]
-        if run.resolve() == exclude.resolve() or (not finished_too and finished(run)):
+        if run.resolve() == exclude.resolve() or (not finished_too and (finished(run) or run.resolve() in done)):
             continue
         written = marker.stat().st_mtime
         if newest is None or written > newest[0]:
             newest = (written, run)
     return None if newest is None else newest[1]
+
+
+def carried_to_the_end(search_dir: Path) -> set[Path]:
+    """The runs under ``search_dir`` a finished run continued, directly or through other resumed runs.
+
+    A stopped run A resumed by a job B that then finished has nothing left to train either: B's
+    ``job.json`` names A (``trainer.resume``, pinned by the launcher), so ``auto`` skips A too.
+    """
+    carried: set[Path] = set()
+    for run in (summary.parent for summary in search_dir.glob("**/summary.json")):
+        if not finished(run):
+            continue
+        seen = {run.resolve()}
+        while (source := _resumed_from(run)) is not None and source not in seen:  # a loop of links ends
+            carried.add(source)
+            seen.add(source)
+            run = source
+    return carried
+
+
+def _resumed_from(run: Path) -> Path | None:
+    """The run directory ``run``'s job resumed from (its pinned ``trainer.resume``), or None."""
+    try:
+        spec = json.loads(RunPaths(run).job.read_text())["trainer"]["resume"]
+    except (OSError, ValueError, KeyError, TypeError):  # no job.json (a worker never started), or a foreign one
+        return None
+    if not spec:
+        return None
+    source = Path(spec)
+    checkpoint = enclosing_checkpoint(source)
+    return (source if checkpoint is None else checkpoint.parents[1]).resolve()
 
 
 def finished(run: Path) -> bool:
@@ -298,8 +330,17 @@ def check_compatible(group_folder: Path, expected: dict[str, Any]) -> None:
     """
     info = complete_info(group_folder) or dict.fromkeys(expected)  # none at all: every key differs
     for key, value in expected.items():
+        value = json.loads(json.dumps(value))  # as complete.json holds it: tuples are lists there
         if key in info and info[key] != value:
             raise CheckpointError(
-                f"{group_folder / COMPLETE}: written with {key}={info.get(key)!r}, this job has {value!r}; "
+                f"{group_folder / COMPLETE}: written with {_differences(key, info[key], value)}; "
                 "resume with the configuration the checkpoint was written with"
             )
+
+
+def _differences(key: str, saved: Any, wanted: Any) -> str:
+    """``key=saved, this job has wanted``; for a section (``model``) each key of it that differs."""
+    if not (isinstance(saved, dict) and isinstance(wanted, dict)):
+        return f"{key}={saved!r}, this job has {wanted!r}"
+    names = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k))
+    return "; ".join(f"{key}.{k}={saved.get(k)!r}, this job has {wanted.get(k)!r}" for k in names)

@@ -5,6 +5,7 @@ preflight, which builds what every worker would before any process starts.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -210,6 +211,7 @@ def checkpoint_identity(job: JobConfig, signature: str, workers: int) -> dict[st
     saved read position mean other windows: the worker would refuse it, after the launcher started it)."""
     train_tokens = load_corpus(job.data).train.numel()
     return {
+        "model": dataclasses.asdict(job.model),  # before the signature: a refusal names the keys that differ
         "signature": signature,
         "groups": job.cluster.groups,
         "workers": workers,

@@ -12,7 +12,7 @@ import pytest
 
 from diloco.config.base import key_paths
 from diloco.config.job import JobConfig
-from diloco.launch.compose import existing_ancestor, key_problem_on_command_line, remove_refused_run_folder
+from diloco.launch.compose import existing_ancestor, key_problem_on_command_line, remove_unused_run_folder
 from tests.conftest import CONF_DIR, REPO
 
 EVERY_KEY = "(every key: docs/configuration.md)"
@@ -126,16 +126,17 @@ def test_a_refused_run_takes_back_the_folders_hydra_made_for_it(tmp_path):
     kept.mkdir()
     (kept / "2026-01-01" / "09-00-00").mkdir(parents=True)  # an earlier run of that day
     run = hydra_made(kept / "2026-01-01" / "10-00-00")
-    remove_refused_run_folder(run, kept, ".hydra", "run.log")
+    (run / "config.yaml").write_text("role: local\n")  # resolved before the refusal: nothing else of it
+    remove_unused_run_folder(run, kept, ".hydra", "run.log")
     assert sorted(p.name for p in kept.iterdir()) == ["2026-01-01"] and not run.exists()
-    remove_refused_run_folder(hydra_made(tmp_path / "a" / "b"), tmp_path, ".hydra", "run.log")
+    remove_unused_run_folder(hydra_made(tmp_path / "a" / "b"), tmp_path, ".hydra", "run.log")
     assert not (tmp_path / "a").exists()
 
 
 @pytest.mark.parametrize(
     "other",
     [
-        lambda run: (run / "config.yaml").write_text("role: local\n"),
+        lambda run: (run / "job.json").write_text("{}\n"),
         lambda run: (run / "run.log").write_text("a line the run said\n"),
         lambda run: (run / ".hydra" / "notes.txt").write_text("mine\n"),
     ],
@@ -144,8 +145,18 @@ def test_a_refused_run_takes_back_the_folders_hydra_made_for_it(tmp_path):
 def test_a_folder_holding_anything_else_is_left_whole(tmp_path, other):
     run = hydra_made(tmp_path / "run")
     other(run)
-    remove_refused_run_folder(run, tmp_path, ".hydra", "run.log")
+    remove_unused_run_folder(run, tmp_path, ".hydra", "run.log")
     assert (run / ".hydra" / "config.yaml").is_file()
+
+
+def test_a_samples_folder_goes_with_the_lines_it_said_and_its_resolved_config(tmp_path):
+    run = hydra_made(tmp_path / "run")
+    (run / "config.yaml").write_text("role: sample\n")
+    (run / "run.log").write_text("sample: the data of the trained run\n")
+    remove_unused_run_folder(run, tmp_path, ".hydra", "run.log")
+    assert run.is_dir(), "a refused run's log holds no line"
+    remove_unused_run_folder(run, tmp_path, ".hydra", "run.log", said_too=True)
+    assert not run.exists()
 
 
 def test_a_folder_that_existed_before_the_run_stays(tmp_path, monkeypatch):
@@ -153,7 +164,7 @@ def test_a_folder_that_existed_before_the_run_stays(tmp_path, monkeypatch):
     (tmp_path / "mine").mkdir()
     kept = existing_ancestor(["hydra.run.dir=mine"])
     assert kept == tmp_path / "mine"
-    remove_refused_run_folder(hydra_made(tmp_path / "mine"), kept, ".hydra", "run.log")
+    remove_unused_run_folder(hydra_made(tmp_path / "mine"), kept, ".hydra", "run.log")
     assert (tmp_path / "mine" / ".hydra").is_dir()
     assert existing_ancestor(["hydra.run.dir=new/run"]) == tmp_path
     assert existing_ancestor([]) == tmp_path  # outputs/${now:...}: no outputs/ here yet
@@ -179,6 +190,20 @@ def test_run_py_refuses_a_misspelled_key_in_one_line_and_a_bad_value_leaves_no_f
     result = run_py(f"hydra.run.dir={tmp_path}/new/run", "trainer.max_steps=-1")
     assert result.returncode == 1 and "trainer.max_steps=-1: must be a positive integer" in result.stderr
     assert list(tmp_path.iterdir()) == [], "the folders hydra made for the refused run are gone"
+
+
+@pytest.mark.slow  # three real python + hydra + torch starts (~3 s each)
+def test_a_run_refused_after_its_config_was_resolved_leaves_no_folder_either(tmp_path):
+    """A missing data path, a missing eval checkpoint, a resume from nowhere: refused once config.yaml
+    was written (before any process started), each takes its folder back."""
+    for refused, said in [
+        (["data=text", f"data.path={tmp_path}/nope"], "no such file or folder"),
+        (["role=eval", f"checkpoint={tmp_path}/nope"], "does not exist"),
+        ([f"trainer.resume={tmp_path}/nope"], "no such directory"),
+    ]:
+        result = run_py(f"hydra.run.dir={tmp_path}/outputs/run", *refused)
+        assert result.returncode == 1 and said in result.stderr, result.stderr
+        assert list(tmp_path.iterdir()) == [], (refused, list(tmp_path.rglob("*")))
 
 
 @pytest.mark.slow  # a real python + hydra + torch start (~3 s)

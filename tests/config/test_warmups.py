@@ -54,12 +54,15 @@ def test_share_one_runs_every_warm_up_as_configured_as_before():
 
 def test_the_start_line_says_each_warm_up_what_was_cut_and_the_keys():
     line = warmup_line(job())
-    assert line.startswith("warm-ups (each at most 20% of the 500 steps, trainer.warmup_share;")
-    assert "windows of 10 steps up to step 100, then H=50 (algo.sync_warmup_steps=500, cut)" in line
-    assert "α 0→0.5 over 100 steps (algo.alpha_warmup_steps=1000, cut)" in line
-    assert "outer momentum 0→0.9 over 100 steps (outer_opt.momentum_warmup_steps=500, cut)" in line
+    assert line == (
+        "warm-up: outer rounds every 10 steps until step 100, then every 50; the mixing weight α rising from 0 "
+        "to 0.5 over 100 steps; the outer momentum rising from 0 to 0.9 over 100 steps (algo.sync_warmup_steps=500 "
+        "cut to 100, algo.alpha_warmup_steps=1000 cut to 100, outer_opt.momentum_warmup_steps=500 cut to 100; each "
+        "at most trainer.warmup_share=20% of the 500 steps; a key =0 turns its warm-up off)"
+    )
     short = warmup_line(job(60, sync_every=20))
-    assert "none of the sync warm-up's short windows (algo.sync_warmup_steps=500, cut to 0)" in short
+    assert "no short windows at the start (too few steps for one)" in short
+    assert "(algo.sync_warmup_steps=500 cut to 0, " in short
 
 
 def test_no_line_without_warm_ups_or_outer_rounds():

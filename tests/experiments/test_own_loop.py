@@ -137,3 +137,35 @@ def test_own_loop_heals_a_killed_group_and_learns(tmp_path):
     first, held_out = _losses(logs[0], "loss")[0], _losses(logs[0], "held-out loss")
     assert held_out == _losses(logs[1], "held-out loss"), "both groups evaluate the same final model"
     assert first > held_out[0] + 1.0, (first, held_out)  # from ~ln(300) = 5.7 at the start
+
+
+@pytest.mark.slow
+def test_own_loop_without_a_corpus_is_refused_once_not_restarted(tmp_path):
+    """A missing corpus is met again on every start: the script refuses (``diloco.refuse``), torchrun
+    does not start the group again, and the launcher names the group and the fix in one line."""
+    run_dir = tmp_path / "run"
+    missing = tmp_path / "corpus" / "tokens.bin"
+    job = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diloco.launch.script_groups",
+            "--groups=2",
+            "--max-restarts=3",
+            f"--run-dir={run_dir}",
+            "--timeout=120",
+            "experiments/own_loop.py",
+            f"--data={missing}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert job.returncode == 1, job.stdout + job.stderr
+    line = job.stderr.strip().splitlines()[-1]
+    assert line.startswith("job failed: group") and "was refused, and not restarted: error: --data " in line, line
+    assert f"{missing}: no such token file; prepare a corpus first" in line, line
+    for g in (0, 1):
+        log = (run_dir / "logs" / f"group{g}.log").read_text()
+        assert log.count("no such token file") <= 1 and "will restart worker group" not in log, log[-3000:]

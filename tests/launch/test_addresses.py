@@ -13,7 +13,9 @@ import sys
 import pytest
 
 from diloco.config.base import ConfigError
-from diloco.launch.addresses import check_addresses
+from diloco.config.cluster import LighthouseConfig
+from diloco.exits import REFUSED_EXIT_CODE
+from diloco.launch.addresses import check_addresses, check_lighthouse_listens
 from diloco.launch.local_cluster import free_port
 from diloco.train.flops import Peak
 from diloco.worker.env import WorkerEnv
@@ -144,14 +146,14 @@ def test_role_lighthouse_on_a_busy_port_says_so_in_one_line(tmp_path):
             f"error: cluster.lighthouse.port={port}: cannot listen on 127.0.0.1:{port} (Address already in use); "
         )
     )
-    assert not (tmp_path / "config.yaml").exists()
+    assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "refused").exists()
 
 
 @pytest.mark.slow
 def test_role_group_without_torchruns_variables_says_so_in_one_line(tmp_path):
     port = free_port("127.0.0.1")
     result = _run(["role=group", "group.id=0", f"cluster.lighthouse.port={port}"], tmp_path)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == REFUSED_EXIT_CODE and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "error: missing RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment: role=group runs "
         "one worker of a replica group and expects torchrun's variables "
@@ -170,3 +172,19 @@ def test_a_picked_port_lies_below_the_ephemeral_range_that_outgoing_connections_
     kernel.write_text("1024\t65535\n")  # no room below the range: the OS picks, as without the file
     assert 1024 < free_port("127.0.0.1", kernel) <= 65535
     assert 1024 < free_port("127.0.0.1", tmp_path / "no such file") <= 65535
+
+
+def test_a_group_waits_for_its_lighthouse_to_listen_and_names_the_address_when_none_does():
+    """Checked before the model is built: a wrong port costs one cluster.timeouts.connect."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        check_lighthouse_listens(LighthouseConfig(host="127.0.0.1", port=listening.getsockname()[1]), 5)
+    port = free_port("127.0.0.1")
+    with pytest.raises(ConfigError) as refused:
+        check_lighthouse_listens(LighthouseConfig(host="127.0.0.1", port=port), 0.6)
+    assert str(refused.value).startswith(
+        f"cannot reach the lighthouse at 127.0.0.1:{port} within cluster.timeouts.connect=0.6s ("
+    ) and str(refused.value).endswith(
+        "check cluster.lighthouse.host and cluster.lighthouse.port, and that role=lighthouse runs there"
+    )

@@ -21,7 +21,8 @@ def test_the_default_job_in_five_lines():
     job = job_config_from_dict({})
     assert header({}) == [
         "model: tiny (2 layers, dim 64, 4 heads, vocab 256), 131,392 parameters; 2 groups x 2 workers (dp 2)",
-        "algo: diloco H=50 P=1 τ=0, payload fp32, outer nesterov lr 0.7; 18 rounds of ~526 kB per group",
+        "algo: diloco H=50 P=1 τ=0, payload fp32, inner adamw lr 0.003, outer nesterov lr 0.7; 18 rounds of ~526 kB "
+        "per group",
         "tokens: 2,048 per step per group (batch 8 x dp 2 x accum 1 x seq 128), 4,096 per step; 2,048,000 in 500 steps",
         warmup_line(job),
         f"watch: run directory {RUN}, status page {URL}/",
@@ -51,7 +52,12 @@ def test_streaming_rounds_sync_one_fragment_of_a_quantized_payload():
     streaming = {"name": "streaming", "sync_every": 100, "fragments": 2, "delay": 1, "quantize": "fp4"}
     line = header({"algo": streaming | {"sync_warmup_steps": 0}})[1]
     # 5 windows x 2 fragments; fp4: half a byte per value plus a 4-byte scale per 128: 69.8 kB / 2
-    assert line == "algo: streaming H=100 P=2 τ=1, payload fp4, outer nesterov lr 0.7; 10 rounds of ~34.9 kB per group"
+    assert line == (
+        "algo: streaming H=100 P=2 τ=1, payload fp4, inner adamw lr 0.003, outer nesterov lr 0.7; 10 rounds of "
+        "~34.9 kB per group"
+    )
+    muon = header({"inner_opt": {"name": "muon", "lr": 0.02}})[1]
+    assert ", inner muon lr 0.02, outer nesterov lr 0.7;" in muon, "the inner optimizer is named"
 
 
 def test_a_topk_payload_is_sized_by_its_codec():
@@ -62,7 +68,11 @@ def test_a_topk_payload_is_sized_by_its_codec():
 
 def test_ddp_and_local_say_how_they_sync_instead_of_h_and_rounds():
     ddp = header({"algo": {"name": "ddp", "sync_every": 1}})
-    assert ddp[1] == "algo: ddp, the gradients all-reduced every step: 500 rounds of ~526 kB per group"
+    assert ddp[1] == (
+        "algo: ddp, the gradients all-reduced every step, inner adamw lr 0.003: 500 rounds of ~526 kB per group"
+    )
     local = header({"algo": {"name": "local"}}, status_url=None)
-    assert local[1] == "algo: local, every group trains alone (no sync; the no-communication baseline)"
+    assert local[1] == (
+        "algo: local, every group trains alone (no sync; the no-communication baseline), inner adamw lr 0.003"
+    )
     assert len(ddp) == len(local) == 4  # neither has warm-ups

@@ -151,3 +151,53 @@ def test_role_summary_of_a_directory_without_results_says_where_to_point_it(tmp_
     )
     assert done.returncode == 1
     assert f"error: hydra.run.dir={tmp_path}: no group wrote a result here" in done.stderr
+
+
+def test_a_group_refused_under_torchrun_is_not_started_again(tmp_path):
+    """A cause the next start would meet again ends the group once (exit 5 of its workers; torchrun
+    stopped, not restarting it), with the line kept for the orchestrator in RUN_DIR/refused/: a port
+    no lighthouse listens on (checked before the model is built), and a lighthouse that refuses the
+    group (a group count other than its job's)."""
+    (tmp_path / "token").write_text(secrets.token_hex(16) + "\n")
+    port = free_port("127.0.0.1")
+    common = ["name=run42", "cluster.workers_per_group=2", "logger=none", f"cluster.lighthouse.port={port}"]
+    common += [f"cluster.lighthouse.token_file={tmp_path / 'token'}", "cluster.timeouts.connect=3"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+    def group(run_dir: Path, groups: int) -> tuple[subprocess.CompletedProcess, float]:
+        start = time.monotonic()
+        done = subprocess.run(
+            [*torchrun, "--max-restarts", "5", "run.py", "role=group", "group.id=0", f"cluster.groups={groups}"]
+            + [*common, f"hydra.run.dir={run_dir}"],
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        return done, time.monotonic() - start
+
+    nowhere, took = group(tmp_path / "nowhere", 2)
+    said = (tmp_path / "nowhere" / "refused" / "group0.txt").read_text().strip()
+    assert said.startswith(f"error: cannot reach the lighthouse at 127.0.0.1:{port} within cluster.timeouts.connect=3s")
+    assert nowhere.returncode != 0 and "will restart worker group" not in nowhere.stderr, nowhere.stderr[-3000:]
+    assert took < 60, f"one wait of 3 s and a stop, not 5 restarts: {took:.0f} s"
+
+    run_dir = tmp_path / "run"
+    lighthouse = subprocess.Popen(
+        [sys.executable, "run.py", "role=lighthouse", "cluster.groups=2", *common, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        refused, _ = group(run_dir, 3)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    said = (run_dir / "refused" / "group0.txt").read_text().strip()
+    assert (
+        said.startswith("error: the lighthouse refused group group0:")
+        and "this lighthouse's job has 2, this group 3" in said
+    )
+    assert refused.returncode != 0 and "will restart worker group" not in refused.stderr, refused.stderr[-3000:]

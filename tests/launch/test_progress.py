@@ -51,6 +51,16 @@ def test_the_console_shows_the_whole_jobs_tokens_and_flops_per_second_and_the_me
     assert out.getvalue().splitlines()[-1].endswith("0:12<0:12")
 
 
+def test_the_eval_loss_carries_the_step_it_was_measured_at_until_the_next_eval(tmp_path):
+    """Repeated on every line after it, an eval loss says how old it is."""
+    files = [tmp_path / "g0.jsonl"]
+    records = [{"step": 50, "eval/loss": 1.9214}, {"step": 60, "train/loss": 1.8}, {"step": 70, "train/loss": 1.7}]
+    files[0].write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = io.StringIO()
+    ProgressView(files, max_steps=100, out=out, plain_interval_s=0.0).update(elapsed_s=10.0)
+    assert "step 70/100 [#################.......] loss 1.700 eval 1.921@50 " in out.getvalue()
+
+
 def test_metrics_file_is_read_incrementally_and_nan_becomes_null(tmp_path):
     path = tmp_path / "m" / "group0.jsonl"
     logger = MetricsLogger(path, wandb_run=None)
@@ -100,8 +110,8 @@ def test_before_the_first_step_the_console_says_what_the_job_waits_for():
         "starting: 2 of 2 groups built their model; waiting for the first quorum (0:20)"
     )
     assert render_starting(25.0, 2, 2, 1, 10) == "starting: 1 of 2 groups joined the first quorum (0:25)"
-    assert render_starting(30.0, 2, 2, 2, 10) == "starting: training to step 10, the first one logged (0:30)"
-    assert render_starting(30.0, 2, 2, None, 10) == "starting: training to step 10, the first one logged (0:30)"
+    assert render_starting(30.0, 2, 2, 2, 10) == "starting: training; a line every trainer.log_every=10 steps (0:30)"
+    assert render_starting(30.0, 2, 2, None, 10) == "starting: training; a line every trainer.log_every=10 steps (0:30)"
 
 
 def test_the_starting_line_follows_the_run_directory_every_ten_seconds(tmp_path):

@@ -103,6 +103,32 @@ def test_resuming_on_other_data_is_refused_before_any_process_starts(tmp_path):
         preflight(compose_job([*resume, "trainer.seed=1"]), RunPaths(tmp_path / "other"))
 
 
+def test_resuming_with_another_model_names_the_model_keys_that_differ(tmp_path):
+    """Not two signatures' hashes: the keys a user changed, with both values. A checkpoint from
+    before the model was recorded still has its signature compared."""
+    saved = compose_job(["logger=none", "cluster.workers_per_group=1"])
+    identity = checkpoint_identity(saved, param_signature(saved.model, meta_model(saved.model)), 1)
+    run, older = tmp_path / "saved", tmp_path / "older"
+    for group in range(saved.cluster.groups):
+        _save_group(run, group, 20, info=identity)
+        _save_group(older, group, 20, info={k: v for k, v in identity.items() if k != "model"})
+    resume = ["logger=none", "cluster.workers_per_group=1", f"trainer.resume={step_dir(run, 20)}"]
+    preflight(compose_job(resume), RunPaths(tmp_path / "same"))
+    with pytest.raises(CheckpointError) as refused:
+        preflight(compose_job([*resume, "model.dim=32", "model.n_heads=2"]), RunPaths(tmp_path / "other"))
+    assert f"written with model.dim={saved.model.dim}, this job has 32; model.n_heads={saved.model.n_heads}, " in str(
+        refused.value
+    ) and str(refused.value).endswith("this job has 2; resume with the configuration the checkpoint was written with")
+    with pytest.raises(CheckpointError, match="written with signature="):
+        preflight(
+            compose_job(
+                ["logger=none", "cluster.workers_per_group=1", "model.dim=32", "model.n_heads=2"]
+                + [f"trainer.resume={step_dir(older, 20)}"]
+            ),
+            RunPaths(tmp_path / "o"),
+        )
+
+
 def test_resuming_with_another_inner_or_outer_optimizer_is_refused_before_any_process_starts(tmp_path):
     """Muon's state is a momentum buffer where AdamW's is two moments: workers that each refused
     the checkpoint's tensors were restarted until the job failed. A checkpoint recorded before the
@@ -231,6 +257,24 @@ def test_resume_auto_starts_fresh_without_a_whole_checkpoint_and_else_resumes_as
     (outputs / "a" / "r1" / "summary.json").write_text('{"ok": true}')  # it ended with its final model
     assert resolve_resume("auto", this, outputs, 1) is None, "a finished run has nothing left to train"
     assert resolve_resume("latest", this, outputs, 1) == {0: folder}, "latest trains it further"
+
+
+def test_resume_auto_skips_a_stopped_run_that_a_later_run_resumed_and_finished(tmp_path):
+    """Stop A, run the command again (it resumes A and finishes as B), run it a third time: nothing is
+    left to train, through a chain of resumes too (C resumed B's checkpoint, B resumed A)."""
+    outputs = tmp_path / "outputs"
+    a, b, c, this = (outputs / name for name in ("a", "b", "c", "this"))
+    _save_group(a, 0, 20)
+    _save_group(b, 0, 40)
+    for run, source in [(b, a), (c, step_dir(b, 40))]:
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "job.json").write_text(json.dumps({"trainer": {"resume": str(source)}}))
+    assert resolve_resume("auto", this, outputs, 1) == {0: group_dir(step_dir(b, 40), 0)}, "B stopped too"
+    (c / "summary.json").write_text('{"ok": false}')  # C failed: B is still left to train
+    assert resolve_resume("auto", this, outputs, 1) == {0: group_dir(step_dir(b, 40), 0)}
+    (c / "summary.json").write_text('{"ok": true}')  # C ended with its final model: A's and B's steps with it
+    assert resolve_resume("auto", this, outputs, 1) is None
+    assert resolve_resume("latest", this, outputs, 1) == {0: group_dir(step_dir(b, 40), 0)}, "latest still can"
 
 
 def test_the_launcher_resolves_auto_once_for_every_process_and_says_which(tmp_path):
