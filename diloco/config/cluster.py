@@ -101,7 +101,8 @@ class TimeoutsConfig:
     again (``diloco.ft.quorum.QuorumBook.sit_out``), and how long a pair of groups that was cut apart more
     than once must reach each other again before they meet in a round (doubling per cut; a pair cut once
     meets again at once); ``probe``: how long a group leader's connect to a peer may take before the peer
-    counts as unreachable from it (``diloco.ft.reach``).
+    counts as unreachable from it (``diloco.ft.reach``); ``launch``: how long a local job keeps replacing
+    a fork server killed or stopped before it started a process (the job's start included), with backoff.
     """
 
     connect: float = 60.0
@@ -117,6 +118,7 @@ class TimeoutsConfig:
     stopped: float = 30.0  # < end: a group stopped just before the end still comes back for it
     sit_out: float = 60.0
     probe: float = 2.0
+    launch: float = 120.0
 
     def validate(self) -> None:
         for key in fields(self):

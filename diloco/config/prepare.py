@@ -14,12 +14,19 @@ MIN_TRAINED_VOCAB = 257  # a byte-level BPE holds the 256 byte symbols plus the 
 class PrepareConfig:
     """A corpus (``input``: a file or folder of text, JSONL or Parquet) tokenized into ``output``.
 
+    Of a folder, the files read are those ``include`` and ``exclude`` let through (globs over the
+    path relative to ``input``), hidden ones only with ``hidden``, text ones only if they look like
+    text (``diloco/prepare/selection.py``).
+
     The tokenizer is ``tokenizer`` (a tokenizer.json or a transformers tokenizer directory), or a
     byte-level BPE of ``vocab_size`` trained on the first ``train_mb`` MB of the corpus.
     """
 
     input: str | None = None
     output: str | None = None
+    include: tuple[str, ...] = ()  # a folder's files to read (globs like **/*.py); empty: every file
+    exclude: tuple[str, ...] = ()  # a folder's files to skip (globs like docs/**), even if included
+    hidden: bool = False  # read files and folders whose names start with "." (.git, .github) too
     format: Literal["auto", "text", "jsonl", "parquet"] = "auto"  # auto: from the files' suffixes
     text_field: str = "text"  # the JSONL field or Parquet column holding a document's text
     text_unit: Literal["file", "paragraph", "line"] = "file"  # what one document of a plain text file is
@@ -35,6 +42,10 @@ class PrepareConfig:
         check(self.batch_size >= 1, "prepare.batch_size", self.batch_size, "must be at least 1")
         check(self.train_mb >= 1, "prepare.train_mb", self.train_mb, "must be at least 1")
         check(bool(self.text_field), "prepare.text_field", self.text_field, "must name a field or column")
+        for key, patterns in (("prepare.include", self.include), ("prepare.exclude", self.exclude)):
+            for pattern in patterns:
+                problem = glob_problem(pattern)
+                check(problem is None, key, list(patterns), problem or "")
         check(
             self.vocab_size is None or self.vocab_size >= MIN_TRAINED_VOCAB,
             "prepare.vocab_size",
@@ -59,3 +70,15 @@ class PrepareConfig:
             "required (a tokenizer.json or a transformers tokenizer directory), or set prepare.vocab_size=N "
             "to train a byte-level BPE of N tokens on the corpus",
         )
+
+
+def glob_problem(pattern: str) -> str | None:
+    """Why ``pattern`` can never match a path relative to ``prepare.input`` (None: it can): a glob
+    that silently matches nothing would read the whole folder, or nothing, without a word."""
+    if not pattern:
+        return "holds an empty pattern; remove it"
+    if pattern.startswith("/"):
+        return f"{pattern!r} starts with /, but patterns match paths relative to prepare.input; drop the /"
+    if ".." in pattern.split("/"):
+        return f"{pattern!r} has a .. part, which no path inside prepare.input has; match from prepare.input down"
+    return None

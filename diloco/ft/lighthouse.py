@@ -506,8 +506,7 @@ class Lighthouse:
             formed = {**shown, "formed_at": time.time(), "grants_sent_at": None}
             self._history.append(formed)
             self._board.quorum_formed(quorum)
-            named = {**shown, "participants": status_page.shown_names(quorum.participants)}
-            log.info("quorum formed: %s", json.dumps(named))  # 1,000 names were 12 KB a round
+            log.info("%s", formed_line(quorum))
             if quorum.round_floor:
                 log.warning(
                     "the job's newest state (round %d or later) was lost with every group that held it; "
@@ -580,6 +579,22 @@ def _host_store(host: str, port: int) -> dist.TCPStore:
             f"lighthouse cannot host its store on cluster.lighthouse.store_port={port} ({reason}); stop what "
             "listens there or pick another cluster.lighthouse.store_port (0 picks a free one)"
         ) from None
+
+
+def formed_line(quorum: Quorum) -> str:
+    """``quorum 13 for round 12: group0, group1 (lane 3; group1 heals from group0)``: a quorum as its
+    log line (its number among the job's quorums, the round its participants commit next), the
+    participants cut short past ``status_page.SHOWN_NAMES`` (1,000 names were 12 KB a round)."""
+    notes = [f"lane {quorum.quorum_id}"]
+    notes += [f"{group} heals from {source}" for group, source in sorted(quorum.heal_from.items())[:3]]
+    if len(quorum.heal_from) > 3:
+        notes.append(f"{len(quorum.heal_from) - 3} more heal")
+    if quorum.closing:
+        notes.append("closing: the finished groups hand on the final state")
+    if quorum.round_floor:
+        notes.append(f"going on from round {quorum.round_floor - 1}")
+    names = status_page.shown_names(quorum.participants)
+    return f"quorum {quorum.round_id} for round {quorum.max_step + 1}: {names} ({'; '.join(notes)})"
 
 
 def serve_forever(

@@ -226,6 +226,8 @@ class GroupProgress:
     train_loss: float | None = None
     tokens_per_s: float | None = None
     digest: str = ""  # of the group's global state at its last committed round (or heal)
+    eval_loss: float | None = None  # of its latest evaluation (``trainer.eval_every``), measured at ``eval_step``
+    eval_step: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         # Flat fields, read directly: asdict's deep copy was most of /status's time at 1,000 groups.
@@ -237,20 +239,29 @@ class GroupProgress:
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise _bad_request(f"unknown progress field {unknown[0]!r}")
-        step, digest = data.get("inner_step", 0), data.get("digest", "")
-        if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        step, digest, eval_step = data.get("inner_step", 0), data.get("digest", ""), data.get("eval_step")
+        if not _is_count(step):
             raise _bad_request(f"progress field 'inner_step'={step!r} must be a non-negative integer")
+        if not (eval_step is None or _is_count(eval_step)):
+            raise _bad_request(f"progress field 'eval_step'={eval_step!r} must be a non-negative integer")
         if not (isinstance(digest, str) and len(digest) <= MAX_DIGEST_CHARS):
             raise _bad_request(f"progress field 'digest' must be a string of at most {MAX_DIGEST_CHARS} characters")
         numbers = {}
-        for name in ("train_loss", "tokens_per_s"):
+        for name in ("train_loss", "tokens_per_s", "eval_loss"):
             value = data.get(name)
             if value is not None and not (
                 isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
             ):
                 raise _bad_request(f"progress field {name!r}={value!r} must be a finite non-negative number")
             numbers[name] = None if value is None else float(value)
-        return cls(inner_step=step, digest=digest, **numbers)
+        if (numbers["eval_loss"] is None) != (eval_step is None):  # an eval point is drawn at its step
+            raise _bad_request("progress fields 'eval_loss' and 'eval_step' come together or not at all")
+        return cls(inner_step=step, digest=digest, eval_step=eval_step, **numbers)
+
+
+def _is_count(value: Any) -> bool:
+    """Whether ``value`` is a non-negative integer as JSON carries one (true and false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The lighthouse's operator views: the /status snapshot and the HTML page that shows it.
 
 Pure functions of the lighthouse's state, so the page can be checked without a server. The
-page is self-contained (no scripts, no external assets: the loss curve and the timeline are
+page is self-contained (no scripts, no external assets: the loss curves and the timeline are
 inline SVG) and refreshes itself every 2 s; every value that came from a request (group ids
 above all) is escaped. The saved page (``render_saved_html``), written into the run directory
 as the lighthouse stops, is the same drawing with its data inlined: it opens from disk.
@@ -9,8 +9,10 @@ as the lighthouse stops, is the same drawing with its data inlined: it opens fro
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
+import math
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -48,7 +50,8 @@ EVENT_COLORS = {
 
 
 class Curve:
-    """One group's (inner step, train loss) points from its signs of life, at most ``CURVE_POINTS``."""
+    """One group's (inner step, loss) points from its signs of life, at most ``CURVE_POINTS``: its
+    train loss, or its eval loss at the step it was measured at."""
 
     def __init__(self, limit: int = CURVE_POINTS) -> None:
         self.limit = limit
@@ -109,12 +112,13 @@ class LossBand:
 
 class StatusBoard:
     """What the lighthouse keeps for the status page only: each group's progress, as its latest
-    sign of life (heartbeat, quorum ask or commit) reported it, and loss curve, and a timeline of
-    joins, losses, heals and the end. It decides nothing."""
+    sign of life (heartbeat, quorum ask or commit) reported it, its train and eval loss curves, and
+    a timeline of joins, losses, heals and the end. It decides nothing."""
 
     def __init__(self) -> None:
         self.latest: dict[str, GroupProgress] = {}
         self.curves: dict[str, Curve] = {}
+        self.evals: dict[str, Curve] = {}  # eval points: every sign of life repeats the latest, kept once
         self.band = LossBand()
         self.timeline: deque[dict[str, Any]] = deque(maxlen=TIMELINE_EVENTS)
         self.committed_at: dict[str, int] = {}  # group -> the inner step of its last commit
@@ -125,6 +129,8 @@ class StatusBoard:
         if progress.train_loss is not None and progress.inner_step > 0:
             if self.curves.setdefault(group, Curve()).add(progress.inner_step, progress.train_loss):
                 self.band.add(progress.inner_step, progress.train_loss)
+        if progress.eval_loss is not None and progress.eval_step is not None:
+            self.evals.setdefault(group, Curve()).add(progress.eval_step, progress.eval_loss)
 
     def committed(self, group: str) -> None:
         """``group`` committed a round at the inner step its latest sign of life reported."""
@@ -163,6 +169,7 @@ class StatusSnapshot:
     steps: dict[str, int]
     progress: dict[str, GroupProgress]
     curves: dict[str, list[tuple[int, float]]]  # already thinned to what is shown
+    evals: dict[str, list[tuple[int, float]]]  # (inner step, eval loss) per group, thinned as ``curves``
     loss_band: list[tuple[int, float, float, float]]
     current: tuple[Quorum, float] | None
     history: list[dict[str, Any]]
@@ -185,6 +192,7 @@ def snapshot(
 ) -> StatusSnapshot:
     """The lighthouse's state as /status shows it, cheap to take under its lock (see ``StatusSnapshot``)."""
     per_curve = SHOWN_POINTS // max(len(board.curves), 1)
+    per_eval = SHOWN_POINTS // max(len(board.evals), 1)
     return StatusSnapshot(
         job_id=job_id,
         signature=signature,
@@ -196,6 +204,7 @@ def snapshot(
         steps=dict(steps),
         progress=dict(board.latest),
         curves={g: list(_thinned(curve.points, per_curve)) for g, curve in board.curves.items()},
+        evals={g: list(_thinned(curve.points, per_eval)) for g, curve in board.evals.items()},
         loss_band=board.band.rows(),
         current=current,
         history=[dict(h) for h in history],  # an entry's grants_sent_at is set after the lock (lighthouse._stamp_sent)
@@ -209,8 +218,10 @@ def snapshot(
 
 def build_status(snap: StatusSnapshot) -> dict[str, Any]:
     """The /status JSON: groups, the current quorum and recent ones, the rules, each group's
-    loss curve, the loss band over all groups ([first step, mean, least, greatest] per bin of
-    steps) and the timeline of joins, losses, heals and the end. No secrets.
+    train loss curve and its eval points (``eval_curves``, [inner step, eval loss] each), the loss
+    band over all groups ([first step, mean, least, greatest] per bin of steps) and the timeline of
+    joins, losses, heals and the end. No secrets. Once the job has ended no group is waiting for a
+    quorum, whatever asks it left behind: none will be formed.
 
     ``now`` and ``current``'s formation time are on the lighthouse's clock; ``history`` and
     ``timeline`` hold wall-clock times, and ``now`` in the answer is wall-clock too.
@@ -222,7 +233,7 @@ def build_status(snap: StatusSnapshot) -> dict[str, Any]:
             "step": snap.steps.get(g),
             "since_heartbeat_s": round(now - t, 3),
             "healthy": g in snap.healthy,
-            "waiting_for_quorum": g in snap.pending,
+            "waiting_for_quorum": g in snap.pending and snap.ended is None,
             "finished": g in snap.finished,
             # What it trained that no commit of its carries yet: a window's worth while rounds form.
             "steps_since_commit": max(0, snap.progress.get(g, GroupProgress()).inner_step - snap.committed_at[g])
@@ -244,6 +255,7 @@ def build_status(snap: StatusSnapshot) -> dict[str, Any]:
         "history": snap.history,
         "timeline": snap.timeline,
         "curves": dict(sorted(snap.curves.items())),
+        "eval_curves": dict(sorted(snap.evals.items())),
         "loss_band": snap.loss_band,
         "reachability": {"cuts": snap.cuts},
         "rules": dataclasses.asdict(snap.rules),
@@ -274,8 +286,9 @@ def _page(status: Mapping[str, Any], head: str, foot: str) -> str:
     """A small page with the same content as ``status`` (the /status JSON), as tables and inline SVG;
     ``head`` and ``foot`` are what the live page and the saved one differ in."""
     groups = _table(
-        ["group", "inner step", "steps since its last commit", "train loss", "tokens/s", "committed round", "digest"]
-        + ["since heartbeat (s)", "healthy", "waiting for quorum", "finished"],
+        ["group", "inner step", "steps since its last commit", "train loss", "tokens/s (last logged steps)"]
+        + ["eval loss (at step)", "committed round", "digest", "since heartbeat (s)", "healthy"]
+        + ["waiting for quorum", "finished"],
         [
             [
                 g["id"],
@@ -283,6 +296,7 @@ def _page(status: Mapping[str, Any], head: str, foot: str) -> str:
                 "-" if g.get("steps_since_commit") is None else g["steps_since_commit"],
                 _number(g.get("train_loss"), ".4f"),
                 _number(g.get("tokens_per_s"), ",.0f"),
+                "-" if g.get("eval_loss") is None else f"{g['eval_loss']:.4f} (step {g['eval_step']})",
             ]
             + [g["step"], g.get("digest", "-")[:12], g["since_heartbeat_s"], g["healthy"], g["waiting_for_quorum"]]
             + [g["finished"]]
@@ -295,24 +309,14 @@ def _page(status: Mapping[str, Any], head: str, foot: str) -> str:
         if end is None
         else f"<p><b>the job ended at round {end['round']}</b>; saved by {escape(', '.join(end['holders']))}</p>"
     )
-    ids = sorted({g["id"] for g in status["groups"]} | set(status["curves"]))
+    ids = sorted({g["id"] for g in status["groups"]} | set(status["curves"]) | set(status["eval_curves"]))
     color = {g: COLORS[i % len(COLORS)] for i, g in enumerate(ids)}
     q = status["quorum"]
     current = (
-        "<p>no quorum yet</p>"
-        if q is None
-        else _table(
-            ["id", "participants", "max round", "heal from", "age (s)"],
-            [[q["quorum_id"], shown_names(q["participants"]), q["max_step"], _heal(q["heal_from"]), q["age_s"]]],
-        )
+        "<p>no quorum yet</p>" if q is None else _table(QUORUM_HEADER + ["age (s)"], [_quorum_row(q) + [q["age_s"]]])
     )
     history = _table(
-        ["id", "participants", "max round", "heal from", "formed at"],
-        [
-            [h["quorum_id"], shown_names(h["participants"]), h["max_step"], _heal(h["heal_from"])]
-            + [_clock(h["formed_at"])]
-            for h in reversed(status["history"])
-        ],
+        QUORUM_HEADER + ["formed at"], [_quorum_row(h) + [_clock(h["formed_at"])] for h in reversed(status["history"])]
     )
     cuts = status.get("reachability", {}).get("cuts", [])
     reachability = (
@@ -340,67 +344,164 @@ def _page(status: Mapping[str, Any], head: str, foot: str) -> str:
 td,th{{border:1px solid #bbb;padding:.2em .6em;text-align:left}}th{{background:#eee}}</style></head>
 <body><h1>lighthouse: job {job}</h1>
 <p>model signature {escape(str(status["model_signature"]))}; at {_clock(status["now"])}</p>
-{ended}<h2>groups</h2>{groups}<h2>train loss</h2>{loss_svg(status["curves"], status["loss_band"], color)}
+{ended}<h2>groups</h2>{groups}
+<h2>loss</h2>{loss_svg(status["curves"], status["loss_band"], status["eval_curves"], color)}
 <h2>timeline</h2>{timeline_svg(status["timeline"], status["history"], ids, status["now"])}
 <h2>who cannot reach whom</h2>{reachability}
-<h2>current quorum</h2>{current}<h2>recent quorums</h2>{history}
+<h2>current quorum</h2>{current}<h2>recent quorums</h2>{QUORUM_NOTE}{history}
 <h2>rules</h2>{rules}{foot}</body></html>
 """
 
 
+# Each quorum's ids: the round's own, and the quorum id, which only changes with the membership.
+QUORUM_HEADER = ["round id", "quorum (lane) id", "participants", "max round", "heal from"]
+QUORUM_NOTE = (
+    "<p>round id: each formation's own number (the lighthouse log's &quot;quorum N&quot;); quorum (lane) id: "
+    "the lanes' (the log's &quot;lane N&quot;), the same from round to round while the membership holds, "
+    "a new one whenever the lanes are rebuilt</p>"
+)
+
+
+def _quorum_row(q: Mapping[str, Any]) -> list[Any]:
+    return [q["round_id"], q["quorum_id"], shown_names(q["participants"]), q["max_step"], _heal(q["heal_from"])]
+
+
 WIDTH, HEIGHT, MARGIN = 720, 240, 48
+# The loss drawing's plot: room on its left for the loss ticks and the axis' name, on its right for
+# the last step's tick, below for the steps' and the notes; above it, a row per row of the legend.
+PLOT_LEFT, PLOT_RIGHT, BELOW = 64, WIDTH - 24, 36
+LEGEND_ROW, LEGEND_COLUMN = 14, 110
+TICKS = 5  # about this many tick values per axis
+# Losses above this many times the 98th percentile (a diverging group's) are drawn at the top, the
+# drawing saying so: below it every loss is in range, the first steps' included.
+CLIP_RATIO = 3.0
+EVAL_COLOR = "#000000"  # the band's mean eval loss
 
 
-def loss_svg(curves: Mapping[str, list], band: list, color: Mapping[str, str]) -> str:
-    """Each group's train loss against its inner step as inline SVG: a line per group up to
-    ``LINE_GROUPS`` groups, past them the band over all groups (least to greatest, and the mean)."""
+def loss_svg(curves: Mapping[str, list], band: list, evals: Mapping[str, list], color: Mapping[str, str]) -> str:
+    """Each group's train loss (a line) and eval loss (dots) against its inner step as inline SVG: a
+    line per group up to ``LINE_GROUPS`` groups, past them the band over all groups (least to
+    greatest, and the mean) and the mean eval loss at each step."""
     drawn = {g: points for g, points in curves.items() if points}
     if not drawn:
         return "<p>no loss reported yet</p>"
+    evaluated = {g: points for g, points in evals.items() if points}
     if len(drawn) > LINE_GROUPS:
-        return _band_svg(band, len(drawn))
-    steps = [s for points in drawn.values() for s, _ in points]
-    losses = sorted(v for points in drawn.values() for _, v in points)
-    frame, x, y, top = _loss_frame(min(steps), max(steps), losses)
+        return _band_svg(band, len(drawn), _mean_by_step(evaluated))
+    names = sorted(drawn.keys() | evaluated.keys())
+    per_row = (PLOT_RIGHT - PLOT_LEFT) // LEGEND_COLUMN  # 16 names fit in four rows
+    shown = [point for points in [*drawn.values(), *evaluated.values()] for point in points]
+    key = "lines: train loss; dots: eval loss" if evaluated else ""
+    frame, x, y, height = _loss_frame(shown, key, -(-len(names) // per_row))
     lines = []
     for g, points in sorted(drawn.items()):
-        coords = " ".join(f"{x(s):.1f},{y(min(v, top)):.1f}" for s, v in points)
+        coords = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in points)
         lines.append(f'<polyline fill="none" stroke="{color[g]}" stroke-width="1.5" points="{coords}"/>')
-    per_row = (WIDTH - MARGIN - 8) // 110  # the legend wraps: 16 names fit in three rows
-    legend = "".join(
-        f'<text x="{MARGIN + 8 + 110 * (i % per_row)}" y="{18 + 14 * (i // per_row)}" fill="{color[g]}" '
-        f'font-size="12">{escape(g[:14])}</text>'
-        for i, g in enumerate(sorted(drawn))
+    dots = "".join(
+        f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="{color[g]}"/>'
+        for g, points in sorted(evaluated.items())
+        for s, v in points
     )
-    return _svg(frame + "".join(lines) + legend, "train loss of each group against its inner step")
+    legend = "".join(
+        f'<text x="{PLOT_LEFT + LEGEND_COLUMN * (i % per_row)}" y="{14 + LEGEND_ROW * (i // per_row)}" '
+        f'fill="{color[g]}" font-size="12">{escape(g[:14])}</text>'
+        for i, g in enumerate(names)
+    )
+    label = "train and eval loss of each group against its inner step"
+    return _svg(frame + "".join(lines) + dots + legend, label, height)
 
 
-def _band_svg(band: list, groups: int) -> str:
-    losses = sorted(v for _, _, least, greatest in band for v in (least, greatest))
-    frame, x, y, top = _loss_frame(band[0][0], band[-1][0], losses)
+def _band_svg(band: list, groups: int, evals: list[tuple[int, float]]) -> str:
+    """The band over all groups; ``evals``: the mean eval loss at each step, as dots."""
+    shown = [(s, v) for s, _, least, greatest in band for v in (least, greatest)] + evals
+    frame, x, y, height = _loss_frame(shown, "black dots: the groups' mean eval loss" if evals else "", 1)
     edge = [(s, greatest) for s, _, _, greatest in band] + [(s, least) for s, _, least, _ in reversed(band)]
-    area = " ".join(f"{x(s):.1f},{y(min(v, top)):.1f}" for s, v in edge)
-    mean = " ".join(f"{x(s):.1f},{y(min(v, top)):.1f}" for s, v, _, _ in band)
+    area = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in edge)
+    mean = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v, _, _ in band)
+    dots = "".join(f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="{EVAL_COLOR}"/>' for s, v in evals)
     body = (
         f'<polygon fill="{COLORS[0]}" fill-opacity="0.25" stroke="none" points="{area}"/>'
-        f'<polyline fill="none" stroke="{COLORS[0]}" stroke-width="1.5" points="{mean}"/>'
-        f'<text x="{MARGIN + 8}" y="18" font-size="12" fill="{COLORS[0]}">mean over {groups:,} groups; '
+        f'<polyline fill="none" stroke="{COLORS[0]}" stroke-width="1.5" points="{mean}"/>{dots}'
+        f'<text x="{PLOT_LEFT}" y="14" font-size="12" fill="{COLORS[0]}">mean over {groups:,} groups; '
         "the band: least to greatest</text>"
     )
-    return _svg(frame + body, "train loss over all groups against the inner step: mean, least and greatest")
+    label = "train loss over all groups against the inner step: mean, least and greatest; the mean eval loss"
+    return _svg(frame + body, label, height)
 
 
-def _loss_frame(first: int, last: int, losses: list[float]) -> tuple[str, Any, Any, float]:
-    """The axes' labels and scales for losses (sorted) from step ``first`` to ``last``."""
-    top = losses[int(0.98 * (len(losses) - 1))]  # the first steps' loss would flatten the rest
-    x = _scale(first, last, MARGIN, WIDTH - 8)
-    y = _scale(losses[0], top, HEIGHT - 24, 8)
-    frame = (
-        f'<text x="2" y="14" font-size="11">{top:.3f}</text><text x="2" y="{HEIGHT - 24}" font-size="11">'
-        f'{losses[0]:.3f}</text><text x="{MARGIN}" y="{HEIGHT - 6}" font-size="11">step {first}</text>'
-        f'<text x="{WIDTH - 90}" y="{HEIGHT - 6}" font-size="11">step {last}</text>'
+def _mean_by_step(curves: Mapping[str, list]) -> list[tuple[int, float]]:
+    """The mean over groups of their points at each step: groups evaluate at the same steps
+    (every ``trainer.eval_every``), so a thousand groups' evaluations make one dot per step."""
+    at: dict[int, list[float]] = {}
+    for points in curves.values():
+        for s, v in points:
+            at.setdefault(s, []).append(v)
+    return [(s, sum(vs) / len(vs)) for s, vs in sorted(at.items())]
+
+
+def _loss_frame(points: list[tuple[int, float]], key: str, legend_rows: int) -> tuple[str, Any, Any, int]:
+    """The axes of a drawing of (inner step, loss) ``points`` with their names and tick values, its
+    scales and its height, below ``legend_rows`` rows of legend; ``key`` (if any: eval points are
+    drawn) says which marks are which. The loss axis holds every loss but those ``_loss_top``
+    leaves out, which are drawn at its top (``y`` clips them), the drawing naming how many."""
+    height = HEIGHT + LEGEND_ROW * legend_rows
+    plot_top, plot_bottom = 8 + LEGEND_ROW * legend_rows, height - BELOW
+    losses = sorted(v for _, v in points)
+    loss_ticks = _nice_ticks(losses[0], _loss_top(losses))
+    low, top = loss_ticks[0][0], loss_ticks[-1][0]
+    first, last = min(s for s, _ in points), max(s for s, _ in points)
+    x = _scale(first, last, PLOT_LEFT, PLOT_RIGHT)
+    to_y = _scale(low, top, plot_bottom, plot_top)
+    marks = [f'<path d="M{PLOT_LEFT},{plot_top}V{plot_bottom}H{PLOT_RIGHT}" fill="none" stroke="#888"/>']
+    for value, label in loss_ticks:
+        py = to_y(value)
+        marks.append(
+            f'<line x1="{PLOT_LEFT}" x2="{PLOT_RIGHT}" y1="{py:.1f}" y2="{py:.1f}" stroke="#eee"/>'
+            f'<text x="{PLOT_LEFT - 4}" y="{py + 4:.1f}" font-size="11" text-anchor="end">{label}</text>'
+        )
+    for value, label in _nice_ticks(first, last, whole=True):
+        if first <= value <= last:  # the steps drawn are not widened to round ones: no empty stretch
+            px = x(value)
+            marks.append(
+                f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{plot_bottom}" y2="{plot_bottom + 4}" stroke="#888"/>'
+                f'<text x="{px:.1f}" y="{plot_bottom + 16}" font-size="11" text-anchor="middle">{label}</text>'
+            )
+    marks.append(
+        f'<text transform="rotate(-90)" x="{-(plot_top + plot_bottom) / 2:.0f}" y="14" font-size="12" '
+        f'text-anchor="middle">{"train and eval loss" if key else "train loss"}</text>'
+        f'<text x="{(PLOT_LEFT + PLOT_RIGHT) / 2:.0f}" y="{height - 4}" font-size="12" text-anchor="middle">'
+        "inner step</text>"
     )
-    return frame, x, y, top
+    if key:
+        marks.append(f'<text x="{PLOT_LEFT}" y="{height - 4}" font-size="11">{key}</text>')
+    clipped = len(losses) - bisect.bisect_right(losses, top)
+    if clipped:
+        marks.append(
+            f'<text x="{WIDTH - 8}" y="{height - 4}" font-size="11" text-anchor="end" fill="{COLORS[3]}">'
+            f"clipped above {loss_ticks[-1][1]}: {clipped:,} point{'s' if clipped > 1 else ''}, "
+            f"up to {losses[-1]:.4g}</text>"
+        )
+    return "".join(marks), x, lambda v: to_y(min(v, top)), height
+
+
+def _loss_top(losses: list[float]) -> float:
+    """The greatest of ``losses`` (sorted) that the loss axis holds: every one, but for a few
+    extreme ones, above ``CLIP_RATIO`` times the 98th percentile, which would flatten the rest."""
+    limit = CLIP_RATIO * losses[int(0.98 * (len(losses) - 1))]
+    return losses[bisect.bisect_right(losses, limit) - 1]
+
+
+def _nice_ticks(low: float, high: float, whole: bool = False) -> list[tuple[float, str]]:
+    """Round tick values and their labels from the last at or below ``low`` to the first at or
+    above ``high``: about ``TICKS`` of them, a step of 1, 2 or 5 times a power of ten apart (at
+    least 1 where ``whole``: inner steps), always at least two."""
+    raw = max((high - low) / TICKS, 1.0 if whole else 0.0) or abs(high) / TICKS or 1.0
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw * (1 - 1e-9))
+    first = math.floor(low / step + 1e-9)
+    last = max(math.ceil(high / step - 1e-9), first + 1)
+    digits = max(0, math.ceil(round(-math.log10(step), 9)))
+    return [(k * step, f"{k * step:,.{digits}f}") for k in range(first, last + 1)]
 
 
 def timeline_svg(events: list[dict[str, Any]], history: list[dict[str, Any]], ids: list[str], now: float) -> str:

@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.5
 TERMINATE_GRACE_S = 10.0
 LOG_TAIL_LINES = 20
-FORK_ATTEMPTS = 3  # fork servers asked for one process before the job fails
+FORK_BACKOFF_S = 0.5  # before a fork server killed or stopped is replaced, doubling each time
+MAX_FORK_BACKOFF_S = 8.0
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the lighthouse is never behind a proxy
 
 
@@ -418,24 +419,38 @@ class LocalCluster:
 
         A server killed between the liveness check and its answer is replaced and asked again, and
         so is one alive that did not answer in time (stopped or stuck: it is killed; the workers
-        it forked run on without it). A few times: one that keeps failing is a failure of the
-        job, not a fault to ride.
+        it forked run on without it): a fault like any other, at the job's start too, ridden with
+        a backoff for up to ``cluster.timeouts.launch``. A cause that would repeat fails the job at
+        once, saying which: a platform refusal, or a server that exited with an error of its own.
         """
         log_path = self.paths.logs / "forkserver.log"
-        for attempt in range(FORK_ATTEMPTS):
+        limit_s = self.job.cluster.timeouts.launch
+        deadline, backoff_s, failures = time.monotonic() + limit_s, FORK_BACKOFF_S, 0
+        while True:
             try:
                 if self.fork_server is None or not self.fork_server.alive():
                     self.fork_server = ForkServer.start(self.paths.root, self._lifeline(), log_path)
                 return request(self.fork_server)
             except ForkServerError as error:
-                # Gone or silent: this server failed, a fresh one may not (a platform refusal would).
-                transient = isinstance(error, (ForkServerGone, ForkServerSilent))
-                if not transient or attempt + 1 == FORK_ATTEMPTS:
-                    times = f" ({FORK_ATTEMPTS} times)" if transient else ""
-                    raise JobFailed(f"{error}{times}; {crash_report(log_path)}") from error
+                failures += 1
+                code = self.fork_server.process.poll() if self.fork_server is not None else None
+                if not isinstance(error, (ForkServerGone, ForkServerSilent)):
+                    raise JobFailed(f"{error}; {crash_report(log_path)}") from error
+                if code is not None and code > 0:  # it failed by itself, not killed: a fresh one would too
+                    raise JobFailed(
+                        f"{error}: it exited with code {code}, a cause a fresh one would meet again; "
+                        f"{crash_report(log_path)}"
+                    ) from error
+                if time.monotonic() + backoff_s > deadline:
+                    raise JobFailed(
+                        f"{error} ({failures} times within cluster.timeouts.launch={limit_s:g}s); "
+                        f"{crash_report(log_path)}"
+                    ) from error
                 if isinstance(error, ForkServerSilent):
                     self.fork_server.kill_hung()
                 self.fork_server = None
+                time.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, MAX_FORK_BACKOFF_S)
 
     def signal_group(self, group: int, signum: int) -> None:
         """Send ``signum`` to every worker of ``group`` (SIGKILL, SIGSTOP, SIGCONT, SIGUSR1...).

@@ -123,13 +123,32 @@ def render_starting(elapsed_s: float, groups: int, built: int, joined: int | Non
     return f"starting: {doing} ({format_duration(elapsed_s)})"
 
 
-def render_faults(counts: dict[str, int], work_lost: bool = False) -> str:
-    """``faults: 2 kill, 1 crash`` from summary.json's event counts, or ``no faults`` (``no other
-    faults`` once the line said work was lost: losing it is a fault even when no event caused it)."""
+def render_faults(counts: dict[str, int], heals: int, work_lost: bool = False) -> str:
+    """``faults: 7 kill; 7 restarts, 6 heals from a peer`` from summary.json's event counts and heals,
+    or ``no faults`` (``no other faults`` once the line said work was lost: losing it is a fault even
+    when no event caused it). The restarts are the processes started again, the heals the live states
+    taken from a peer: a restart after the job's end takes none, a group that sat out heals unrestarted,
+    and a multi-host job's restarts are its torchrun's (counted from the commit logs) with no fault
+    injected."""
     faults = [f"{n} {kind}" for kind, n in counts.items() if kind in FAULT_EVENTS and n]
+    restarts = counts.get("restart", 0)
+    recovered = [f"{restarts} restart{'' if restarts == 1 else 's'}"] if restarts else []
+    recovered += [f"{heals} heal{'' if heals == 1 else 's'} from a peer"] if restarts or heals else []
     if faults:
-        return f"faults: {', '.join(faults)}"
+        return f"faults: {', '.join(faults)}" + (f"; {', '.join(recovered)}" if recovered else "")
+    if recovered:
+        return f"{'other faults' if work_lost else 'faults'}: {', '.join(recovered)}"
     return "no other faults" if work_lost else "no faults"
+
+
+def render_tokens(summary: dict[str, Any]) -> str:
+    """``2,048,000 tokens``, or ``1,228,800 of the 2,048,000 planned tokens (a group that heals goes on
+    from the job's step: the steps it was down are trained by no one)`` when the groups trained fewer."""
+    seen, planned = summary["tokens_seen"], summary.get("tokens_planned")
+    if planned is None or seen >= planned:
+        return f"{seen:,} tokens"
+    why = " (a group that heals goes on from the job's step: the steps it was down are trained by no one)"
+    return f"{seen:,} of the {planned:,} planned tokens{why if summary['recoveries'] else ''}"
 
 
 def render_lost_work(lost: dict[str, Any]) -> str | None:
@@ -148,19 +167,17 @@ def render_lost_work(lost: dict[str, Any]) -> str | None:
 
 def render_done(summary: dict[str, Any], summary_path: Path) -> str:
     """The job's last line: ``done: eval loss 2.8389 (ppl 17.10); 245,760 tokens in 15s (34.7k tok/s
-    over 7s of training); 3 rounds, 6/6 syncs committed; no faults, 0 recoveries; summary in
-    RUN/summary.json`` (``failed:`` when summary.json is not ok; ``work lost: ...`` before the
+    over 7s of training); 3 rounds, 6/6 syncs committed; no faults; summary in RUN/summary.json`` (``failed:`` when summary.json is not ok; ``work lost: ...`` before the
     faults when steps never reached the global model, see ``render_lost_work``).
 
     tok/s is summary.json's ``tokens_per_s``: every group's tokens trained in this run (a resumed
     job's before its checkpoint left out) over the longest group's training time (from its first
     quorum to its last step, syncs and evaluations included).
     """
-    recoveries = summary["recoveries"]
     parts = [
         f"eval loss {summary['final_eval_loss']:.4f} (ppl {summary['final_eval_ppl']:.2f})",
         (
-            f"{summary['tokens_seen']:,} tokens in {summary['wall_seconds']:.0f}s "
+            f"{render_tokens(summary)} in {summary['wall_seconds']:.0f}s "
             f"({summary['tokens_per_s'] / 1000:.1f}k tok/s over {summary['train_seconds']:.0f}s of training)"
         ),
     ]
@@ -170,8 +187,7 @@ def render_done(summary: dict[str, Any], summary_path: Path) -> str:
     lost = render_lost_work(summary["lost_work"])
     if lost:
         parts.append(lost)
-    faults = render_faults(summary["faults"], work_lost=lost is not None)
-    parts.append(f"{faults}, {recoveries} recover{'y' if recoveries == 1 else 'ies'}")
+    parts.append(render_faults(summary["faults"], summary["recoveries"], work_lost=lost is not None))
     parts.append(f"summary in {summary_path}")
     return f"{'done' if summary['ok'] else 'failed'}: {'; '.join(parts)}"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from diloco.ft.manager import GroupRefused, JobEndedError, MembershipError
 from diloco.launch.addresses import check_addresses, check_lighthouse_listens
 from diloco.launch.compose import SweepJobFailed, load_saved_config, to_yaml, write_sweep_table
 from diloco.launch.export import EXPORT_FOLDER, export_checkpoint
+from diloco.launch.group_console import GroupConsole, say_done
 from diloco.launch.inference import evaluate_checkpoint, locate_weights, sample_text
 from diloco.launch.job_token import with_job_token
 from diloco.launch.launcher import JobInterrupted, launch, run_dir_claimed
@@ -235,6 +237,7 @@ def run_group(job: JobConfig, paths: RunPaths, env: WorkerEnv, environ: Mapping[
         lifeline.die_with_parent()
         if env.local_rank == 0:
             start_guard(job.cluster.timeouts.stopped)
+    console = GroupConsole(job, paths).start() if env.rank == 0 else None
     try:
         report = run_worker(job, env, paths)
     except (GroupRefused, ConfigError, DataError) as error:
@@ -242,13 +245,47 @@ def run_group(job: JobConfig, paths: RunPaths, env: WorkerEnv, environ: Mapping[
     except (MembershipError, OutputError) as error:
         too_late = isinstance(error, JobEndedError)  # an orchestrator need not restart it
         exit_without_teardown(JOB_ENDED_EXIT_CODE if too_late else 1, f"error: {error}")
+    except Exception as error:
+        if (lost := peer_lost(error)) is None:
+            raise
+        log = paths.worker_log(job.group.id, env.rank)
+        keep_traceback(log)
+        exit_without_teardown(
+            1,
+            f"error: group {job.group.id} rank {env.rank}: a worker of its group is gone (its collective failed: "
+            f"{lost}); torchrun starts the group again and it heals from a peer; the traceback is in {log}",
+        )
+    finally:
+        if console is not None:
+            console.stop()
     if report.get("interrupted"):
         where = paths.interrupted_weights(job.group.id)
         exit_without_teardown(
             INTERRUPTED_EXIT_CODE, f"interrupted (planned stop): round {report.get('rounds')}'s global model in {where}"
         )
     problem = group_outcome(report, job.algo.name)
+    if console is not None:
+        console.finish(report.get("tokens_per_s", 0.0))
+        say_done(report, problem, paths)
     exit_without_teardown(1 if problem else 0, problem and f"job failed: {problem}")
+
+
+# What a collective of the group's own says when a worker of it died (Gloo's transport, NCCL's).
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def peer_lost(error: BaseException) -> str | None:
+    """Which of ``PEER_LOST`` ``error`` says, or None: a bug keeps its traceback on the terminal."""
+    if not isinstance(error, RuntimeError):
+        return None
+    return next((said for said in PEER_LOST if said in str(error)), None)
+
+
+def keep_traceback(log: Path) -> None:
+    """Append the exception being handled to ``log`` (the terminal gets one line instead)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as fh:
+        traceback.print_exc(file=fh)
 
 
 def _group_id(raw: dict[str, Any]) -> int | None:

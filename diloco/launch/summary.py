@@ -97,7 +97,7 @@ def recovery_choices(events: list[dict], commits: dict[int, list[dict]]) -> list
     committed round (that round's own sync time left out), plus every survivor's stall.
     """
     out = []
-    for event in (e for e in events if e["kind"] == "recovery"):
+    for event in (e for e in events if e["kind"] == "plan"):
         first = _first_commit_after(event, commits)
         stall = _stall_after(event, commits)
         actual = None
@@ -108,14 +108,40 @@ def recovery_choices(events: list[dict], commits: dict[int, list[dict]]) -> list
     return out
 
 
-def recoveries(commits: dict[int, list[dict]]) -> int:
-    """Heals from a peer over the whole job: every process of every group (restarts included)."""
+def earlier_processes_tokens(commits: dict[int, list[dict]], results: list[dict[str, Any]]) -> float:
+    """Tokens a group's processes before the one that wrote its result trained up to their last
+    committed round (a restart's, a killed spare's): its result counts its own steps only. What a
+    process trained after its last commit is in no record, and is not counted."""
+    last = {r["group"]: r.get("pid") for r in results}
+    return sum(
+        r.get("tokens", 0.0)
+        for group, records in commits.items()
+        for r in records
+        if r["committed"] and r.get("pid") != last.get(group)
+    )
+
+
+def event_counts(events: list[dict], commits: dict[int, list[dict]]) -> dict[str, int]:
+    """The launcher's events by kind; a job without a launcher (many hosts: torchrun restarts its groups)
+    has the restarts its commit logs show, one per process of a group after its first."""
+    if events:
+        return {kind: sum(e["kind"] == kind for e in events) for kind in sorted({e["kind"] for e in events})}
+    restarts = sum(max(0, len({r.get("pid") for r in records}) - 1) for records in commits.values())
+    return {"restart": restarts} if restarts else {}
+
+
+def heals_per_group(commits: dict[int, list[dict]], results: list[dict[str, Any]]) -> dict[int, int]:
+    """Heals from a peer of each group over the whole job: every process of it (restarts included),
+    each counting its own from 0; the last one's result counts a heal no later record carries."""
     per_process: dict[tuple[int, int], int] = {}
     for group, records in commits.items():
         for r in records:
             key = (group, r.get("pid", 0))
             per_process[key] = max(per_process.get(key, 0), r["recoveries"])
-    return sum(per_process.values())
+    heals = {group: sum(n for (g, _), n in per_process.items() if g == group) for group in commits}
+    for r in results:
+        heals[r["group"]] = max(heals.get(r["group"], 0), r.get("recoveries", 0))
+    return heals
 
 
 def state_losses(commits: dict[int, list[dict]]) -> list[dict[str, int]]:
@@ -237,23 +263,24 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
     """Job-level numbers and the honest outcome (docs/design.md, invariant 6): ``ok`` only if model.pt is
     the final global model every group holds; otherwise ``failure`` says why, in one line."""
     results = read_results(job, paths)
+    events = read_jsonl(paths.events)
+    commits = {g: read_jsonl(paths.commits(g)) for g in range(job.cluster.groups)}
     outcome = job_outcome(results, job.cluster.groups, job.algo.name, model_saved=paths.weights.exists())
     # The final model's numbers: those of the groups that saved it, else of the furthest groups.
     latest = max((r.get("rounds", 0) for r in results), default=0)
     current = [r for r in results if r["group"] in outcome.saved_by]
     current = current or [r for r in results if r.get("rounds", 0) == latest]
-    tokens = sum(r["tokens_seen"] for r in results)
+    tokens = sum(r["tokens_seen"] for r in results) + int(earlier_processes_tokens(commits, results))
     # Trained in this run: a resumed group's tokens_seen counts those before its checkpoint too.
     trained_here = tokens - sum(r.get("resumed_tokens", 0) for r in results)
     train_seconds = max((r["train_seconds"] for r in results), default=0.0)
     eval_loss = statistics.fmean(r["final_eval_loss"] for r in current) if current else math.nan
-    events = read_jsonl(paths.events)
-    commits = {g: read_jsonl(paths.commits(g)) for g in range(job.cluster.groups)}
     # Counted from the commit logs, which every process of a group appends to (restarts included);
     # closing and join rounds move the job's state to a group, they are no syncs.
     rounds = [r for records in commits.values() for r in records if not (r.get("closing") or r.get("join"))]
     committed_tokens = sum(r.get("tokens", 0.0) for r in rounds if r["committed"])
     bytes_sent = sum(r.get("bytes_sent", 0) for r in results)
+    heals = heals_per_group(commits, results)
     return {
         "name": job.name,
         "ok": outcome.ok,
@@ -271,6 +298,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "final_eval_loss": eval_loss,
         "final_eval_ppl": perplexity(eval_loss),
         "tokens_seen": tokens,
+        "tokens_planned": group_step_tokens(job) * job.cluster.groups * job.trainer.max_steps,
         "wall_seconds": wall_seconds,
         "train_seconds": train_seconds,
         "tokens_per_s": trained_here / train_seconds if train_seconds > 0 else 0.0,
@@ -279,13 +307,13 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "syncs_attempted": len(rounds),
         "bytes_sent": bytes_sent,
         "bytes_per_token": bytes_sent / tokens if tokens else 0.0,
-        "recoveries": recoveries(commits),
+        "recoveries": sum(heals.values()),
         "state_lost": state_losses(commits),
         "lost_work": lost_work(job, results, commits, outcome.final_round),
         "goodput_tokens_per_s": committed_tokens / wall_seconds if wall_seconds > 0 else 0.0,
         "round_sync_ms": _stats([r["sync_ms"] for r in rounds if r["committed"]]),
         "round_phases_ms": round_phases(rounds),
-        "faults": {kind: sum(e["kind"] == kind for e in events) for kind in sorted({e["kind"] for e in events})},
+        "faults": event_counts(events, commits),
         "lighthouse_restarts": sum(e["kind"] == "lighthouse_restart" for e in events),
         "time_to_heal_s": _stats(times_to_heal(events, commits)),
         "death_to_first_commit_s": _stats(times_from_death_to_commit(events, commits)),
@@ -293,7 +321,7 @@ def build_summary(job: JobConfig, paths: RunPaths, n_params: int, wall_seconds: 
         "survivor_stall_s": _stats(survivor_stalls(events, commits)),
         "recovery_choices": _choices(recovery_choices(events, commits)),
         "groups_missing_results": sorted(set(range(job.cluster.groups)) - {r["group"] for r in results}),
-        "per_group": results,
+        "per_group": [r | {"recoveries": heals.get(r["group"], 0)} for r in results],
     }
 
 

@@ -50,7 +50,7 @@ EVENT_LINES = {
     "restart": "restart: group {group}",
     "lighthouse_restart": "restart: lighthouse",
     "forkserver_restart": "restart: fork server",
-    "recovery": "recovery: the others go on without waiting for group {group}",
+    "plan": "plan: the others go on without waiting for group {group}",
     "stopped_at_end": "stopped: group {group}, still running past the job's end",
     "left_behind": "left behind: group {group}, back after the job's end",
 }
@@ -60,8 +60,8 @@ def event_line(record: dict[str, Any]) -> str:
     """The console's line for an event: ``fault: kill group 1 (SIGKILL) at 0:15``."""
     kind = record["kind"]
     line = EVENT_LINES.get(kind, kind).format_map(defaultdict(lambda: "?", record))
-    if kind == "recovery" and record.get("choice") == "wait":
-        line = f"recovery: the others wait for group {record['group']} (ready in ~{record['ready_s']:.0f}s)"
+    if kind == "plan" and record.get("choice") == "wait":
+        line = f"plan: the others wait for group {record['group']} (ready in ~{record['ready_s']:.0f}s)"
     if kind == "restart" and record.get("spare") is not None:
         line += f" on warm spare {record['spare']}"
     if "in_a_row" in record:
@@ -362,5 +362,5 @@ class Supervisor:
         spare = bool(self.spares and self.cluster.spares) and delay == 0
         alive = [g for g in self._running() if g != group]
         self.events.write(
-            "recovery", group, **self.planner.plan(group, time.time(), spare=spare, delay_s=delay, alive=alive)
+            "plan", group, **self.planner.plan(group, time.time(), spare=spare, delay_s=delay, alive=alive)
         )

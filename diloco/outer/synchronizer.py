@@ -36,6 +36,14 @@ DIGEST_BEHIND_BYTES = 64 << 20
 NO_QUORUM_PAUSE_S = 0.2  # between a finished group's asks while the lighthouse is unreachable
 # What a checkpoint keeps of a synchronizer besides its tensors, so a resumed job's report goes on counting.
 _COUNTERS = ("attempted", "committed_here", "bytes_sent", "tokens", "tokens_committed", "recoveries")
+# The trainer's metrics the status page shows, by the ``GroupProgress`` field each is reported in.
+_PROGRESS_FIELDS = {"train/loss": "train_loss", "train/tokens_per_s": "tokens_per_s", "eval/loss": "eval_loss"}
+
+
+def _finite_or_none(value: float) -> float | None:
+    """``value``, or None where it is not finite: a diverged group reports no loss rather than NaN,
+    which the lighthouse would refuse."""
+    return value if math.isfinite(value) else None
 
 
 def all_finite(update: torch.Tensor) -> bool:
@@ -106,13 +114,16 @@ class Synchronizer(SyncHooks):
         self.manager.stop()
 
     def observe(self, step: int, metrics: dict[str, float]) -> None:
-        """The trainer's latest numbers, for the lighthouse's status page (sent with every heartbeat, ask and commit)."""
-        loss, rate = (metrics.get(k) for k in ("train/loss", "train/tokens_per_s"))
-        self.manager.note_progress(
-            inner_step=step,
-            train_loss=loss if loss is not None and math.isfinite(loss) else None,  # a diverged group sends none
-            tokens_per_s=rate if rate is not None and math.isfinite(rate) else None,
-        )
+        """The trainer's latest numbers, for the lighthouse's status page (sent with every heartbeat,
+        ask and commit): a logged step's train loss and rate, an evaluation's loss (``eval/loss``).
+        Only the figures ``metrics`` holds change: an evaluation between logged steps keeps the
+        last train loss, and a logged step the last eval loss."""
+        changes: dict[str, Any] = {
+            field: _finite_or_none(metrics[key]) for key, field in _PROGRESS_FIELDS.items() if key in metrics
+        }
+        if "eval_loss" in changes:  # the step an eval point is drawn at; none without a loss to draw
+            changes["eval_step"] = None if changes["eval_loss"] is None else step
+        self.manager.note_progress(inner_step=step, **changes)
 
     def progress_state(self) -> dict[str, Any]:
         """The committed round and the counters, JSON-friendly, for a checkpoint."""
@@ -226,6 +237,9 @@ class Synchronizer(SyncHooks):
         self.manager.adopt(healed.committed)
         self._after_heal()
         self.recoveries += 1
+        # The step it jumps to, on the page at once: a group that heals straight to the end logs no
+        # step of its own. The train loss it reported was of the state it just replaced.
+        self.manager.note_progress(inner_step=healed.inner_step, train_loss=None)
         log.info("group %s healed: round %d, inner step %d", self.manager.group, healed.committed, healed.inner_step)
         return True, healed
 

@@ -2,7 +2,8 @@
 processes, lay their ids end to end in ``tokens.bin``, then write ``tokens.json``.
 
 The metadata is written last and any old one removed first, so a tokens.json always describes
-the tokens.bin beside it (``data=tokens`` checks the count). Memory stays bounded whatever the
+the tokens.bin beside it (``data=tokens`` checks the count); a run that fails or is refused
+removes what it created in the output (``undone_on_failure``). Memory stays bounded whatever the
 corpus's size: each process holds a batch of documents and its ids (one file, for plain text
 read whole), and the ids go to disk batch by batch.
 """
@@ -16,6 +17,7 @@ import queue as queue_module
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from diloco.config.prepare import PrepareConfig
@@ -40,11 +42,56 @@ SHARD_EXIT_WAIT_S = 30.0  # a shard that said it is done exits within this, or s
 
 def prepare_corpus(cfg: PrepareConfig, say: Callable[[str], None]) -> CorpusMeta:
     """Tokenize ``cfg.input`` into ``cfg.output`` (tokens.bin, tokens.json, tokenizer/); ``say``
-    gets the progress lines and the last one."""
+    gets the progress lines and the last one. A refused or failed run leaves nothing it created."""
     cfg.check_complete()
-    sources = find_sources(cfg)
+    found = find_sources(cfg)
+    if found.skipped.total():
+        say(f"prepare: reading {len(found.sources):,} files; skipped {found.skipped.summary()}")
     output = Path(str(cfg.output))
+    with undone_on_failure(output):
+        return _prepare(found.sources, output, cfg, say)
+
+
+@contextmanager
+def undone_on_failure(output: Path) -> Iterator[None]:
+    """Make the folder ``output``; if what runs inside fails or is refused (Ctrl-C too), remove what
+    this run created: the folder, from the outermost one it made, or in a folder that was there
+    only the entries that were not. A folder that held other files keeps them; an empty or
+    partial output left behind would look like a corpus to the next command."""
+    if output.exists() and not output.is_dir():
+        raise DataError(f"prepare.output={output}: is a file; name a folder for tokens.bin")
+    made = _outermost_missing(output)
+    before = set() if made else set(os.listdir(output))
     output.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+        else:
+            for name in set(os.listdir(output)) - before:
+                _remove(output / name)
+        raise
+
+
+def _outermost_missing(path: Path) -> Path | None:
+    """The first folder ``path.mkdir(parents=True)`` would make (None: ``path`` exists)."""
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _prepare(sources: list[Source], output: Path, cfg: PrepareConfig, say: Callable[[str], None]) -> CorpusMeta:
+    """The tokenizer, the ids and then the metadata, into the folder ``output``."""
     tokens_path = output / TOKENS_FILE
     meta_path = metadata_path(tokens_path)
     meta_path.unlink(missing_ok=True)  # never leave an old tokens.json beside new ids

@@ -8,15 +8,14 @@ buys errors that name the file, and files to share among processes in order.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.config.prepare import PrepareConfig
+from diloco.prepare.selection import COMPRESSED, Skipped, listed_files, not_text
 from diloco.train.data import DataError
 
-COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # datasets reads these through fsspec; the format is the suffix before
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 BUILDERS = {"text": "text", "jsonl": "json", "parquet": "parquet"}  # prepare.format -> datasets' builder
@@ -32,33 +31,76 @@ class Source:
     format: str  # text, jsonl or parquet
 
 
-def find_sources(cfg: PrepareConfig) -> list[Source]:
-    """``prepare.input``'s files in a fixed order (sorted relative paths; hidden files and folders
-    skipped), each with its format: ``prepare.format``, or with ``auto`` its suffix (JSONL, Parquet,
-    anything else text)."""
+@dataclass(frozen=True)
+class Found:
+    """``prepare.input``'s files to read, and those of its folder that were skipped."""
+
+    sources: list[Source]
+    skipped: Skipped
+
+
+def find_sources(cfg: PrepareConfig) -> Found:
+    """``prepare.input``'s files in a fixed order (sorted relative paths), each with its format:
+    ``prepare.format``, or with ``auto`` its suffix (JSONL, Parquet, anything else text). Of a
+    folder, the files ``selection`` lets through and that are not empty; a text file must look
+    like text (``selection.not_text``)."""
     root = Path(str(cfg.input))
-    output = Path(str(cfg.output)).resolve()  # inside the input on a second run: its tokens are not text
     if not root.exists():
         raise DataError(
             f"prepare.input={cfg.input}: no such file or folder (resolved to {root.absolute()}); fix the path"
         )
     if root.is_file():
-        paths = [root]
-    else:
-        paths = []
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(
-                d for d in dirnames if not d.startswith(".") and (Path(dirpath) / d).resolve() != output
-            )
-            paths.extend(Path(dirpath) / n for n in sorted(filenames) if not n.startswith("."))
-        paths.sort(key=lambda p: p.relative_to(root).as_posix())
-    sources = [Source(p, p.stat().st_size, cfg.format if cfg.format != "auto" else format_of(p)) for p in paths]
-    if not any(s.bytes for s in sources):
+        return Found([_the_file(root, cfg)], Skipped())
+    paths, skipped = listed_files(root, cfg)
+    sources = []
+    for path in paths:
+        source = _source(path, cfg)
+        if not source.bytes:
+            skipped.empty += 1
+        elif source.format == "text" and not_text(path):
+            skipped.not_text.append(path.relative_to(root).as_posix())
+        else:
+            sources.append(source)
+    if not sources:
+        keys = skipped.keys()
         raise DataError(
-            f"prepare.input={cfg.input}: the corpus is empty (no files, or only empty ones; hidden files are "
-            "skipped); point it at text, JSONL or Parquet files"
+            f"prepare.input={cfg.input}: the corpus is empty ("
+            + (f"skipped {skipped.summary()}" if skipped.total() else "no files")
+            + "); point it at text, JSONL or Parquet files"
+            + (f", or change {' or '.join(keys)}" if keys else "")
         )
-    return [s for s in sources if s.bytes]
+    return Found(sources, skipped)
+
+
+def _the_file(path: Path, cfg: PrepareConfig) -> Source:
+    """``prepare.input`` naming one file: read as it is typed, so it must have bytes, and if typed
+    text, look like text; the keys that pick a folder's files would do nothing."""
+    picking = {"prepare.include": cfg.include, "prepare.exclude": cfg.exclude, "prepare.hidden": cfg.hidden}
+    if unread := [key for key, value in picking.items() if value]:
+        one = len(unread) == 1
+        raise DataError(
+            f"{' and '.join(unread)} pick{'s' if one else ''} a folder's files, but prepare.input={cfg.input} "
+            f"is a file; remove {'it' if one else 'them'}"
+        )
+    source = _source(path, cfg)
+    if not source.bytes:
+        raise DataError(
+            f"prepare.input={cfg.input}: the corpus is empty (an empty file); point it at text, JSONL or Parquet files"
+        )
+    if source.format == "text" and (why := not_text(path)):
+        raise DataError(
+            f"prepare.input={cfg.input}: not text ({why}); point it at text, JSONL or Parquet files, "
+            "or set prepare.format to its format"
+        )
+    return source
+
+
+def _source(path: Path, cfg: PrepareConfig) -> Source:
+    try:
+        size = path.stat().st_size
+    except OSError:  # a dangling link in a folder: nothing to read, like an empty file
+        size = 0
+    return Source(path, size, cfg.format if cfg.format != "auto" else format_of(path))
 
 
 def format_of(path: Path) -> str:
@@ -126,5 +168,5 @@ def _read_error(source: Source, error: BaseException) -> DataError:
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return DataError(
         f"{source.path}: cannot read it as {source.format} ({type(error).__name__}: {reason[:300]}); "
-        "fix the file, or set prepare.format to its format"
+        f"fix the file, set prepare.format to its format, or leave it out of a folder (prepare.exclude=[{source.path.name}])"
     )

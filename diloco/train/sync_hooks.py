@@ -41,7 +41,7 @@ class SyncHooks(Protocol):
         return OuterOutcome()
 
     def observe(self, step: int, metrics: dict[str, float]) -> None:
-        """Metrics of a logged step, for the synchronizer's own records."""
+        """Metrics of a logged step, or an evaluation's loss, for the synchronizer's own records."""
 
     def between_rounds(self, step: int) -> bool:
         """Whether no round is in flight after ``step``: where a checkpoint or a planned stop leaves

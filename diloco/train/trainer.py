@@ -195,6 +195,7 @@ class Trainer:
             if (cfg.eval_every and self.step % cfg.eval_every == 0) and not last:
                 eval_loss = self.evaluate()
                 metrics.update({"eval/loss": eval_loss, "eval/ppl": perplexity(eval_loss)})
+                self.outer.observe(self.step, {"eval/loss": eval_loss})  # the status page's eval curve
                 window_start = time.perf_counter()  # evaluation time is not training throughput
             if metrics and self.on_metrics is not None:
                 self.on_metrics(metrics, self.step)

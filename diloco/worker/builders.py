@@ -182,7 +182,8 @@ def build_replica(
     apply_block_wrappers(model.layers.values(), job.trainer, device)  # lazy: traced at the first forward
     # Measured (if it must be) before a spare takes over.
     peak = device_peak(job.cluster.peak_tflops, device, handed_peak)
-    print(f"peak {peak.tflops:.4g} TFLOP/s per device ({peak.source})", flush=True)
+    if rank == 0:  # a group's devices are alike; under torchrun every rank shares the terminal
+        print(f"peak {peak.tflops:.4g} TFLOP/s per device ({peak.source})", flush=True)
     parallel = job.parallel
     position = parallel.pp_index(rank, job.cluster.workers_per_group)
     if parallel.pp > 1:

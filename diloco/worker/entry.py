@@ -258,6 +258,7 @@ def _full_state_dict(model: torch.nn.Module, job: JobConfig, rank: int) -> dict[
 def _result_record(group: int, result: TrainResult, n_params: int, vocab_size: int) -> dict[str, Any]:
     return {
         "group": group,
+        "pid": os.getpid(),  # the process its commit records name: the group's earlier ones are the others
         "steps": result.steps,
         "final_train_loss": result.final_train_loss,
         "final_eval_loss": result.final_eval_loss,

@@ -15,6 +15,7 @@ from hydra.errors import ConfigCompositionException
 
 from diloco.config.base import ConfigError, to_dict
 from diloco.config.job import JobConfig, job_config_from_dict
+from diloco.exits import REFUSED_EXIT_CODE
 from diloco.launch.compose import compose_raw, output_folder_problem
 from diloco.launch.local_cluster import free_port
 from tests.conftest import CONF_DIR, FAST, REPO, compose_job
@@ -368,9 +369,9 @@ def test_a_group_pointed_at_no_lighthouse_fails_at_once_naming_the_address(tmp_p
         cwd=REPO,
         env=env,
     )
-    assert result.returncode == 1
+    assert result.returncode == REFUSED_EXIT_CODE, "a restart would meet the same address"
     reason = result.stderr.strip().splitlines()[-1]
-    assert reason.startswith(f"error: group group0 cannot reach the lighthouse at http://127.0.0.1:{nothing_there} ")
+    assert reason.startswith(f"error: cannot reach the lighthouse at 127.0.0.1:{nothing_there} ")
     assert "within cluster.timeouts.connect=2s" in reason and "Traceback" not in result.stderr
     assert not (tmp_path / "model.pt").exists() and not (tmp_path / "results").exists()
 

@@ -38,7 +38,7 @@ from diloco.ft import status_page
 from diloco.ft.client import LighthouseClient
 from diloco.ft.lane_watch import LaneWatcher
 from diloco.ft.lanes import CancelScope, LaneCancel, LaneError, Lanes, wait_work
-from diloco.ft.lighthouse import Lighthouse, save_page
+from diloco.ft.lighthouse import Lighthouse, formed_line, save_page
 from diloco.ft.manager import JobEndedError, Manager
 from diloco.ft.protocol import (
     ErrorCode,
@@ -50,7 +50,7 @@ from diloco.ft.protocol import (
     QuorumSuperseded,
     QuorumTimeout,
 )
-from diloco.ft.quorum import JobEnd, QuorumBook
+from diloco.ft.quorum import JobEnd, Quorum, QuorumBook
 from tests.conftest import NO_PROXY, REPO
 from tests.hang_guard import in_thread
 
@@ -818,6 +818,93 @@ def test_past_sixteen_groups_the_page_draws_one_loss_band_and_rows_only_for_grou
     assert timeline.count("<circle") == 6, "the two groups' joins, losses and heals; the others' joins: no row"
 
 
+def _loss_ticks(svg: str) -> list[float]:
+    """The tick values on a loss drawing's loss axis, bottom to top."""
+    return [float(v) for v in re.findall(r'text-anchor="end">([\d.]+)</text>', svg)]
+
+
+def test_the_loss_axis_holds_every_loss_and_clips_only_a_diverging_groups_saying_so():
+    """A finished job's page topped its axis at 4.234 under a first loss of 5.19 (the 98th
+    percentile was its top). The axis holds every loss drawn, names and ticks both axes, and
+    clips only points far above the rest, a diverging group's, saying so."""
+    falling = [(10 * i, 3.0 + 2.19 / i) for i in range(1, 101)]  # 5.19 at step 10, 3.02 at step 1,000
+    svg = status_page.loss_svg({"A": falling}, [], {}, {"A": "#000"})
+    ticks = _loss_ticks(svg)
+    assert ticks[0] <= falling[-1][1] and ticks[-1] >= 5.19 and 3 <= len(ticks) <= 8, ticks
+    assert ">train loss</text>" in svg and ">inner step</text>" in svg and ">1,000</text>" in svg
+    assert "clipped" not in svg
+
+    diverging = falling[:-2] + [(990, 40.0), (1000, 400.0)]
+    both = status_page.loss_svg({"A": falling, "B": diverging}, [], {}, {"A": "#000", "B": "#111"})
+    assert _loss_ticks(both) == ticks, "two points past 3x the 98th percentile do not flatten the rest"
+    assert "clipped above 5.5: 2 points, up to 400</text>" in both
+    tops = [float(y) for y in re.findall(r'<polyline [^>]*points="[^"]*?([\d.]+)"/>', both)]
+    assert tops[1] == pytest.approx(8 + status_page.LEGEND_ROW), "B's last point drawn at the top edge"
+
+
+def _evaluated_board(groups: int) -> status_page.StatusBoard:
+    """``groups`` groups heard at steps 50 to 200, evaluating every 100 steps: each sign of life
+    after an evaluation repeats it."""
+    board = status_page.StatusBoard()
+    for step in (50, 100, 150, 200):
+        for i in range(groups):
+            evaluated = {} if step < 100 else {"eval_loss": 4.0 - step // 100 + i / 2, "eval_step": 100 * (step // 100)}
+            board.progress(f"g{i:02d}", GroupProgress(inner_step=step, train_loss=4.0 - step / 100, **evaluated))
+    return board
+
+
+def test_each_groups_eval_points_are_in_status_once_and_drawn_as_dots_with_a_key():
+    book, board = QuorumBook(FAST, started_at=0.0), _evaluated_board(2)
+    for g in ("g00", "g01"):
+        book.heartbeat(g, 1.0, step=1)
+    status = status_page.build_status(status_page.snapshot(JOB, SIG, book, {}, None, [], 1.0, board))
+    assert status["eval_curves"] == {"g00": [(100, 3.0), (200, 2.0)], "g01": [(100, 3.5), (200, 2.5)]}
+    assert {g["id"]: (g["eval_loss"], g["eval_step"]) for g in status["groups"]} == {
+        "g00": (2.0, 200),
+        "g01": (2.5, 200),
+    }
+    page = status_page.render_html(status)
+    drawing = page[page.index("<h2>loss</h2>") : page.index("<h2>timeline</h2>")]
+    assert drawing.count("<circle") == 4 and drawing.count("<polyline") == 2
+    assert "lines: train loss; dots: eval loss</text>" in drawing and ">train and eval loss</text>" in drawing
+    assert "<td>2.0000 (step 200)</td>" in page and "<th>tokens/s (last logged steps)</th>" in page
+
+    many = status_page.LINE_GROUPS + 1
+    board = _evaluated_board(many)
+    snap = status_page.snapshot(JOB, SIG, QuorumBook(FAST, started_at=0.0), {}, None, [], 1.0, board)
+    status = status_page.build_status(snap)
+    band = status_page.loss_svg(status["curves"], status["loss_band"], status["eval_curves"], {})
+    assert band.count("<circle") == 2, "past the line groups: one dot per eval step, the groups' mean"
+    assert "black dots: the groups' mean eval loss</text>" in band
+
+
+def test_recent_quorums_show_each_rounds_id_beside_the_quorum_id_that_holds_with_the_membership():
+    """Every row of "recent quorums" read id 1: the quorum id stays while the membership does."""
+    history = [
+        {"quorum_id": 1, "round_id": r, "participants": ["A"], "max_step": r - 1, "heal_from": {}, "formed_at": 1.0}
+        for r in (1, 2, 3)
+    ]
+    current = (Quorum(1, ("A",), max_step=2, heal_from={}, round_id=3), 1.0)
+    book = QuorumBook(FAST, started_at=0.0)
+    snap = status_page.snapshot(JOB, SIG, book, {}, current, history, 1.5, status_page.StatusBoard())
+    page = status_page.render_html(status_page.build_status(snap))
+    now, recent = page.split("<h2>recent quorums</h2>")
+    assert recent.count("<th>round id</th><th>quorum (lane) id</th>") == 1 and "quorum (lane) id:" in recent
+    assert re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td>", recent) == [("3", "1"), ("2", "1"), ("1", "1")]
+    assert "<tr><td>3</td><td>1</td><td>A</td>" in now[now.index("<h2>current quorum</h2>") :]
+
+
+def test_once_the_job_has_ended_no_group_is_shown_waiting_for_a_quorum():
+    """A finished job's page showed its groups "waiting for quorum: True": their last asks, never answered."""
+    book = QuorumBook(FAST, started_at=0.0)
+    book.heartbeat("A", 1.0, step=4)
+    asked = status_page.snapshot(JOB, SIG, book, {"A": 4}, None, [], 1.0, status_page.StatusBoard())
+    asked = dataclasses.replace(asked, pending=frozenset({"A"}))
+    assert [g["waiting_for_quorum"] for g in status_page.build_status(asked)["groups"]] == [True]
+    ended = dataclasses.replace(asked, ended=JobEnd(round=4, digest="d4", holders=("A",)))
+    assert [g["waiting_for_quorum"] for g in status_page.build_status(ended)["groups"]] == [False]
+
+
 def test_history_keeps_the_last_quorums(start):
     lh = start(history=2)
     beat(lh, "A")
@@ -1139,3 +1226,11 @@ def test_a_lane_watcher_that_follows_a_round_of_a_lighthouse_before_a_restart_ge
     watcher.follow(granted, after)
     assert after.wait(2.0) and after.hits("B")
     watcher.stop()
+
+
+def test_a_formed_quorum_is_one_readable_log_line():
+    """Not a JSON dump: which formation, the round it commits, who takes part and who heals."""
+    quorum = Quorum(3, ("group0", "group1"), max_step=11, heal_from={"group1": "group0"}, round_id=13)
+    assert formed_line(quorum) == "quorum 13 for round 12: group0, group1 (lane 3; group1 heals from group0)"
+    closing = dataclasses.replace(quorum, heal_from={}, closing=True)
+    assert formed_line(closing).endswith("(lane 3; closing: the finished groups hand on the final state)")

@@ -46,7 +46,9 @@ WHO = {"job": "job-1", "signature": "sig", "group": "A"}
 
 def test_the_field_names_on_the_wire_are_fixed():
     """Clients and lighthouses of one release talk JSON with exactly these keys."""
-    progress = GroupProgress(inner_step=40, train_loss=2.5, tokens_per_s=1000.0, digest="ab12")
+    progress = GroupProgress(
+        inner_step=40, train_loss=2.5, tokens_per_s=1000.0, digest="ab12", eval_loss=2.75, eval_step=30
+    )
     reach = {"port": 4567, "reached": {"B": "10.0.0.2:4000"}, "unreached": {"C": "10.0.0.3:4000"}, "mbps": {"B": 9.5}}
     beat = Heartbeat(**WHO, step=3, quorum_id=2, progress=progress.to_json(), reach=reach)
     assert beat.to_json() == {
@@ -54,7 +56,14 @@ def test_the_field_names_on_the_wire_are_fixed():
         "step": 3,
         "quorum_id": 2,
         "finished": False,
-        "progress": {"inner_step": 40, "train_loss": 2.5, "tokens_per_s": 1000.0, "digest": "ab12"},
+        "progress": {
+            "inner_step": 40,
+            "train_loss": 2.5,
+            "tokens_per_s": 1000.0,
+            "digest": "ab12",
+            "eval_loss": 2.75,
+            "eval_step": 30,
+        },
         "reach": reach,
     }
     assert beat.reach_report == ReachReport(4567, {"B": "10.0.0.2:4000"}, {"C": "10.0.0.3:4000"}, {"B": 9.5})
@@ -295,6 +304,12 @@ def test_a_4xx_without_a_code_is_refused_as_not_the_lighthouse():
         ({"tokens_per_s": True}, "progress field 'tokens_per_s'=True must be a finite"),
         ({"digest": "f" * 65}, "progress field 'digest' must be a string of at most 64"),
         ({"loss": 1.0}, "unknown progress field 'loss'"),
+        ({"inner_step": None}, "progress field 'inner_step'=None must be a non-negative integer"),
+        ({"eval_loss": -0.5, "eval_step": 3}, "progress field 'eval_loss'=-0.5 must be a finite non-negative number"),
+        ({"eval_loss": 2.0, "eval_step": 1.5}, "progress field 'eval_step'=1.5 must be a non-negative integer"),
+        ({"eval_loss": 2.0, "eval_step": False}, "progress field 'eval_step'=False must be a non-negative integer"),
+        ({"eval_loss": 2.0}, "progress fields 'eval_loss' and 'eval_step' come together or not at all"),
+        ({"eval_step": 3}, "progress fields 'eval_loss' and 'eval_step' come together or not at all"),
     ],
 )
 def test_a_heartbeat_with_malformed_progress_is_refused_naming_the_field(progress, message):

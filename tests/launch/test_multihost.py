@@ -96,6 +96,15 @@ def test_groups_under_torchrun_come_back_from_a_killed_and_a_stopped_worker_and_
     for process, output in zip([*groups, lighthouse], outputs):
         assert process.returncode == 0, output[-3000:]
     assert "stopped guard: worker pid" in outputs[1], outputs[1][-3000:]
+    # What each terminal says: the group's progress and its done line, once (its leader's), the
+    # killed worker's peer in one line, no traceback; the lighthouse a line per quorum, no JSON.
+    for g, output in enumerate(outputs[:2]):
+        assert output.count(f"done: group {g} holds the job's final model (round ") == 1, output[-3000:]
+        assert "step 300/300 [" in output and output.count("TFLOP/s per device") <= 3, output[-3000:]
+    assert "error: group 0 rank " in outputs[0] and "a worker of its group is gone" in outputs[0], outputs[0][-3000:]
+    assert "Traceback" not in outputs[0], outputs[0][-3000:]
+    assert "quorum formed: {" not in outputs[-1] and " for round 1: group0, group1 (lane " in outputs[-1], outputs[-1]
+    assert "faults: 2 restarts, " in outputs[-1], outputs[-1]  # torchrun's, from the commit logs
     assert "job 'run42' ended at round" in outputs[-1] and "done: eval loss" in outputs[-1], outputs[-1]
     by_lighthouse = json.loads((run_dir / "summary.json").read_text())
     assert by_lighthouse["ok"] and by_lighthouse["groups_missing_results"] == [], by_lighthouse["failure"]

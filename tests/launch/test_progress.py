@@ -195,23 +195,37 @@ SUMMARY = {
     "rounds": 18,
     "syncs_committed": 35,
     "syncs_attempted": 36,
-    "faults": {"kill": 2, "hang": 1, "recovery": 3, "restart": 2, "resume": 1, "skipped": 1},
+    "faults": {"kill": 2, "hang": 1, "plan": 3, "restart": 2, "resume": 1, "skipped": 1},
     "recoveries": 2,
     "lost_work": {"global_step": 500, "max_steps": 500, "steps_short": 0, "per_group": {"0": 0}, "group_steps_lost": 0},
 }
 
 
-def test_the_done_line_counts_tokens_rate_rounds_faults_and_recoveries():
+def test_the_done_line_counts_tokens_rate_rounds_faults_restarts_and_heals():
     path = Path("/run/summary.json")
     assert render_done(SUMMARY, path) == (
         "done: eval loss 1.5310 (ppl 4.62); 2,048,000 tokens in 95s (24.5k tok/s over 84s of training); "
-        "18 rounds, 35/36 syncs committed; faults: 2 kill, 1 hang, 2 recoveries; summary in /run/summary.json"
+        "18 rounds, 35/36 syncs committed; faults: 2 kill, 1 hang; 2 restarts, 2 heals from a peer; summary in "
+        "/run/summary.json"
     )
     calm = SUMMARY | {"ok": False, "algo": "local", "faults": {}, "recoveries": 1}
     assert render_done(calm, path) == (
         "failed: eval loss 1.5310 (ppl 4.62); 2,048,000 tokens in 95s (24.5k tok/s over 84s of training); "
-        "no faults, 1 recovery; summary in /run/summary.json"
+        "faults: 1 heal from a peer; summary in /run/summary.json"
     )
+    assert "; no faults; summary in " in render_done(calm | {"recoveries": 0}, path)
+    multihost = calm | {"faults": {"restart": 1}}  # torchrun's restart, seen in the commit logs
+    assert "; faults: 1 restart, 1 heal from a peer; summary in " in render_done(multihost, path)
+
+
+def test_the_done_line_says_why_the_groups_trained_fewer_tokens_than_planned():
+    """A restarted group heals to the job's step: the steps it was down are trained by no one."""
+    short = SUMMARY | {"tokens_seen": 1_228_800, "tokens_planned": 2_048_000}
+    assert "; 1,228,800 of the 2,048,000 planned tokens (a group that heals goes on from the job's step: the " in (
+        render_done(short, Path("/run/summary.json"))
+    )
+    assert "; 1,228,800 of the 2,048,000 planned tokens in 95s (" in render_done(short | {"recoveries": 0}, Path("/s"))
+    assert "; 2,048,000 tokens in 95s" in render_done(SUMMARY | {"tokens_planned": 2_048_000}, Path("/s"))
 
 
 def test_the_done_line_says_in_words_what_never_reached_the_global_model_instead_of_no_faults():
@@ -221,15 +235,15 @@ def test_the_done_line_says_in_words_what_never_reached_the_global_model_instead
     assert render_done(calm | {"lost_work": apart | {"group_steps_lost": 2280}}, path) == (
         "done: eval loss 1.5310 (ppl 4.62); 2,048,000 tokens in 95s (24.5k tok/s over 84s of training); "
         "33 rounds, 97/101 syncs committed; work lost: the model is the global state of step 360 of 1,500, "
-        "and 2,280 group-steps trained never reached it (group 1: 1,140, group 2: 1,140); no other faults, "
-        "0 recoveries; summary in /run/summary.json"
+        "and 2,280 group-steps trained never reached it (group 1: 1,140, group 2: 1,140); no other faults; "
+        "summary in /run/summary.json"
     )
     failed_round = {"global_step": 500, "max_steps": 500, "steps_short": 0, "per_group": {"0": 30, "1": 0}}
     assert "; work lost: 30 group-steps trained never reached the global model (group 0: 30); faults: 2 kill, " in (
         render_done(SUMMARY | {"lost_work": failed_round | {"group_steps_lost": 30}}, path)
     )
     short = apart | {"per_group": {"0": 0}, "group_steps_lost": 0}
-    assert "; work lost: the model is the global state of step 360 of 1,500; no other faults, 0 recoveries; " in (
+    assert "; work lost: the model is the global state of step 360 of 1,500; no other faults; summary " in (
         render_done(calm | {"lost_work": short}, path)
     )
 
@@ -248,8 +262,8 @@ def test_each_event_is_one_plain_console_line_and_one_record(tmp_path):
     assert event_line(crash) == (
         "crash: group 0 rank 1 exited with code -9 (1 in a row; more than cluster.max_restarts=3 fail the job) at 1:15"
     )
-    wait = {"kind": "recovery", "group": 2, "choice": "wait", "ready_s": 7.6, "elapsed": 5.0}
-    assert event_line(wait) == "recovery: the others wait for group 2 (ready in ~8s) at 0:05"
+    wait = {"kind": "plan", "group": 2, "choice": "wait", "ready_s": 7.6, "elapsed": 5.0}
+    assert event_line(wait) == "plan: the others wait for group 2 (ready in ~8s) at 0:05"
     assert event_line({"kind": "lighthouse_down", "group": None, "elapsed": 0.0}) == "fault: lighthouse killed at 0:00"
     assert (
         event_line({"kind": "crash", "group": 1, "elapsed": 1.0}) == "crash: group 1 rank ? exited with code ? at 0:01"

@@ -148,7 +148,7 @@ def test_the_summary_sets_the_actual_cost_beside_the_predicted_one():
     events = [
         {"kind": "kill", "group": 1, "time": 100.0},
         {
-            "kind": "recovery",
+            "kind": "plan",
             "group": 1,
             "time": 100.0,
             "choice": "go_on",

@@ -159,7 +159,7 @@ def test_a_ready_spare_replaces_a_killed_group_at_once_and_the_pool_is_refilled(
         cluster.signal_group(1, 9)
         supervisor.check(now=1.0)
         assert cluster.groups[1][0].process.pid == spare_pid and not cluster.started, "no backoff, no fresh start"
-        assert kinds(supervisor) == [("recovery", 1, None), ("restart", 1, 0)]
+        assert kinds(supervisor) == [("plan", 1, None), ("restart", 1, 0)]
         assert read_jsonl(supervisor.cluster.paths.events)[0]["replacement"] == "spare"
         assert [s.index for s in cluster.spares] == [1], "refilled at once"
         got = Path(f"{cluster.paths.spare_pipe(0, 0)}.got")
@@ -176,7 +176,7 @@ def test_without_a_ready_spare_a_group_is_restarted_fresh_after_no_wait(tmp_path
     cluster.start_spare = lambda: cluster.spares.append(Spare(0, [], make_pipes(cluster.paths, 0, 1)))
     try:
         supervisor.check(now=0.0)
-        assert cluster.started == [1] and kinds(supervisor) == [("recovery", 1, None), ("restart", 1, None)]
+        assert cluster.started == [1] and kinds(supervisor) == [("plan", 1, None), ("restart", 1, None)]
     finally:
         cluster.stop()
 

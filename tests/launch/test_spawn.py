@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from diloco.config.base import ConfigError, to_dict
 from diloco.launch.forkserver import fork_child
 from diloco.launch.launcher import launch
-from diloco.launch.local_cluster import LocalCluster, log_tail, serving_pid, wait_until
+from diloco.launch.local_cluster import JobFailed, LocalCluster, log_tail, serving_pid, wait_until
 from diloco.launch.spawn import (
     ForkedProcess,
     ForkServer,
@@ -328,6 +329,55 @@ def test_a_fork_server_that_stopped_answering_is_replaced(tmp_path):
         assert stopped.process.poll() == -signal.SIGKILL and lighthouse.returncode == -signal.SIGKILL
         cluster.start_lighthouse()
         assert serving_pid(cluster.lighthouse_url) == cluster.lighthouse.pid
+    finally:
+        cluster.stop()
+
+
+class ServerKiller:
+    """SIGKILLs each fork server the cluster starts, the moment it appears (before it served), ``times`` times."""
+
+    def __init__(self, cluster: LocalCluster, times: int) -> None:
+        self.cluster, self.times, self.killed = cluster, times, []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while len(self.killed) < self.times:
+            server = self.cluster.fork_server
+            if server is not None and server.process.pid not in self.killed and server.process.poll() is None:
+                server.process.kill()
+                self.killed.append(server.process.pid)
+            time.sleep(0.005)
+
+
+@linux_only
+@pytest.mark.slow
+def test_fork_servers_killed_as_the_job_starts_are_replaced_until_the_launch_deadline(tmp_path):
+    """A fault at the job's start is a fault like any other: four fork servers killed before they
+    started the lighthouse (the job failed at three before) are replaced after a backoff; within a
+    deadline shorter than the faults, the start fails saying how many times."""
+    job = compose_job(FT + ["cluster.timeouts.connect=10"])
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    cluster = LocalCluster(job, paths, preflight(job, paths)[1])
+    try:
+        killer = ServerKiller(cluster, times=4)
+        cluster.start_lighthouse()
+        assert len(killer.killed) == 4 and serving_pid(cluster.lighthouse_url) == cluster.lighthouse.pid
+    finally:
+        cluster.stop()
+    short = compose_job(FT + ["cluster.timeouts.launch=1"])
+    paths = RunPaths(tmp_path / "short")
+    paths.root.mkdir()
+    cluster = LocalCluster(short, paths, preflight(short, paths)[1])
+    try:
+        ServerKiller(cluster, times=100)
+        with pytest.raises(
+            JobFailed,
+            match=r"the fork server exited before it started the lighthouse \(\d times "
+            r"within cluster\.timeouts\.launch=1s\)",
+        ):
+            cluster.start_lighthouse()
     finally:
         cluster.stop()
 

@@ -4,7 +4,14 @@ inner steps that no commit carries, from the result records and commit logs a jo
 from __future__ import annotations
 
 from diloco.launch.header import group_step_tokens
-from diloco.launch.summary import group_steps_lost, lost_work, steps_no_commit_carries
+from diloco.launch.summary import (
+    earlier_processes_tokens,
+    event_counts,
+    group_steps_lost,
+    heals_per_group,
+    lost_work,
+    steps_no_commit_carries,
+)
 from tests.canned_runs import commit_record
 from tests.conftest import compose_job
 
@@ -89,3 +96,36 @@ def test_algo_local_has_no_global_model_to_fall_short_of():
     local = compose_job(["trainer.max_steps=1500", "algo=local"])
     summary = lost_work(local, [result(0, 1500), result(1, 1500)], {0: [], 1: []}, final_round=None)
     assert (summary["steps_short"], summary["per_group"], summary["group_steps_lost"]) == (0, {"0": 0, "1": 0}, 0)
+
+
+def test_a_groups_heals_add_up_over_its_processes_and_its_results_file():
+    """Each process counts its own heals from 0: the per-group figures add up to the job's."""
+    commits = {
+        0: [{"pid": 10, "recoveries": 0}],
+        1: [{"pid": 20, "recoveries": 0}, {"pid": 21, "recoveries": 1}, {"pid": 22, "recoveries": 1}],
+        2: [{"pid": 30, "recoveries": 1}],
+    }
+    results = [{"group": 1, "recoveries": 1}, {"group": 2, "recoveries": 2}]  # group 2 healed once more at the end
+    assert heals_per_group(commits, results) == {0: 0, 1: 2, 2: 2}
+
+
+def test_without_a_launchers_events_the_restarts_are_the_processes_the_commit_logs_show():
+    commits = {0: [{"pid": 10}, {"pid": 11}, {"pid": 11}], 1: [{"pid": 20}]}
+    assert event_counts([], commits) == {"restart": 1}
+    assert event_counts([], {0: [{"pid": 10}]}) == {}
+    assert event_counts([{"kind": "kill"}, {"kind": "restart"}, {"kind": "kill"}], commits) == {"kill": 2, "restart": 1}
+
+
+def test_a_restarted_groups_earlier_processes_count_the_tokens_their_commits_carry():
+    """Its result counts the last process's steps; the killed one's committed rounds trained too."""
+    commits = {
+        0: [{"pid": 10, "committed": True, "tokens": 20.0}, {"pid": 10, "committed": True, "tokens": 20.0}],
+        1: [
+            {"pid": 20, "committed": True, "tokens": 20.0},
+            {"pid": 20, "committed": False, "tokens": 20.0},  # a failed round: none of it carried
+            {"pid": 21, "committed": True, "tokens": 20.0},
+        ],
+        2: [{"pid": 30, "committed": True, "tokens": 5.0}],  # wrote no result: all of it is earlier work
+    }
+    results = [{"group": 0, "pid": 10}, {"group": 1, "pid": 21}]
+    assert earlier_processes_tokens(commits, results) == 25.0

@@ -44,7 +44,7 @@ def test_a_crash_before_the_end_is_restarted(tmp_path):
         supervisor.check(now=1.0)  # no backoff here: restarted at once
         assert not supervisor.job_over and supervisor.cluster.started == [1]
         events = read_jsonl(supervisor.cluster.paths.events)
-        assert [e["kind"] for e in events] == ["crash", "recovery", "restart"]
+        assert [e["kind"] for e in events] == ["crash", "plan", "restart"]
         recovery = events[1]
         assert recovery["replacement"] == "fork" and recovery["choice"] in ("wait", "go_on"), recovery
         assert set(recovery["predicted"]) == {"wait", "go_on"} and not recovery["lighthouse_told"], recovery
@@ -108,7 +108,7 @@ def test_a_group_with_a_worker_stopped_past_the_limit_is_killed_and_restarted_un
         assert stopped.poll() == -signal.SIGKILL and supervisor.cluster.started == [1]
         assert planned.poll() is None, "the plan's stop is the plan's to end"
         events = read_jsonl(supervisor.cluster.paths.events)
-        assert [e["kind"] for e in events] == ["hung", "recovery", "restart"], events
+        assert [e["kind"] for e in events] == ["hung", "plan", "restart"], events
         assert (events[0]["group"], events[0]["rank"], events[0]["stopped_s"]) == (1, 0, 2.5)
         assert supervisor.crashes[1] == 1, (
             "a failure in a row, like a crash: a group stopped at every start fails the job"

@@ -20,7 +20,8 @@ from diloco.config.prepare import PrepareConfig
 from diloco.config.tokens_meta import metadata_path
 from diloco.launch.inference import evaluate_checkpoint, locate_weights
 from diloco.launch.roles import trained_job_config
-from diloco.prepare.pipeline import prepare_corpus, render_prepare_progress
+from diloco.prepare.pipeline import prepare_corpus, render_prepare_progress, undone_on_failure
+from diloco.prepare.selection import glob_regex, matches, not_text
 from diloco.prepare.shards import encode_chunks, split_runs
 from diloco.prepare.sources import Source, find_sources, format_of
 from diloco.prepare.tokenizer import short_vocabulary_line
@@ -62,12 +63,92 @@ def test_the_input_is_every_visible_file_in_order_but_the_output_folder(tmp_path
     for name in ("b.txt", "a/z.jsonl", "a/y.parquet", ".git/x.txt", "prep/tokens.bin"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
+    (tmp_path / "a" / "y.parquet").write_bytes(b"PAR1\0\x15\xff")  # binary, but typed by its suffix: never sniffed
     found = find_sources(PrepareConfig(input=str(tmp_path), output=str(tmp_path / "prep")))
-    assert [(s.path.relative_to(tmp_path).as_posix(), s.format) for s in found] == [
+    assert [(s.path.relative_to(tmp_path).as_posix(), s.format) for s in found.sources] == [
         ("a/y.parquet", "parquet"),
         ("a/z.jsonl", "jsonl"),
         ("b.txt", "text"),
     ]
+    assert found.skipped.summary() == "1 hidden (.git)"
+
+
+PNG_HEAD = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x10"
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        ("plain ascii\n".encode(), None),
+        (("é" * 5000).encode(), None),  # 10,000 bytes: the 8 KB edge cuts a character in two, still text
+        (PNG_HEAD, "a NUL byte in its first 8 KB"),
+        ("café".encode("latin-1"), "not UTF-8 in its first 8 KB (byte 3)"),
+        (b"x" * (8 << 10) + b"\0", None),  # past the first 8 KB: not looked at
+    ],
+    ids=["ascii", "utf-8 cut at the edge", "png", "latin-1", "nul past 8 KB"],
+)
+def test_a_file_is_text_by_its_first_8_kb(tmp_path, content, why):
+    (tmp_path / "f").write_bytes(content)
+    assert not_text(tmp_path / "f") == why
+
+
+def test_a_compressed_file_is_text_by_what_it_holds(tmp_path):
+    import gzip
+
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"text inside"))
+    (tmp_path / "b.gz").write_bytes(gzip.compress(PNG_HEAD))
+    (tmp_path / "c.gz").write_bytes(b"not gzip at all")
+    assert not_text(tmp_path / "a.txt.gz") is None
+    assert not_text(tmp_path / "b.gz") == "a NUL byte in its first 8 KB"
+    assert not_text(tmp_path / "c.gz") == "cannot be read (BadGzipFile)"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "hits", "misses"),
+    [
+        ("**/*.py", ["a.py", "src/a.py", "src/x/a.py"], ["a.pyc", "py/a.txt"]),
+        ("*.png", ["logo.png", "docs/img/logo.png"], ["logo.png.txt"]),  # no /: a name at any depth
+        ("docs/**", ["docs/a.md", "docs/x/y.md"], ["mydocs/a.md", "src/docs.md"]),
+        ("docs", ["docs/a.md", "src/docs/x.md", "docs"], ["docs.md"]),  # a folder: every file under it
+        ("src/*.py", ["src/a.py"], ["src/x/a.py", "a.py", "lib/src/a.py"]),  # with /: from prepare.input down
+        ("data/?.[ct]sv", ["data/a.csv", "data/b.tsv"], ["data/ab.csv", "data/a.xsv"]),
+        ("[!_]*.py", ["a.py"], ["_private.py"]),
+    ],
+)
+def test_include_and_exclude_globs_match_paths_relative_to_the_input(pattern, hits, misses):
+    glob = [glob_regex(pattern)]
+    assert [path for path in hits + misses if matches(path, glob)] == hits
+
+
+def test_a_folders_files_are_picked_by_include_exclude_and_hidden(tmp_path):
+    for name in ("README.md", "src/a.py", "src/b.py", "src/gen/c.py", "docs/d.md", ".github/ci.yml", "empty.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("" if name == "empty.py" else "x")
+
+    def picked(**keys):
+        found = find_sources(PrepareConfig(input=str(tmp_path), output=str(tmp_path / "out"), **keys))
+        return [s.path.relative_to(tmp_path).as_posix() for s in found.sources], found.skipped.summary()
+
+    assert picked(include=("**/*.py",), exclude=("src/gen",)) == (
+        ["src/a.py", "src/b.py"],
+        "2 not matching prepare.include, 1 matching prepare.exclude, 1 empty, 1 hidden (.github)",
+    )
+    assert picked(exclude=("*.py",), hidden=True) == (
+        [".github/ci.yml", "README.md", "docs/d.md"],
+        "4 matching prepare.exclude",
+    )
+
+
+def test_bad_include_and_exclude_globs_name_the_key():
+    with pytest.raises(
+        ConfigError, match=r"^prepare.exclude=\['\*.log', '/build'\]: '/build' starts with /, .*; drop the /$"
+    ):
+        PrepareConfig(exclude=("*.log", "/build")).validate()
+    with pytest.raises(ConfigError, match=r"^prepare.include=\['../x'\]: '../x' has a .. part"):
+        PrepareConfig(include=("../x",)).validate()
+    with pytest.raises(ConfigError, match=r"^prepare.include=\[''\]: holds an empty pattern; remove it$"):
+        PrepareConfig(include=("",)).validate()
+    assert compose_job(["role=prepare", "prepare.include=[**/*.py,docs/**]"]).prepare.include == ("**/*.py", "docs/**")
 
 
 def test_the_benchmark_table_has_a_row_per_run_with_its_rates():
@@ -93,6 +174,62 @@ def test_a_missing_or_empty_input_is_refused_in_one_line(tmp_path, make, message
     with pytest.raises(DataError, match=message) as refused:
         prepare_corpus(cfg, print)
     assert "\n" not in str(refused.value)
+
+
+def test_a_folder_with_no_text_file_left_is_refused_naming_what_was_skipped_and_the_keys(tmp_path):
+    (tmp_path / "in" / ".git").mkdir(parents=True)
+    (tmp_path / "in" / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    (tmp_path / "in" / "logo.png").write_bytes(PNG_HEAD)
+    (tmp_path / "in" / "notes.md").write_text("notes")
+    cfg = PrepareConfig(input=str(tmp_path / "in"), output=str(tmp_path / "out"), vocab_size=300, exclude=("*.md",))
+    with pytest.raises(DataError) as refused:
+        prepare_corpus(cfg, print)
+    assert str(refused.value) == (
+        f"prepare.input={tmp_path / 'in'}: the corpus is empty (skipped 1 not text (NUL or not UTF-8 in the "
+        "first 8 KB: logo.png), 1 matching prepare.exclude, 1 hidden (.git)); point it at text, JSONL or "
+        "Parquet files, or change prepare.exclude or prepare.hidden"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_named_as_the_input_is_refused_if_it_is_not_text_or_given_folder_keys(tmp_path):
+    (tmp_path / "logo.png").write_bytes(PNG_HEAD)
+    cfg = PrepareConfig(input=str(tmp_path / "logo.png"), output=str(tmp_path / "out"), vocab_size=300)
+    with pytest.raises(DataError, match=r"logo.png: not text \(a NUL byte in its first 8 KB\); point it at text"):
+        prepare_corpus(cfg, print)
+    (tmp_path / "a.txt").write_text("text")
+    cfg = PrepareConfig(input=str(tmp_path / "a.txt"), output=str(tmp_path / "out"), vocab_size=300, hidden=True)
+    with pytest.raises(DataError, match=r"^prepare.hidden picks a folder's files, but prepare.input=.*a.txt is a file"):
+        prepare_corpus(cfg, print)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_run_removes_only_what_it_created_in_the_output(tmp_path):
+    with pytest.raises(KeyboardInterrupt), undone_on_failure(tmp_path / "new" / "deeper" / "out"):
+        (tmp_path / "new" / "deeper" / "out" / "tokens.bin").write_bytes(b"\0\0")
+        raise KeyboardInterrupt
+    assert not (tmp_path / "new").exists()  # from the outermost folder the run made
+
+    kept = tmp_path / "kept"
+    (kept / "tokenizer").mkdir(parents=True)
+    (kept / "notes.txt").write_text("the user's")
+    with pytest.raises(DataError), undone_on_failure(kept):
+        (kept / "tokens.bin").write_bytes(b"\0\0")
+        (kept / "new_folder").mkdir()
+        raise DataError("refused")
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt", "tokenizer"]
+
+    with undone_on_failure(tmp_path / "fine"):
+        (tmp_path / "fine" / "tokens.bin").write_bytes(b"\0\0")
+    assert (tmp_path / "fine" / "tokens.bin").exists()
+
+
+def test_a_run_refused_after_making_the_output_leaves_no_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    cfg = PrepareConfig(input=str(tmp_path / "a.txt"), output=str(tmp_path / "out"), tokenizer=str(tmp_path / "no"))
+    with pytest.raises(DataError, match=r"prepare.tokenizer=.*no: no such file or folder"):
+        prepare_corpus(cfg, print)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
@@ -213,6 +350,42 @@ def test_parquet_and_plain_text_prepare_into_the_documents_they_hold(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_repository_like_folder_prepares_its_text_and_says_what_it_skipped(tmp_path):
+    repo = tmp_path / "repo"
+    files = {
+        "README.md": b"# demo\n",
+        "src/main.py": b"def main():\n    return 0\n",
+        "docs/logo.png": PNG_HEAD + bytes(range(256)),
+        "docs/guide.txt": "guide, é\n".encode(),
+        "build/run.log": b"built\n",
+        ".git/HEAD": b"ref: refs/heads/main\n",
+        ".git/objects/ab/cdef": b"x\x9c\0\x01",
+    }
+    for name, content in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_bytes(content)
+    said = []
+    cfg = PrepareConfig(
+        input=str(repo),
+        output=str(tmp_path / "out"),
+        tokenizer=str(small_tokenizer(tmp_path / "tok")),
+        exclude=("*.log",),
+    )
+    meta = prepare_corpus(cfg, said.append)
+    assert [Path(s.path).relative_to(repo).as_posix() for s in meta.sources] == [
+        "README.md",
+        "docs/guide.txt",
+        "src/main.py",
+    ]
+    assert documents_of(tmp_path / "out") == ["# demo\n", "guide, é\n", "def main():\n    return 0\n"]
+    assert said[0] == (
+        "prepare: reading 3 files; skipped 1 not text (NUL or not UTF-8 in the first 8 KB: docs/logo.png), "
+        "1 matching prepare.exclude, 1 hidden (.git)"
+    )
+    assert said[-1].startswith("prepared: 3 documents")
+
+
+@pytest.mark.slow
 def test_a_transformers_tokenizer_directory_is_used_with_its_eos_and_files(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer
@@ -251,6 +424,7 @@ def test_a_corpus_without_the_text_field_is_refused_in_one_line(tmp_path, kind):
         prepare_corpus(cfg, lambda line: None)
     assert "\n" not in str(refused.value)
     assert not metadata_path(tmp_path / "o" / "tokens.bin").exists()
+    assert not (tmp_path / "o").exists()  # refused while tokenizing: the folder it made is gone too
 
 
 @pytest.mark.slow
