@@ -58,9 +58,9 @@ def group_done_line(report: dict[str, Any], problem: str | None, result_path: st
     end = report.get("end") or {}
     digest = (report.get("digest") or "")[:12]
     loss = report.get("final_eval_loss")
-    parts = [f"group {report['group']} holds the job's final model (round {end.get('round')}, digest {digest}…)"]
-    if problem:
-        parts = [problem]
+    parts = [
+        problem or f"group {report['group']} holds the job's final model (round {end.get('round')}, digest {digest}…)"
+    ]
     if loss is not None:
         parts.append(f"eval loss {loss:.4f}")
     heals = report.get("recoveries", 0)
