@@ -4,8 +4,9 @@ and the performance model all read it here.
 DiLoCo (arXiv 2311.08105) syncs every H inner steps; Streaming DiLoCo (arXiv 2501.18512) syncs
 P fragments in turn, H/P steps apart, each launched τ steps before it is applied, so P divides
 H and τ < H/P (``window_problem``). A sync warm-up (post-local SGD, arXiv 1808.07217) runs
-windows of H₀ < H steps up to inner step W (``sync_warmup_window``). The mixing α(s, M) and the
-outer momentum μ(s) ramp in over the first inner steps (``mixing_alpha``, ``momentum``).
+windows of H₀ < H steps up to inner step W (``sync_warmup_window``). A job whose last step T
+falls inside a window ends with a shorter one, synced at T (``last_window``). The mixing α(s, M)
+and the outer momentum μ(s) ramp in over the first inner steps (``mixing_alpha``, ``momentum``).
 
 Steps count completed inner steps: ``step = s`` means "after inner step s", s ≥ 1.
 """
@@ -74,6 +75,28 @@ def sync_warmup_window(H: int, P: int, tau: int, every: int, steps: int) -> Sync
     return SyncWarmup(fits[0], whole_windows(steps, H)) if fits else None
 
 
+class LastWindow(NamedTuple):
+    """The job's last window (E, T], shorter than the windows before it: T, the job's last step, is
+    no window end, E the last one before it. One round at T syncs every fragment, so every inner
+    step reaches θ_g; it launches τ_T = min(τ, T − E − 1) steps before T, after the round applied
+    at E; no other round falls in the window.
+    """
+
+    start: int
+    end: int
+
+    def launch_step(self, tau: int) -> int:
+        return self.end - min(tau, self.end - self.start - 1)
+
+
+def last_window(end: int, H: int, warmup: SyncWarmup | None = None) -> LastWindow | None:
+    """The shorter last window of a job of ``end`` inner steps; None when ``end`` ends a window (or is 0: no end)."""
+    if end < 1:
+        return None
+    start = end - end % (H if warmup is None else warmup.window(end, H))
+    return LastWindow(start, end) if start < end else None
+
+
 def ramp(s: int, steps: int) -> float:
     """min(1, s/steps), from s = 1: a join round at step 0 ramps like step 1."""
     return min(1.0, max(s, 1) / steps)
@@ -129,30 +152,52 @@ def _check_step(step: int, least: int) -> None:
         raise ValueError(f"step counts completed inner steps and must be >= {least}, got {step}")
 
 
-def fragments_to_apply(step: int, H: int, P: int, tau: int, warmup: SyncWarmup | None = None) -> list[int]:
-    """Fragments whose outer update is applied after inner step ``step`` (sorted)."""
+def fragments_to_apply(
+    step: int, H: int, P: int, tau: int, warmup: SyncWarmup | None = None, end: int = 0
+) -> list[int]:
+    """Fragments whose outer update is applied after inner step ``step`` (sorted); ``end``: the job's
+    last step T (0: none), whose shorter last window applies every fragment at T."""
     _check_step(step, 1)
+    last = last_window(end, H, warmup)
+    if last is not None and step > last.start:
+        return list(range(P)) if step == last.end else []
     h = _window(step, H, P, tau, warmup)
     return [p for p in range(P) if step % h == fragment_offset(p, h, P)]
 
 
-def fragments_to_launch(step: int, H: int, P: int, tau: int, warmup: SyncWarmup | None = None) -> list[int]:
+def fragments_to_launch(
+    step: int, H: int, P: int, tau: int, warmup: SyncWarmup | None = None, end: int = 0
+) -> list[int]:
     """Fragments whose all-reduce is launched after inner step ``step`` (sorted): τ steps before their apply.
 
-    The first apply of any fragment is at step ≥ H/P > τ, so every launch falls on a step ≥ 1.
+    The first apply of any fragment is at step ≥ H/P > τ, so every launch falls on a step ≥ 1. A
+    launch up to E applies by E (the next apply after E is H/P > τ steps later), so the rounds
+    before the last window (``LastWindow``) are the same as in a job that ends at E.
     """
     _check_step(step, 1)
+    last = last_window(end, H, warmup)
+    if last is not None and step > last.start:
+        return list(range(P)) if step == last.launch_step(tau) else []
     h = _window(step + tau, H, P, tau, warmup)
     return [p for p in range(P) if (step + tau) % h == fragment_offset(p, h, P)]
 
 
-def next_launch_step(step: int, H: int, P: int, tau: int, warmup: SyncWarmup | None = None) -> int:
+def next_launch_step(step: int, H: int, P: int, tau: int, warmup: SyncWarmup | None = None, end: int = 0) -> int:
     """The first inner step after ``step`` at which some fragment's all-reduce is launched.
 
     Launches fall every H/P steps, τ steps before the applies at multiples of H/P; within a
-    warm-up every H₀/P steps, up to the launch of the apply at W.
+    warm-up every H₀/P steps, up to the launch of the apply at W; in the job's last window
+    (``end``: its last step) once, for the apply at the end. After that one, T + 1: no launch is left.
     """
     _check_step(step, 0)
+    launch = _next_regular_launch(step, H, P, tau, warmup)
+    last = last_window(end, H, warmup)
+    if last is None or launch + tau <= last.start:
+        return launch
+    return last.launch_step(tau) if step < last.launch_step(tau) else last.end + 1
+
+
+def _next_regular_launch(step: int, H: int, P: int, tau: int, warmup: SyncWarmup | None) -> int:
     if warmup is not None and step + tau < warmup.steps:
         launch = _next_in_windows(step, _window(step + tau + 1, H, P, tau, warmup), P, tau)
         if launch + tau <= warmup.steps:
@@ -167,7 +212,9 @@ def _next_in_windows(step: int, h: int, P: int, tau: int) -> int:
     return step + (ahead or spacing)
 
 
-def skip_target(step: int, open_step: int, H: int, P: int, tau: int, warmup: SyncWarmup | None = None) -> int:
+def skip_target(
+    step: int, open_step: int, H: int, P: int, tau: int, warmup: SyncWarmup | None = None, end: int = 0
+) -> int:
     """Time-bounded windows: the inner step a group after ``step`` goes on from, when its peers
     opened a round at ``open_step`` (0: none known).
 
@@ -175,6 +222,6 @@ def skip_target(step: int, open_step: int, H: int, P: int, tau: int, warmup: Syn
     step away; one step behind, it takes that step as usual, so groups of equal speed, a
     fraction of a step apart, run exactly the step-bounded schedule.
     """
-    if open_step == next_launch_step(step, H, P, tau, warmup) and open_step > step + 1:
+    if open_step == next_launch_step(step, H, P, tau, warmup, end) and open_step > step + 1:
         return open_step
     return step

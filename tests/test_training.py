@@ -87,26 +87,26 @@ def test_one_fsdp_step_equals_single_process_step_on_the_same_global_batch(fast_
 
 def test_a_sweeps_jobs_get_their_own_wandb_names_in_one_group_and_a_sweep_table(tmp_path):
     """``python run.py -m``: each job's wandb runs are named by its overrides and grouped by the
-    sweep; sweep.md in the sweep directory has one row per job. A failed job (the first: 25 steps
-    per round do not divide 60) does not stop the others, and the sweep exits 1 with its reason.
-    Two values of H give two jobs: the sync warm-up (10-step windows up to step 500) is cut to
-    the job's share, so H=10 and H=20 make 6 and 3 rounds."""
+    sweep; sweep.md in the sweep directory has one row per job. A failed job (the first: H=0) does not stop the others,
+    and the sweep exits 1 with its reason. Two values of H give two jobs: the sync warm-up (10-step
+    windows up to step 500) is cut to the job's share, so H=10 makes 6 rounds; H=25 makes 3, the
+    last of them at step 60 after a window of 10 steps."""
     result = subprocess.run(
         [sys.executable, "run.py", "-m", "cluster.groups=1", "cluster.workers_per_group=1", "trainer.max_steps=60"]
-        + ["trainer.eval_every=0", "algo.sync_every=25,10,20", f"hydra.sweep.dir={tmp_path}"],
+        + ["trainer.eval_every=0", "algo.sync_every=0,10,25", f"hydra.sweep.dir={tmp_path}"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 1, result.stdout + result.stderr
-    reason = "error: trainer.max_steps=60: is not a multiple of algo.sync_every=25"
+    reason = "error: algo.sync_every=0: must be an integer >= 1"
     assert f"sweep job 0: {reason}" in result.stderr, result.stderr
     lines = result.stderr.splitlines()
     at_end = next(i for i, line in enumerate(lines) if line.startswith("Error executing job with overrides"))
     assert lines[at_end + 1].startswith(reason), result.stderr  # hydra's last word: the first failure's reason
     names = []
-    for job, h in (("1", 10), ("2", 20)):
+    for job, h in (("1", 10), ("2", 25)):
         run = next((tmp_path / job / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
         name = f"algo.sync_every={h},cluster.groups=1,cluster.workers_per_group=1,trainer.eval_every=0,"
         name += "trainer.max_steps=60-group0"
@@ -118,8 +118,8 @@ def test_a_sweeps_jobs_get_their_own_wandb_names_in_one_group_and_a_sweep_table(
     assert table[0] == "| job | overrides | ok | rounds | final eval loss | bytes/token | wall s |", table
     assert len(table) == 5, table
     assert table[2].startswith("| 0 | cluster.groups=1 cluster.workers_per_group=1 trainer.max_steps=60 ")
-    assert table[2].endswith("algo.sync_every=25 | no | – | – | – | – |"), table
-    assert "algo.sync_every=10 | yes | 6 |" in table[3] and "algo.sync_every=20 | yes | 3 |" in table[4], table
+    assert table[2].endswith("algo.sync_every=0 | no | – | – | – | – |"), table
+    assert "algo.sync_every=10 | yes | 6 |" in table[3] and "algo.sync_every=25 | yes | 3 |" in table[4], table
     assert f"sweep job 2: its row, with every job's so far, in {tmp_path / 'sweep.md'}" in result.stdout
 
 

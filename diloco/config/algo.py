@@ -208,17 +208,10 @@ class AlgoConfig:
             self.sync_every, self.fragments, self.delay, self.sync_warmup_every, self.sync_warmup_steps
         )
 
-    def check_fits(self, *, n_blocks: int, max_steps: int) -> None:
-        """The checks that need the model and the trainer: fragments per block, whole windows."""
+    def check_fits(self, *, n_blocks: int) -> None:
+        """The check that needs the model: P fragments of whole transformer blocks."""
         validate_schedule(
             sync_every=self.sync_every, fragments=self.fragments, delay=self.delay, alpha=self.alpha, n_blocks=n_blocks
-        )
-        check(
-            self.name == "local" or max_steps % self.sync_every == 0,
-            "trainer.max_steps",
-            max_steps,
-            f"is not a multiple of algo.sync_every={self.sync_every}; the inner steps after the last "
-            "sync would never reach the global model, so round max_steps to a multiple of sync_every",
         )
 
 

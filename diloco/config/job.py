@@ -66,7 +66,7 @@ class JobConfig:
             self.prepare,
         ):
             part.validate()
-        self.algo.check_fits(n_blocks=self.model.n_layers, max_steps=self.trainer.max_steps)
+        self.algo.check_fits(n_blocks=self.model.n_layers)
         self.parallel.check_fits(self.model, self.cluster.workers_per_group, self.trainer.seq_len)
         self.parallel.check_microbatches(self.trainer.microbatches, self.trainer.batch_size)
         check(

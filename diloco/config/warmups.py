@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from diloco.config.algo import AlgoConfig
 from diloco.config.job import JobConfig
-from diloco.schedule import whole_windows
+from diloco.schedule import last_window, whole_windows
 from outer_opt import OuterOptConfig
 
 SYNCING = ("diloco", "streaming")  # the algorithms with outer rounds, and so with warm-ups
@@ -45,10 +45,26 @@ def planned_windows(job: JobConfig) -> int:
     included); each window syncs each of the P fragments once. 0 without outer rounds."""
     if job.algo.name not in SYNCING:
         return 0
-    max_steps = job.trainer.max_steps
-    short, warm = scheduled(job)[0].sync_warmup_window() or (job.algo.sync_every, 0)
+    max_steps, H = job.trainer.max_steps, job.algo.sync_every
+    warmup = scheduled(job)[0].sync_warmup_window()
+    short, warm = warmup or (H, 0)
     warm = min(warm, max_steps)  # trainer.warmup_share=1: a warm-up may outlast the job
-    return warm // short + (max_steps - warm) // job.algo.sync_every
+    return warm // short + (max_steps - warm) // H + (last_window(max_steps, H, warmup) is not None)
+
+
+def last_window_line(job: JobConfig) -> str | None:
+    """``the last window is 34 steps, ending at trainer.max_steps=1234``, when the job's last step
+    ends no window (``diloco.schedule.LastWindow``); None when it does."""
+    if job.algo.name not in SYNCING:
+        return None
+    last = last_window(job.trainer.max_steps, job.algo.sync_every, scheduled(job)[0].sync_warmup_window())
+    if last is None:
+        return None
+    synced = "every fragment" if job.algo.fragments > 1 else "the model"
+    return (
+        f"the last window is {last.end - last.start} steps (from step {last.start}), ending at "
+        f"trainer.max_steps={last.end}, where one round syncs {synced}"
+    )
 
 
 def warmup_line(job: JobConfig) -> str | None:

@@ -14,7 +14,7 @@ from diloco.config.algo import AlgoConfig
 from diloco.config.base import to_dict
 from diloco.config.job import JobConfig
 from diloco.config.model import ModelConfig
-from diloco.config.warmups import planned_windows, warmup_line
+from diloco.config.warmups import last_window_line, planned_windows, warmup_line
 from diloco.launch.compose import CONF_DIR, load_saved_config
 from diloco.outer.codecs import Dense, codec_for
 
@@ -76,10 +76,11 @@ def algo_line(job: JobConfig, n_params: int) -> str:
     payload, bytes_per_model = payload_of(algo, n_params)
     rounds = planned_windows(job) * algo.fragments
     auto = " (algo.auto re-picks τ and the format each round)" if algo.auto else ""
+    last = last_window_line(job)
     return (
         f"algo: {algo.name} H={algo.sync_every} P={algo.fragments} τ={algo.delay}, payload {payload}{auto}, "
         f"{inner}, outer {job.outer_opt.name} lr {job.outer_opt.lr:g}; "
-        f"{rounds} rounds of ~{_size(bytes_per_model / algo.fragments)} per group"
+        f"{rounds} rounds of ~{_size(bytes_per_model / algo.fragments)} per group" + (f"; {last}" if last else "")
     )
 
 

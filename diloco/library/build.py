@@ -155,7 +155,9 @@ def build_outer_sync(
         commit_log=commit_log,
         faults=faults,
     )
-    return OuterSync(algo=algo, fragments=fragments, plan=plan, heal_state=heal_state, **parts)
+    return OuterSync(
+        algo=algo, fragments=fragments, plan=plan, max_steps=settings.max_steps, heal_state=heal_state, **parts
+    )
 
 
 def build_fragments(

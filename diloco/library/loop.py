@@ -219,7 +219,7 @@ def outer_settings(
             f"algo.fragments={algo_config.fragments}: the model has no numbered blocks (parameters named "
             "like layers.<i>.*) to split into fragments; use fragments=1"
         )
-    algo_config.check_fits(n_blocks=max(n_blocks, 1), max_steps=max_steps)
+    algo_config.check_fits(n_blocks=max(n_blocks, 1))
     outer = OuterOptConfig(name=outer_opt) if isinstance(outer_opt, str) else outer_opt or OuterOptConfig()
     outer.validate()
     timeouts = timeouts or TimeoutsConfig()

@@ -111,14 +111,17 @@ class OuterSync(Synchronizer):
         algo: AlgoConfig,
         fragments: list[Fragment],
         plan: RoundPlan,
+        max_steps: int,
         **common: Any,
     ) -> None:
         """``plan``: the rounds' τ and payload codec (``round_plan``; algo.auto's keeps its plan tensor in
-        ``heal_state.extra``). ``algo`` stays the job's config."""
+        ``heal_state.extra``). ``algo`` stays the job's config; ``max_steps``, the job's last step, where
+        its last round falls (``diloco.schedule.LastWindow`` when it ends no window)."""
         super().__init__(**common)
         self.algo = algo
         self.fragments = fragments
         self.warmup = algo.sync_warmup_window()  # from the configured τ: algo.auto keeps τ below H₀/P
+        self.max_steps = max_steps
         self.plan = plan
         for f in fragments:
             f.error = plan.codec.error_buffer(sum(g.numel() for g in f.global_))
@@ -161,7 +164,13 @@ class OuterSync(Synchronizer):
         by the tokens it trained, and its lr schedule and data position follow the round's step)."""
         algo = self.algo
         target = skip_target(
-            step, self.manager.open_round_step(), algo.sync_every, algo.fragments, self.plan.delay, self.warmup
+            step,
+            self.manager.open_round_step(),
+            algo.sync_every,
+            algo.fragments,
+            self.plan.delay,
+            self.warmup,
+            self.max_steps,
         )
         if target != step:
             log.debug(
@@ -214,7 +223,7 @@ class OuterSync(Synchronizer):
         return self.plan.record_fields()
 
     def _schedule(self, rule: Callable[..., list[int]], step: int) -> list[int]:
-        return rule(step, self.algo.sync_every, self.algo.fragments, self.plan.delay, self.warmup)
+        return rule(step, self.algo.sync_every, self.algo.fragments, self.plan.delay, self.warmup, self.max_steps)
 
     def _launch(self, step: int, due: list[int]) -> None:
         """Snapshot Δ_p = θ_g,p − θ_l,p of the due fragments and start their round in the background."""

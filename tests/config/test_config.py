@@ -169,7 +169,6 @@ def test_an_unknown_key_is_refused_at_composition():
         (["data=text"], r"data\.path=None: required"),
         (["trainer.seq_len=4096"], r"trainer\.seq_len=4096: exceeds model\.max_seq_len"),
         (["model.n_kv_heads=3"], r"model\.n_kv_heads"),
-        (["trainer.max_steps=70"], r"trainer\.max_steps=70: is not a multiple of algo\.sync_every=50"),
         (["+model.vocab_size=200"], r"model\.vocab_size=200: is smaller than the tokenizer.s .* data\.vocab_size=256"),
         (["group.id=3"], r"group\.id=3: must be in \[0, cluster\.groups=2\)"),
         (

@@ -1,7 +1,7 @@
 """Writes tests/outer/golden_schedules.json: each round of a few whole jobs as ``OuterSync`` runs them.
 
 Per round: the inner step s it launches after, the step s + τ it applies after, the fragment p it
-syncs, the window length H in force (H₀ in a sync warm-up), the mixing α(s, M = 2) and the outer
+syncs, the window length H in force (H₀ in a sync warm-up, T − E in a job's shorter last window), the mixing α(s, M = 2) and the outer
 momentum μ warmed up to s: the warm-ups as ``scheduled`` cuts them to ``trainer.warmup_share``.
 Run ``python -m tests.outer.regenerate_schedules`` after changing a schedule on purpose;
 ``test_golden_schedules.py`` fails until the file says so.
@@ -20,6 +20,7 @@ from diloco.config.warmups import scheduled
 from diloco.library.build import build_fragments
 from diloco.outer.diloco_sync import Flight, OuterSync
 from diloco.outer.round_plan import FixedPlan
+from diloco.schedule import last_window
 from diloco.train.sync_hooks import OuterOutcome
 from tests.conftest import compose_job
 
@@ -34,6 +35,10 @@ CASES = {
         *("algo.sync_every=100", "trainer.max_steps=1000"),
     ],
     "sparseloco H=20, 500 steps": ["+experiment=sparseloco"],
+    "streaming P=4 tau=3 H=100, 1234 steps (a last window of 34)": [
+        *("model=mini", "algo=streaming", "algo.fragments=4", "algo.delay=3"),
+        *("algo.sync_every=100", "trainer.max_steps=1234"),
+    ],
 }
 
 
@@ -51,6 +56,7 @@ class RoundRecorder(OuterSync):
             algo=algo,
             fragments=fragments,
             plan=FixedPlan(algo),
+            max_steps=job.trainer.max_steps,
             manager=None,
             heal_state=None,
             collective_timeout_s=0.0,
@@ -64,6 +70,11 @@ class RoundRecorder(OuterSync):
 
     def _land(self, flight: Flight, step: int, outcome: OuterOutcome) -> None:
         H = self.algo.sync_every
+        last = last_window(self.max_steps, H, self.warmup)
+        if last is not None and step > last.start:
+            H = last.end - last.start
+        elif self.warmup is not None:
+            H = self.warmup.window(step, H)
         for fragment in flight.fragments:
             alpha, mu = self._warmed_up(fragment, flight.launch_step, GROUPS)
             self.rounds.append(
@@ -71,7 +82,7 @@ class RoundRecorder(OuterSync):
                     "launch": flight.launch_step,
                     "apply": step,
                     "fragment": fragment.index,
-                    "H": H if self.warmup is None else self.warmup.window(step, H),
+                    "H": H,
                     "alpha": round(alpha, 12),
                     "mu": None if mu is None else round(mu, 12),
                 }

@@ -10,7 +10,15 @@ from diloco.config.algo import AlgoConfig, validate_schedule
 from diloco.config.base import ConfigError
 from diloco.config.model import ModelConfig
 from diloco.outer.fragments import block_of, count_blocks, fragment_parameter_names, partition_blocks
-from diloco.schedule import SyncWarmup, fragment_offset, fragments_to_apply, fragments_to_launch, next_launch_step
+from diloco.schedule import (
+    LastWindow,
+    SyncWarmup,
+    fragment_offset,
+    fragments_to_apply,
+    fragments_to_launch,
+    last_window,
+    next_launch_step,
+)
 from diloco.train.model import Transformer
 
 # --- partitions ------------------------------------------------------------------------------
@@ -171,6 +179,36 @@ def test_a_sync_warmup_runs_windows_of_h0_up_to_w_then_of_h(H, P, tau, every, st
     for step in range(4 * H):
         expected = next(s for s in range(step + 1, 5 * H) if fragments_to_launch(s, H, P, tau, warmup))
         assert next_launch_step(step, H, P, tau, warmup) == expected
+
+
+@pytest.mark.parametrize(
+    ("H", "P", "tau", "warmup", "end", "start"),
+    [
+        (50, 1, 0, None, 60, 50),
+        (50, 1, 4, None, 1234, 1200),
+        (50, 1, 4, None, 1201, 1200),  # a one-step window: launched at T, whatever τ
+        (12, 3, 2, None, 31, 24),  # T between two fragments' applies (28 falls inside the window)
+        (12, 3, 1, SyncWarmup(every=6, steps=24), 17, 12),  # inside the warm-up: its windows of H₀ = 6
+        (50, 1, 0, None, 30, 0),  # shorter than one window: the job's only round is at T
+    ],
+)
+def test_a_job_ending_inside_a_window_syncs_every_fragment_once_at_its_end(H, P, tau, warmup, end, start):
+    """Up to E the rounds are those of a job ending at E; in (E, T] one round of every fragment,
+    applied at T and launched τ_T = min(τ, T − E − 1) steps before, after the apply at E."""
+    last = last_window(end, H, warmup)
+    assert last == LastWindow(start, end)
+    for step in range(1, end + 1):
+        applied, launched = (rule(step, H, P, tau, warmup, end) for rule in (fragments_to_apply, fragments_to_launch))
+        if step <= start:
+            assert applied == fragments_to_apply(step, H, P, tau, warmup)
+            assert launched == fragments_to_launch(step, H, P, tau, warmup)
+        else:
+            assert applied == (list(range(P)) if step == end else [])
+            assert launched == (list(range(P)) if step == end - min(tau, end - start - 1) else [])
+        expected = next((s for s in range(step + 1, end + 1) if fragments_to_launch(s, H, P, tau, warmup, end)), None)
+        assert next_launch_step(step, H, P, tau, warmup, end) == (expected or end + 1)
+    assert fragments_to_apply(start or H, H, P, tau, warmup, 2 * H) == fragments_to_apply(start or H, H, P, tau, warmup)
+    assert last_window(2 * H, H, warmup) is None and last_window(0, H) is None
 
 
 def test_without_a_warmup_the_schedule_is_unchanged():
