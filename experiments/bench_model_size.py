@@ -53,7 +53,7 @@ from outer_opt import OuterOptConfig, build_outer_optimizer
 H = 5
 # Inner steps per size: enough that group 0 is still training when the killed group 1 is back (a
 # restart takes 8-13 s on two cores), and at least 8 rounds.
-STEPS = {"tiny": 4000, "mini": 2000, "midi": 500}
+STEPS = {"tiny": 2000, "mini": 2000, "midi": 500}
 MIN_STEPS = 8 * H
 HEAL_BYTES_PER_PARAM = 16  # θ_g, the outer momentum and AdamW's two moments, fp32 (``_bytes_by_kind``)
 PLAIN_BYTES_PER_PARAM = 16  # a plain loop's parameters, gradients and AdamW's two moments, fp32

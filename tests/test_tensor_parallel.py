@@ -1,7 +1,8 @@
 """Tensor parallelism inside a group against the plain run: real worker processes, Gloo, DTensor, FSDP2.
 
-Tolerance: 1e-6 absolute on every weight after 20 inner steps and two outer rounds (measured
-1.5e-7): tp workers sum partial products in another order than one worker does.
+Tolerance: 5e-6 absolute on every weight after 20 inner steps and two outer rounds (measured
+1.5e-7 on one machine, 1.22e-6 on another, whose CPU's matmul kernels sum in another order): tp
+workers sum partial products in another order than one worker does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tests.layouts import assert_close, assert_same_norms, trained
 
 pytestmark = pytest.mark.slow
 
-TOLERANCE = 1e-6
+TOLERANCE = 5e-6
 MUON_TOLERANCE = 1e-5  # see test_muon_under_fsdp2_and_under_tp2_equals_one_worker
 DP2_TP2_SP = ("cluster.workers_per_group=4", "parallel.tp=2", "parallel.sequence_parallel=true")
 

@@ -102,7 +102,8 @@ class TimeoutsConfig:
     than once must reach each other again before they meet in a round (doubling per cut; a pair cut once
     meets again at once); ``probe``: how long a group leader's connect to a peer may take before the peer
     counts as unreachable from it (``diloco.ft.reach``); ``launch``: how long a local job keeps replacing
-    a fork server killed or stopped before it started a process (the job's start included), with backoff.
+    a fork server killed or stopped before it started a process, or a lighthouse before it served (the
+    job's start included), with backoff.
     """
 
     connect: float = 60.0

@@ -43,6 +43,7 @@ from diloco.launch.spawn import (
 )
 from diloco.lifeline import Lifeline
 from diloco.run_paths import RunPaths
+from diloco.stopped_watch import JOB_CONTROL_STOP, process_state
 from diloco.train.block_wrappers import will_run_on_cpu
 from diloco.train.flops import Peak, launcher_cpu_peak
 from diloco.worker.env import WorkerEnv
@@ -53,8 +54,8 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.5
 TERMINATE_GRACE_S = 10.0
 LOG_TAIL_LINES = 20
-FORK_BACKOFF_S = 0.5  # before a fork server killed or stopped is replaced, doubling each time
-MAX_FORK_BACKOFF_S = 8.0
+START_BACKOFF_S = 0.5  # before a fork server or lighthouse killed or stopped as the job starts is replaced, doubling
+MAX_START_BACKOFF_S = 8.0
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the lighthouse is never behind a proxy
 
 
@@ -290,7 +291,24 @@ class LocalCluster:
         (a lighthouse left from another job, say) is never taken for this job's. With
         ``cluster.spawn=fork`` it is forked from the fork server (a restart costs a fork, not
         seconds of imports while no group has a quorum); the first call starts that server.
+        One killed or stopped (SIGSTOP) before it served is a fault like any other, at the job's
+        start too: it is replaced after a backoff, for up to ``cluster.timeouts.launch``.
         """
+        limit_s = self.job.cluster.timeouts.launch
+        deadline, backoff_s, failures = time.monotonic() + limit_s, START_BACKOFF_S, 0
+        while (fault := self._start_lighthouse_once()) is not None:
+            failures += 1
+            if time.monotonic() + backoff_s > deadline:
+                raise JobFailed(
+                    f"the lighthouse was {fault} before it served ({failures} times within "
+                    f"cluster.timeouts.launch={limit_s:g}s)"
+                )
+            time.sleep(backoff_s)
+            backoff_s = min(2 * backoff_s, MAX_START_BACKOFF_S)
+
+    def _start_lighthouse_once(self) -> str | None:
+        """Start one lighthouse; None once it serves, or the fault that ended it first (it is
+        gone then). A cause a fresh one would meet again fails the job."""
         log_path = self.paths.logs / "lighthouse.log"
         if self.job.cluster.spawn == "exec":
             self.lighthouse = exec_lighthouse(self.paths.root, self.signature, log_path, self._lifeline())
@@ -301,11 +319,14 @@ class LocalCluster:
         while time.monotonic() < deadline:
             if self.lighthouse.poll() is not None:
                 if self.lighthouse.returncode < 0:
-                    return  # killed by a signal, not unable to start: the supervisor sees it dead and restarts it
+                    return f"killed ({signal.Signals(-self.lighthouse.returncode).name})"
                 last = log_tail(log_path, 1)
                 raise JobFailed(f"the lighthouse could not start at {self.lighthouse_url}: {last}")
             if serving_pid(self.lighthouse_url) == self.lighthouse.pid:
-                return
+                return None
+            if process_state(self.lighthouse.pid) == JOB_CONTROL_STOP:
+                self.kill_lighthouse()
+                return "stopped (SIGSTOP)"
             time.sleep(0.1)
         raise JobFailed(
             f"the lighthouse did not serve at {self.lighthouse_url} within "
@@ -425,7 +446,7 @@ class LocalCluster:
         """
         log_path = self.paths.logs / "forkserver.log"
         limit_s = self.job.cluster.timeouts.launch
-        deadline, backoff_s, failures = time.monotonic() + limit_s, FORK_BACKOFF_S, 0
+        deadline, backoff_s, failures = time.monotonic() + limit_s, START_BACKOFF_S, 0
         while True:
             try:
                 if self.fork_server is None or not self.fork_server.alive():
@@ -450,7 +471,7 @@ class LocalCluster:
                     self.fork_server.kill_hung()
                 self.fork_server = None
                 time.sleep(backoff_s)
-                backoff_s = min(2 * backoff_s, MAX_FORK_BACKOFF_S)
+                backoff_s = min(2 * backoff_s, MAX_START_BACKOFF_S)
 
     def signal_group(self, group: int, signum: int) -> None:
         """Send ``signum`` to every worker of ``group`` (SIGKILL, SIGSTOP, SIGCONT, SIGUSR1...).

@@ -382,6 +382,56 @@ def test_fork_servers_killed_as_the_job_starts_are_replaced_until_the_launch_dea
         cluster.stop()
 
 
+class LighthouseFaults:
+    """Sends each lighthouse the cluster starts one of ``signals`` in turn, the moment it appears
+    (exec'd, it is still importing: before it served)."""
+
+    def __init__(self, cluster: LocalCluster, signals: list[int]) -> None:
+        self.cluster, self.signals, self.hit = cluster, signals, []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while len(self.hit) < len(self.signals):
+            lighthouse = self.cluster.lighthouse
+            if lighthouse is not None and lighthouse.pid not in self.hit and lighthouse.poll() is None:
+                os.kill(lighthouse.pid, self.signals[len(self.hit)])
+                self.hit.append(lighthouse.pid)
+            time.sleep(0.005)
+
+
+@linux_only
+@pytest.mark.slow
+def test_a_lighthouse_killed_or_stopped_before_it_served_is_replaced_until_the_launch_deadline(tmp_path):
+    """A lighthouse SIGKILLed or SIGSTOPped as the job starts is replaced after a backoff (before, a
+    stopped one failed the job after cluster.timeouts.connect); past the deadline the start fails
+    saying what happened and how often."""
+    job = compose_job(FT + ["cluster.spawn=exec", "cluster.timeouts.connect=20"])
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    cluster = LocalCluster(job, paths, preflight(job, paths)[1])
+    try:
+        faults = LighthouseFaults(cluster, [signal.SIGSTOP, signal.SIGKILL, signal.SIGSTOP])
+        cluster.start_lighthouse()
+        assert len(faults.hit) == 3 and serving_pid(cluster.lighthouse_url) == cluster.lighthouse.pid
+        assert cluster.lighthouse.pid not in faults.hit
+    finally:
+        cluster.stop()
+    short = compose_job(FT + ["cluster.spawn=exec", "cluster.timeouts.launch=1"])
+    paths = RunPaths(tmp_path / "short")
+    paths.root.mkdir()
+    cluster = LocalCluster(short, paths, preflight(short, paths)[1])
+    try:
+        LighthouseFaults(cluster, [signal.SIGSTOP] * 100)
+        match = (
+            r"the lighthouse was stopped \(SIGSTOP\) before it served \(\d times within cluster\.timeouts\.launch=1s\)"
+        )
+        with pytest.raises(JobFailed, match=match):
+            cluster.start_lighthouse()
+    finally:
+        cluster.stop()
+    assert not job_processes(tmp_path)
+
+
 def job_processes(run_dir: Path) -> list[int]:
     """Live processes whose command line names ``run_dir``: the lighthouse, the fork server, its
     forked workers (they keep the server's command line) and exec'd workers. Zombies have none."""
