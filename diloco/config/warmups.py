@@ -53,8 +53,8 @@ def planned_windows(job: JobConfig) -> int:
 
 
 def last_window_line(job: JobConfig) -> str | None:
-    """``the last window is 34 steps, ending at trainer.max_steps=1234``, when the job's last step
-    ends no window (``diloco.schedule.LastWindow``); None when it does."""
+    """``the last window is 34 steps (from step 1200), ending at trainer.max_steps=1234, ...``, when
+    the job's last step ends no window (``diloco.schedule.LastWindow``); None when it does."""
     if job.algo.name not in SYNCING:
         return None
     last = last_window(job.trainer.max_steps, job.algo.sync_every, scheduled(job)[0].sync_warmup_window())
