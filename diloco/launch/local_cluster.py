@@ -87,6 +87,27 @@ EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 PORT_TRIES = 64
 
 
+class StartBackoff:
+    """The waits before a process killed or stopped as it started is replaced: from
+    ``START_BACKOFF_S``, doubling to ``MAX_START_BACKOFF_S``, for up to ``cluster.timeouts.launch``."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s, self.deadline = limit_s, time.monotonic() + limit_s
+        self.wait_s, self.failures = START_BACKOFF_S, 0
+
+    def give_up(self) -> bool:
+        """Count a failure; whether the next try, after the wait, would be past the deadline."""
+        self.failures += 1
+        return time.monotonic() + self.wait_s > self.deadline
+
+    def sleep(self) -> None:
+        time.sleep(self.wait_s)
+        self.wait_s = min(2 * self.wait_s, MAX_START_BACKOFF_S)
+
+    def failures_said(self) -> str:
+        return f"{self.failures} times within cluster.timeouts.launch={self.limit_s:g}s"
+
+
 def free_port(host: str, ephemeral: Path = EPHEMERAL_PORTS) -> int:
     """A port free now, below the kernel's ephemeral range where one is: the lighthouse (or a
     group's store) binds it a second or more later, and meanwhile any outgoing connection may
@@ -294,17 +315,11 @@ class LocalCluster:
         One killed or stopped (SIGSTOP) before it served is a fault like any other, at the job's
         start too: it is replaced after a backoff, for up to ``cluster.timeouts.launch``.
         """
-        limit_s = self.job.cluster.timeouts.launch
-        deadline, backoff_s, failures = time.monotonic() + limit_s, START_BACKOFF_S, 0
+        backoff = StartBackoff(self.job.cluster.timeouts.launch)
         while (fault := self._start_lighthouse_once()) is not None:
-            failures += 1
-            if time.monotonic() + backoff_s > deadline:
-                raise JobFailed(
-                    f"the lighthouse was {fault} before it served ({failures} times within "
-                    f"cluster.timeouts.launch={limit_s:g}s)"
-                )
-            time.sleep(backoff_s)
-            backoff_s = min(2 * backoff_s, MAX_START_BACKOFF_S)
+            if backoff.give_up():
+                raise JobFailed(f"the lighthouse was {fault} before it served ({backoff.failures_said()})")
+            backoff.sleep()
 
     def _start_lighthouse_once(self) -> str | None:
         """Start one lighthouse; None once it serves, or the fault that ended it first (it is
@@ -445,15 +460,13 @@ class LocalCluster:
         once, saying which: a platform refusal, or a server that exited with an error of its own.
         """
         log_path = self.paths.logs / "forkserver.log"
-        limit_s = self.job.cluster.timeouts.launch
-        deadline, backoff_s, failures = time.monotonic() + limit_s, START_BACKOFF_S, 0
+        backoff = StartBackoff(self.job.cluster.timeouts.launch)
         while True:
             try:
                 if self.fork_server is None or not self.fork_server.alive():
                     self.fork_server = ForkServer.start(self.paths.root, self._lifeline(), log_path)
                 return request(self.fork_server)
             except ForkServerError as error:
-                failures += 1
                 code = self.fork_server.process.poll() if self.fork_server is not None else None
                 if not isinstance(error, (ForkServerGone, ForkServerSilent)):
                     raise JobFailed(f"{error}; {crash_report(log_path)}") from error
@@ -462,16 +475,12 @@ class LocalCluster:
                         f"{error}: it exited with code {code}, a cause a fresh one would meet again; "
                         f"{crash_report(log_path)}"
                     ) from error
-                if time.monotonic() + backoff_s > deadline:
-                    raise JobFailed(
-                        f"{error} ({failures} times within cluster.timeouts.launch={limit_s:g}s); "
-                        f"{crash_report(log_path)}"
-                    ) from error
+                if backoff.give_up():
+                    raise JobFailed(f"{error} ({backoff.failures_said()}); {crash_report(log_path)}") from error
                 if isinstance(error, ForkServerSilent):
                     self.fork_server.kill_hung()
                 self.fork_server = None
-                time.sleep(backoff_s)
-                backoff_s = min(2 * backoff_s, MAX_START_BACKOFF_S)
+                backoff.sleep()
 
     def signal_group(self, group: int, signum: int) -> None:
         """Send ``signum`` to every worker of ``group`` (SIGKILL, SIGSTOP, SIGCONT, SIGUSR1...).
