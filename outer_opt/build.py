@@ -15,7 +15,8 @@ def build_outer_optimizer(
 
     ``params`` are the global parameters θ_g: leaf fp32 tensors, plain or ``nn.Parameter``
     (``requires_grad`` is not needed), that the optimizer updates in place. Before each
-    ``step()`` the caller sets every ``p.grad`` to Δ̄ for that parameter. Their order fixes
+    ``step()`` the caller sets every ``p.grad`` to Δ̄ for that parameter, which the step may
+    overwrite (the built-in SGDs use it as their scratch: ``optimizers.InPlaceSGD``). The params' order fixes
     the state names ``p{index}.…`` (see ``optimizer_state_tensors``), so every group must pass
     the same parameters in the same order.
     """

@@ -25,8 +25,38 @@ def _momentum_state(p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
     return {"momentum_buffer": _zeros(p)} if group["momentum"] != 0 else {}
 
 
+class InPlaceSGD(torch.optim.SGD):
+    """torch.optim.SGD's arithmetic, bit for bit, with ``p.grad`` as its scratch.
+
+    torch's single-tensor step (its CPU path) makes the Nesterov direction g + μ·b, and with weight
+    decay g + λ·θ, as new tensors of each parameter's size: at the model's size that is a second
+    copy of Δ̄ per round, in fresh pages. Here the same operations in the same order write into
+    ``p.grad`` (Δ̄, which the caller hands over to be overwritten), so a step allocates nothing.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        assert closure is None, "the outer step takes no closure"
+        for group in self.param_groups:
+            lr, mu, dampening = group["lr"], group["momentum"], group["dampening"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad.neg_() if group["maximize"] else p.grad
+                if group["weight_decay"] != 0:
+                    grad.add_(p, alpha=group["weight_decay"])
+                if mu != 0:
+                    buf = self.state[p].get("momentum_buffer")
+                    if buf is None:
+                        buf = self.state[p]["momentum_buffer"] = grad.detach().clone()
+                    else:
+                        buf.mul_(mu).add_(grad, alpha=1 - dampening)
+                    grad = grad.add_(buf, alpha=mu) if group["nesterov"] else buf
+                p.add_(grad, alpha=-lr)
+
+
 def _sgd(params: Params, lr: float, momentum: float, nesterov: bool, weight_decay: float) -> torch.optim.Optimizer:
-    opt = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    opt = InPlaceSGD(params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
     return initialize_state(opt, _momentum_state)
 
 

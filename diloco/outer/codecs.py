@@ -112,7 +112,7 @@ class Dense:
         return None
 
     def encode(self, delta: torch.Tensor, weight: float, error: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        return delta.mul_(weight), None
+        return (delta if weight == 1.0 else delta.mul_(weight)), None  # 1·Δ is Δ, bit for bit: no pass over it
 
     def send(
         self,

@@ -57,8 +57,11 @@ def pseudo_gradient(
     offset = 0
     for g, local in zip(theta_g, theta_l, strict=True):
         view = out[offset : offset + g.numel()]
-        view.copy_(local.reshape(-1))  # cast to fp32 and brought over, in place
-        torch.sub(g.reshape(-1), view, out=view)
+        if local.dtype == view.dtype and local.device == view.device:
+            torch.sub(g.reshape(-1), local.reshape(-1), out=view)  # one pass: nothing to cast or bring over
+        else:
+            view.copy_(local.reshape(-1))  # cast to fp32 and brought over, in place
+            torch.sub(g.reshape(-1), view, out=view)
         offset += g.numel()
     return out[:offset]
 

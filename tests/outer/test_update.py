@@ -55,9 +55,10 @@ def test_pseudo_gradient_is_global_minus_local_flattened_in_fp32():
     assert torch.equal(delta, flat(theta_g) - flat(theta_l).float())
 
 
-def test_pseudo_gradient_into_a_staging_buffer_has_the_same_bits_and_leaves_the_room_behind_it():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # cast first, or one pass
+def test_pseudo_gradient_into_a_staging_buffer_has_the_same_bits_and_leaves_the_room_behind_it(dtype):
     theta_g = global_copy(normals(0), pin_memory=False)
-    theta_l = [t.to(torch.bfloat16) for t in normals(1)]
+    theta_l = [t.to(dtype) for t in normals(1)]
     numel = sum(t.numel() for t in theta_g)
     staging = torch.full((numel + 4,), 7.0)
     delta = pseudo_gradient(theta_g, theta_l, staging)

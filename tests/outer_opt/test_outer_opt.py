@@ -20,6 +20,7 @@ from outer_opt import (
     register,
 )
 from outer_opt import registry as registry_module
+from outer_opt.optimizers import InPlaceSGD
 from tests.conftest import CONF_DIR
 
 CONF = CONF_DIR / "outer_opt"
@@ -156,6 +157,40 @@ def test_nesterov_matches_closed_form():
     # The three steps written out for the first coordinate:
     # b = 0.1, 0.04, 0.336; θ = 1 − 0.7·(0.19 − 0.014 + 0.6024) = 0.45512
     assert abs(p[0].item() - 0.45512) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"momentum": 0.9, "nesterov": True},
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1},
+        {"momentum": 0.8, "dampening": 0.3},
+        {"momentum": 0.5, "maximize": True, "weight_decay": 0.01},
+        {"momentum": 0.0},
+    ],
+    ids=["nesterov", "nesterov-wd", "heavy-ball-dampened", "maximize", "plain"],
+)
+def test_the_in_place_sgd_steps_torchs_sgd_bit_for_bit_and_allocates_no_direction(settings):
+    """Five steps from torch's own lazy start (no momentum buffer) and grads of every sign: the same
+    bits in θ and b; each step's direction is written into ``p.grad`` itself."""
+    ours, theirs = make_params(3), make_params(3)
+    in_place = InPlaceSGD(ours, lr=0.7, **settings)
+    reference = torch.optim.SGD(theirs, lr=0.7, foreach=False, **settings)
+    for seed in range(5):
+        grads = make_grads(seed)
+        step(reference, theirs, grads)
+        for p, g in zip(ours, grads):
+            p.grad = g.clone()
+        scratch = [p.grad.data_ptr() for p in ours]
+        in_place.step()
+        assert [p.grad.data_ptr() for p in ours] == scratch
+        for a, b, g in zip(ours, theirs, grads):
+            assert torch.equal(a, b)
+            if settings["momentum"]:
+                buf = in_place.state[a]["momentum_buffer"]
+                assert torch.equal(buf, reference.state[b]["momentum_buffer"])
+            if settings.get("nesterov"):  # the direction g + λ·θ + μ·b, where torch keeps it in a temporary
+                assert not torch.equal(a.grad, g)
 
 
 def test_sgd_is_heavy_ball_and_honours_nesterov():
