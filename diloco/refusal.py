@@ -5,7 +5,7 @@ and exits 1 itself once ``--max-restarts`` are spent: a wrong lighthouse address
 corpus or a configuration the lighthouse refuses would be met again on every try (80 s each,
 a model built every time). So a refused group's leader writes its one line to
 ``RUN_DIR/refused/group<k>.txt``, which an orchestrator reads before it starts the group
-again (``experiments/multihost.sbatch`` does), and under torchrun stops its own agent
+again (``experiments/fault_tolerance/multihost.sbatch`` does), and under torchrun stops its own agent
 (SIGTERM: the agent stops the group's other workers and exits without a restart). Every
 worker exits ``REFUSED_EXIT_CODE``. docs/fault-tolerance.md ("Exit codes") says what to
 restart.

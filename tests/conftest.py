@@ -39,14 +39,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def run_experiment(script: str, args: list[str], timeout_s: float) -> tuple[str, str]:
-    """Run ``experiments/<script>`` with ``args``; its (stdout, stderr), the test failing if it
+    """Run ``python -m <script>`` (e.g. ``experiments.gpu.gpu_check``) with ``args``; its (stdout, stderr), the test failing if it
     fails or outlasts ``timeout_s``.
 
     Popen, not run: on a timeout the script is SIGKILLed (SIGTERM would be a planned stop, which
     waits for the groups' rounds), and the job's processes die with it (they watch its lifeline).
     """
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "experiments" / script), *args],
+        [sys.executable, "-m", script, *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

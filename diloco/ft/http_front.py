@@ -10,7 +10,7 @@ keeps a ``Reply`` for it and calls it, from whichever thread decides its fate, w
 Replies are queued, and this thread writes them: no thread waits per open request. A thread
 per long poll cost every round at 1,000 groups 2,000 thread starts and their wake-ups fighting
 for the GIL, and the last ask's grant came 1.4 s late
-(experiments/lighthouse_scale.py). Only the status page and /status, slow to render, get a
+(experiments/scale/lighthouse_scale.py). Only the status page and /status, slow to render, get a
 thread, which queues its answer the same way; /alive (the pid, for the launcher's watch) is
 answered on the spot. An answer that does not fit the socket at once
 is finished when the socket can take more.

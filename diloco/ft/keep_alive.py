@@ -4,7 +4,7 @@ A group's client sends from several threads at once (heartbeats, the quorum long
 round and lane watches), and a connection carries one request at a time: each request takes
 an idle connection, or opens one, and gives it back once its answer is read. At 1,000 groups a
 TCP connection per request cost the lighthouse's loop a set-up and teardown per heartbeat, ask,
-lane watch and commit (experiments/lighthouse_scale.py).
+lane watch and commit (experiments/scale/lighthouse_scale.py).
 
 Every request still has its own timeout, the socket's, for the connection, the sending and
 each read, as a fresh connection's had: a dead or hung lighthouse fails a request after it,

@@ -132,7 +132,7 @@ class Lighthouse:
         self._stopping = threading.Event()
         # An ask wakes the decide loop instead of running the rules itself: each decision is a pass over
         # every group, and 1,000 asks a round, each deciding under the lock, queued the last ask 1.5 s
-        # (experiments/lighthouse_scale.py); the loop decides once for all the asks that came meanwhile.
+        # (experiments/scale/lighthouse_scale.py); the loop decides once for all the asks that came meanwhile.
         self._decide_now = threading.Event()
         # The round's last ask skips the pause between passes: it waited up to DECIDE_EVERY_S for a round
         # that could form at once, 7-36 ms of a 1,000-group round's latency.

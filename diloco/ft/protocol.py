@@ -325,7 +325,7 @@ class QuorumAsk(SignOfLife):
     even if a request reaches it before any heartbeat, and the group's flat training
     configuration, which must match the job's: in full until the group was granted a quorum, then
     its ``config_digest`` alone (2 KB less to read and parse, 1,000 times a round at 1,000 groups;
-    experiments/lighthouse_scale.py). ``known_quorum`` is the quorum whose participants the group holds: an id always
+    experiments/scale/lighthouse_scale.py). ``known_quorum`` is the quorum whose participants the group holds: an id always
     names the same members (``quorum.next_quorum_id``; a restarted lighthouse issues ids above
     every asker's), so a grant of that id leaves them out, 12 KB less to write to each of 1,000
     groups between a round's last ask and its last grant.
@@ -481,7 +481,7 @@ def json_depth(body: bytes) -> int:
 def _schema(cls: type) -> tuple[dict[str, tuple[Callable[[Any], bool], str]], tuple[str, ...]]:
     """A message class's check and description by field, and its required fields, resolved once:
     resolving type hints and fields per request was most of a heartbeat's cost at the lighthouse
-    (experiments/lighthouse_scale.py)."""
+    (experiments/scale/lighthouse_scale.py)."""
     hints = get_type_hints(cls)
     fields = dataclasses.fields(cls)
     checks = {f.name: _TYPES[get_origin(hints[f.name]) or hints[f.name]] for f in fields}

@@ -471,7 +471,7 @@ class QuorumBook:
         Neither a newcomer asking between rounds nor a member's new process asking at once to
         heal (behind) may start it: their early requests would let the next round form the
         moment a majority asks, leaving out members about to ask (a round of 627 of 1,000
-        groups after a death, in experiments/lighthouse_scale.py).
+        groups after a death, in experiments/scale/lighthouse_scale.py).
         """
         members = set(self.previous.participants) if self.previous else set(self.pending)
         asks = [(self.pending[g].position, t) for g, t in self.asked_at.items() if g in members]

@@ -26,7 +26,7 @@ from diloco.ft.quorum import JobEnd, Quorum, QuorumBook
 REFRESH_S = 2
 TIMELINE_EVENTS = 500
 CURVE_POINTS = 400  # per group; a full curve is thinned to every other point, so the whole run fits
-# What /status and the page show at many groups (experiments/lighthouse_scale.py): at 1,000
+# What /status and the page show at many groups (experiments/scale/lighthouse_scale.py): at 1,000
 # groups every point of every curve made /status 12 MB (1.6 s to encode, asked twice a second by the
 # launcher's watch) and the page 9 MB; beyond these, curves are thinned, names cut short and the
 # timeline marks each quorum once rather than once per member.

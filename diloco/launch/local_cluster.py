@@ -269,7 +269,7 @@ class LocalCluster:
     """The processes of one job on this machine: a lighthouse and every group's workers.
 
     ``worker_prefix``: per group, a command its workers run under (``ip netns exec NS``: the
-    group in its own network namespace, experiments/netns_link.py). Only exec'd workers can
+    group in its own network namespace, experiments/communication/netns_link.py). Only exec'd workers can
     (a fork server's children share its namespace), and no spare (it serves any group).
     """
 

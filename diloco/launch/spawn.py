@@ -60,7 +60,7 @@ class WorkerSpec:
     started_at: float  # when the launcher asked for it (fault requests before it were meant for an earlier worker)
     spare: int | None = None
     # A command the exec'd worker runs under (``ip netns exec NS ...``: a group in its own
-    # network namespace behind a shaped link, experiments/netns_link.py); it must exec, keeping the pid.
+    # network namespace behind a shaped link, experiments/communication/netns_link.py); it must exec, keeping the pid.
     prefix: tuple[str, ...] = ()
 
     def place_args(self) -> list[str]:

@@ -2,7 +2,7 @@
 utilization it leaves, and the bandwidth a plan needs to reach a utilization.
 
 Pure functions of plain numbers, so they can be checked on recorded measurements and fed
-with published ones (``experiments/simulate_scale.py``). Seconds, bytes and bits per second.
+with published ones (``experiments/parallelism/simulate_scale.py``). Seconds, bytes and bits per second.
 The same for a failure: how long a dead group's replacement takes to commit again, and the
 compute the job loses meanwhile (``death_to_commit_seconds``, ``lost_group_seconds``); and for
 groups of different speed, what time-bounded windows gain (``time_window_speedup``).

@@ -1,12 +1,12 @@
-"""The experiments compose their jobs through ``common.compose_raw``; here it takes the tests' quick
+"""The experiments compose their jobs through ``experiments.common.compose_raw``; here it takes the tests' quick
 path to the same dict (``tests.conftest.compose_raw_quickly``), so checking that dozens of rows
 compose costs milliseconds each rather than a hydra composition each."""
 
 from __future__ import annotations
 
-import common
 import pytest
 
+from experiments import common
 from tests.conftest import compose_raw_quickly
 
 

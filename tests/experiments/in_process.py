@@ -1,6 +1,6 @@
 """Run an experiment script's main() in the test's own process: the smoke tests' runner.
 
-A fresh ``python experiments/<script>`` pays its imports (torch, hydra: ~5 s on a loaded
+A fresh ``python -m experiments.<area>.<script>`` pays its imports (torch, hydra: ~5 s on a loaded
 two-core machine) on every smoke test; main() here finds them loaded. What the script does is
 the same: its argv, its jobs (launched as the library's own tests launch theirs), its exit
 status and its output, which the test reads as it would a subprocess's.
@@ -22,9 +22,9 @@ class ScriptTimeout(BaseException):
 
 
 def run_main(script: str, args: list[str], timeout_s: int, capsys: Any) -> tuple[str, str]:
-    """``experiments/<script>``'s main() with ``args`` as its command line; its (stdout, stderr),
-    the test failing if it exits with an error or outlasts ``timeout_s`` (SIGALRM)."""
-    module = importlib.import_module(script.removesuffix(".py"))
+    """The main() of ``script``, a module path (``experiments.scale.bench_model_size``), with ``args``
+    as its command line; its (stdout, stderr), the test failing if it exits with an error or outlasts ``timeout_s`` (SIGALRM)."""
+    module = importlib.import_module(script)
     kept = {s: signal.getsignal(s) for s in (signal.SIGALRM, signal.SIGTERM, signal.SIGINT)}
     argv = sys.argv
 

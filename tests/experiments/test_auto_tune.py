@@ -1,4 +1,4 @@
-"""experiments/auto_tune.py: its numbers and table on canned runs (fast), and one smoke run over
+"""experiments/communication/auto_tune.py: its numbers and table on canned runs (fast), and one smoke run over
 a limited link (slow)."""
 
 from __future__ import annotations
@@ -6,8 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from auto_tune import link_kinds, link_name, model_seconds_per_byte, numbers, table, verdict_line
 
+from experiments.communication.auto_tune import (
+    link_kinds,
+    link_name,
+    model_seconds_per_byte,
+    numbers,
+    table,
+    verdict_line,
+)
 from tests.experiments.in_process import run_main
 
 
@@ -43,12 +50,12 @@ def test_numbers_table_and_verdict_from_canned_runs(tmp_path):
 
 
 def test_link_kinds_skip_the_kernel_link_with_its_reason(monkeypatch, capsys):
-    monkeypatch.setattr("auto_tune.unavailable", lambda: "needs root")
+    monkeypatch.setattr("experiments.communication.auto_tune.unavailable", lambda: "needs root")
     assert link_kinds("both") == ("bucket",)
     assert "--link netns skipped: needs root" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="needs root"):
         link_kinds("netns")
-    monkeypatch.setattr("auto_tune.unavailable", lambda: None)
+    monkeypatch.setattr("experiments.communication.auto_tune.unavailable", lambda: None)
     assert link_kinds("both") == ("bucket", "netns") and link_kinds("bucket") == ("bucket",)
 
 
@@ -58,7 +65,7 @@ def test_auto_tune_quick(tmp_path, capsys):
     ends on a larger τ; both runs end ok with equal digests. 80 steps: 4 fragment rounds (H=40, P=2),
     the first on the preset's plan and three re-planned."""
     args = ["--quick", "--steps", "80", "--links", "0.5", "--results", str(tmp_path)]
-    run_main("auto_tune.py", args, 240, capsys)
+    run_main("experiments.communication.auto_tune", args, 240, capsys)
     runs = json.loads((tmp_path / "auto_tune.json").read_text())["bucket"]["0.5 Mbit/s"]
     assert all(n["ok"] and n["digests_agree"] for n in runs.values()), runs
     assert runs["fixed"]["plan"] is None

@@ -1,4 +1,4 @@
-"""experiments/bench_parallel.py: its layouts compose, its tables are right on canned numbers, and
+"""experiments/parallelism/bench_parallel.py: its layouts compose, its tables are right on canned numbers, and
 ``--quick`` runs two layouts end to end."""
 
 from __future__ import annotations
@@ -6,7 +6,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from bench_parallel import (
+
+from diloco.config.base import ConfigError
+from experiments.common import compose_job
+from experiments.parallelism.bench_parallel import (
     BUBBLE_PIPELINES,
     BUBBLE_SHAPE,
     LAYOUTS,
@@ -23,9 +26,6 @@ from bench_parallel import (
     memory_table,
     run_row,
 )
-from common import compose_job
-
-from diloco.config.base import ConfigError
 from tests.experiments.in_process import run_main
 
 TIMEOUT_S = 120
@@ -114,7 +114,9 @@ def test_last_error_finds_the_exception_line_of_a_log_tail():
 
 @pytest.mark.slow
 def test_bench_parallel_quick(tmp_path, capsys):
-    out, _ = run_main("bench_parallel.py", ["--quick", "--results", str(tmp_path)], TIMEOUT_S, capsys)
+    out, _ = run_main(
+        "experiments.parallelism.bench_parallel", ["--quick", "--results", str(tmp_path)], TIMEOUT_S, capsys
+    )
     for layout in ("FSDP 4", "FSDP 2 x TP 2"):
         row = rf"^\| {layout} \| AC none, eager \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d,]+ \| [\d.]+x \| [\d.]+x \|$"
         assert re.search(row, out, re.MULTILINE), out

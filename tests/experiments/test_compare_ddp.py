@@ -1,4 +1,4 @@
-"""experiments/compare_ddp.py: its presets compose, its table is right on canned run directories,
+"""experiments/outer_recipe/compare_ddp.py: its presets compose, its table is right on canned run directories,
 and ``--quick`` runs every algorithm it names end to end."""
 
 from __future__ import annotations
@@ -11,8 +11,13 @@ import re
 from pathlib import Path
 
 import pytest
-from common import NO_MATPLOTLIB, compose_job
-from compare_ddp import (
+
+from diloco.config.algo import AlgoConfig
+from diloco.run_paths import RunPaths
+from diloco.schedule import mixing_alpha
+from diloco.train.model import count_parameters, meta_model
+from experiments.common import NO_MATPLOTLIB, compose_job
+from experiments.outer_recipe.compare_ddp import (
     CONFIG_FILE,
     CONFIGS,
     EXPERIMENT,
@@ -31,11 +36,6 @@ from compare_ddp import (
     table,
     targets,
 )
-
-from diloco.config.algo import AlgoConfig
-from diloco.run_paths import RunPaths
-from diloco.schedule import mixing_alpha
-from diloco.train.model import count_parameters, meta_model
 from tests.conftest import compose_job as compose_like_run_py
 from tests.experiments.in_process import run_main
 
@@ -198,7 +198,7 @@ def test_runs_kept_by_several_invocations_make_one_table_in_the_tables_order(tmp
 @pytest.mark.slow
 def test_compare_ddp_quick_at_two_seeds_two_jobs_at_a_time(tmp_path, capsys):
     args = ["--quick", "--seeds", "2", "--first-seed", "1", "--jobs", "2", "--results", str(tmp_path)]
-    out, _ = run_main("compare_ddp.py", args, TIMEOUT_S, capsys)
+    out, _ = run_main("experiments.outer_recipe.compare_ddp", args, TIMEOUT_S, capsys)
     rows = re.findall(
         r"^\| (ddp|local|diloco H=50) \| 2 \| 2 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", out, re.MULTILINE
     )

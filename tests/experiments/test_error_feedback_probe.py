@@ -1,4 +1,4 @@
-"""experiments/error_feedback_probe.py on a real topk job's last checkpoint."""
+"""experiments/outer_recipe/error_feedback_probe.py on a real topk job's last checkpoint."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ def test_the_probe_reproduces_the_jobs_eval_at_c_0_and_moves_it_with_what_e_hold
     )
     summary = launch(job, tmp_path)
     assert summary["ok"], summary.get("failure")
-    out, _ = run_main("error_feedback_probe.py", [str(tmp_path), "--scales", "0", "1"], 120, capsys)
+    out, _ = run_main(
+        "experiments.outer_recipe.error_feedback_probe", [str(tmp_path), "--scales", "0", "1"], 120, capsys
+    )
     losses = {float(c): float(loss) for c, loss in re.findall(r"^\| ([\d.]+) \| ([\d.]+) \|", out, re.MULTILINE)}
     assert losses[0.0] == pytest.approx(summary["final_eval_loss"], abs=1e-4), out
     assert losses[1.0] != losses[0.0], "e held something back, and applying it moves the model"

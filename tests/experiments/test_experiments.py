@@ -10,13 +10,12 @@ import json
 import re
 from pathlib import Path
 
-import bench_model_size
-import bench_overhead
-import bench_restart
-import bench_sync
 import pytest
-from common import compose_job
 
+from experiments.common import compose_job
+from experiments.fault_tolerance import bench_restart
+from experiments.parallelism import bench_overhead, bench_sync
+from experiments.scale import bench_model_size
 from tests.experiments.in_process import run_main
 
 TIMEOUT_S = 240
@@ -92,14 +91,16 @@ def test_bench_restart_report_gives_medians_and_the_exec_fork_ratios():
 
 @pytest.mark.slow
 def test_bench_sync_quick(tmp_path, capsys):
-    out = run_script("bench_sync.py", tmp_path, capsys, "--steps", "10")  # steps 11-20: one sync per group
+    out = run_script(
+        "experiments.parallelism.bench_sync", tmp_path, capsys, "--steps", "10"
+    )  # steps 11-20: one sync per group
     assert re.search(r"^\| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.MULTILINE), out
     assert (tmp_path / "bench_sync.md").read_text().strip() == out.strip()
 
 
 @pytest.mark.slow
 def test_bench_overhead_quick(tmp_path, capsys):
-    out = run_script("bench_overhead.py", tmp_path, capsys)
+    out = run_script("experiments.parallelism.bench_overhead", tmp_path, capsys)
     ratio = re.search(r"fewer bytes per token than ddp: (PASS|FAIL) \(ratio ([\d.]+)\)$", out, re.MULTILINE)
     assert ratio and float(ratio.group(2)) >= 400, out
     assert (tmp_path / "bench_overhead.md").read_text().strip() == out.strip()
@@ -107,7 +108,7 @@ def test_bench_overhead_quick(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_restart_quick(tmp_path, capsys):
-    out = run_script("bench_restart.py", tmp_path, capsys, "--kills", "1")
+    out = run_script("experiments.fault_tolerance.bench_restart", tmp_path, capsys, "--kills", "1")
     for spawn in ("exec", "fork"):
         assert re.search(rf"^\| {spawn} \| 1 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \d/1 \|$", out, re.MULTILINE), (
             out
@@ -118,14 +119,14 @@ def test_bench_restart_quick(tmp_path, capsys):
 @pytest.mark.slow
 def test_bench_muon_times_both_ways_and_gives_the_ratio(tmp_path, capsys):
     args = ["--model", "tiny", "--steps", "1", "--warmup", "0", "--results", str(tmp_path)]
-    out, _ = run_main("bench_muon.py", args, TIMEOUT_S, capsys)
+    out, _ = run_main("experiments.parallelism.bench_muon", args, TIMEOUT_S, capsys)
     assert re.search(r"^\| FSDP2 x 2, spread over the workers \| \d+ \| [\d.]+ \|$", out, re.MULTILINE), out
     assert (tmp_path / "bench_muon.md").read_text().strip() in out
 
 
 @pytest.mark.slow
 def test_bench_model_size_quick_times_every_phase_of_a_round_and_a_heal_beside_the_bare_figures(tmp_path, capsys):
-    out = run_script("bench_model_size.py", tmp_path, capsys)
+    out = run_script("experiments.scale.bench_model_size", tmp_path, capsys)
     (row,) = json.loads((tmp_path / "bench_model_size.json").read_text())
     assert row["ok"] and row["size"] == "tiny" and row["parameters"] == 131_392, out
     assert set(row["phases_ms"]) == set(bench_model_size.PHASES) and row["phases_ms"]["wire"] > 0, out

@@ -1,4 +1,4 @@
-"""experiments/fault_tolerance.py runs end to end (``--quick``, fault-free and faulty): kills happen
+"""experiments/fault_tolerance/kill_every.py runs end to end (``--quick``, fault-free and faulty): kills happen
 and killed groups come back; its main() with the warm-spare run and its calibration on stand-ins.
 
 The loss and stall targets are not required to PASS here (seconds of a tiny model on a
@@ -15,10 +15,10 @@ import re
 import sys
 from pathlib import Path
 
-import fault_tolerance
 import pytest
-from fault_tolerance import FAULT_FREE, FAULTY, ROWS, SPARES, Run, load_run
 
+from experiments.fault_tolerance import kill_every
+from experiments.fault_tolerance.kill_every import FAULT_FREE, FAULTY, ROWS, SPARES, Run, load_run
 from tests.canned_runs import canned_run, commit_record, write_jsonl
 from tests.experiments.in_process import run_main
 
@@ -34,7 +34,7 @@ def test_fault_tolerance_quick(tmp_path, capsys):
     # test_a_warm_spare_takes_over_a_killed_group_and_heals runs a takeover, and
     # test_fault_tolerance_main_with_a_warm_spare_on_canned_runs the script's spare column and targets.
     args = ["--quick", "--steps", "100", "--kill-every", "5", "--no-spares", "--results", str(tmp_path)]
-    run_main("fault_tolerance.py", args, TIMEOUT_S, capsys)
+    run_main("experiments.fault_tolerance.kill_every", args, TIMEOUT_S, capsys)
     table = (tmp_path / "fault_tolerance.md").read_text()
     assert "| kills injected |" in table and "every killed group recovers:" in table, table
     figures = json.loads((tmp_path / "fault_tolerance.json").read_text())
@@ -63,7 +63,7 @@ def test_fault_tolerance_quick(tmp_path, capsys):
 
 
 def _ft_run(name: str, run_dir: Path, kills: int, spare: bool) -> Run:
-    """A canned 3-group run as fault_tolerance.load_run reads it: ``kills`` kills of group 1 at 5 s, 9 s, ...,
+    """A canned 3-group run as kill_every.load_run reads it: ``kills`` kills of group 1 at 5 s, 9 s, ...,
     each restarted (by a warm spare if ``spare``) and healed a second later; steps end at 20 s."""
     run_dir.mkdir(parents=True)
     back = {"count": kills, "median": 0.5, "p90": 0.5, "max": 0.5, "mean": 0.5} if kills else {"count": 0}
@@ -114,11 +114,11 @@ def test_fault_tolerance_main_with_a_warm_spare_on_canned_runs(tmp_path, monkeyp
         calls.append((name, overrides))
         return _ft_run(name, run_dir, 0 if name == FAULT_FREE else 2, spare=name == SPARES)
 
-    monkeypatch.setattr("fault_tolerance.run_one", run_one)
-    monkeypatch.setattr("fault_tolerance.pyplot", lambda: None)
-    monkeypatch.setattr("fault_tolerance.stop_on_sigterm", lambda: None)
-    monkeypatch.setattr(sys, "argv", ["fault_tolerance.py", "--quick", "--steps", "100", "--results", str(tmp_path)])
-    fault_tolerance.main()
+    monkeypatch.setattr("experiments.fault_tolerance.kill_every.run_one", run_one)
+    monkeypatch.setattr("experiments.fault_tolerance.kill_every.pyplot", lambda: None)
+    monkeypatch.setattr("experiments.fault_tolerance.kill_every.stop_on_sigterm", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["kill_every.py", "--quick", "--steps", "100", "--results", str(tmp_path)])
+    kill_every.main()
     out, _ = capsys.readouterr()
     assert [name for name, _ in calls] == [FAULT_FREE, FAULTY, SPARES]
     assert calls[0][1][0] == "faults=none" and calls[1][1][0] == "faults=kill_every"
@@ -162,18 +162,18 @@ class _GrowingRun:
         self.job, self.run_dir, self.cluster, self.started = job, run_dir, self, None
 
     def __enter__(self):
-        self.started = fault_tolerance.time.monotonic()
+        self.started = kill_every.time.monotonic()
         return self
 
     def __exit__(self, *exc: object) -> None:
         pass
 
     def wait_for(self, condition, timeout_s: float, what: str, poll_s: float) -> None:
-        assert what == f"every group to reach step {fault_tolerance.WARMUP_STEPS}" and condition(), what
+        assert what == f"every group to reach step {kill_every.WARMUP_STEPS}" and condition(), what
 
     def metrics(self, group: int) -> list[dict]:
-        now = fault_tolerance.time.monotonic()
-        step = fault_tolerance.WARMUP_STEPS + 10 * group + 100 * (now - self.started) * (1 + group)
+        now = kill_every.time.monotonic()
+        step = kill_every.WARMUP_STEPS + 10 * group + 100 * (now - self.started) * (1 + group)
         return [{"step": 1, "time": 0.0, "train/loss": 5.0}, {"step": step, "time": now, "train/loss": 3.0}]
 
 
@@ -182,11 +182,12 @@ def test_calibration_measures_steps_per_second_after_the_warmup(tmp_path, monkey
     endless fault-free job of the experiment's preset; and the steps planned from it."""
     jobs = []
     monkeypatch.setattr(
-        "fault_tolerance.ClusterRun", lambda job, run_dir: jobs.append(job) or _GrowingRun(job, run_dir)
+        "experiments.fault_tolerance.kill_every.ClusterRun",
+        lambda job, run_dir: jobs.append(job) or _GrowingRun(job, run_dir),
     )
-    rate = fault_tolerance.calibrate(tmp_path, 0.2, "soak", ("cluster.groups=3",))
+    rate = kill_every.calibrate(tmp_path, 0.2, "soak", ("cluster.groups=3",))
     assert rate == pytest.approx(200, rel=0.05), "groups at 100, 200 and 300 steps/s: the median"
     [job] = jobs
-    assert (job.cluster.groups, job.trainer.max_steps, job.faults.kill_every) == (3, fault_tolerance.ENDLESS, 0)
-    assert fault_tolerance.plan_steps(10.0, 0.5, 20) == 360  # 10 steps/s x 30 s x 1.15, to a multiple of H
-    assert fault_tolerance.planned_steps(tmp_path, 140, 5.0, 20.0, 20) == (140, "--steps")
+    assert (job.cluster.groups, job.trainer.max_steps, job.faults.kill_every) == (3, kill_every.ENDLESS, 0)
+    assert kill_every.plan_steps(10.0, 0.5, 20) == 360  # 10 steps/s x 30 s x 1.15, to a multiple of H
+    assert kill_every.planned_steps(tmp_path, 140, 5.0, 20.0, 20) == (140, "--steps")

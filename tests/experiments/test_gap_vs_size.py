@@ -1,4 +1,4 @@
-"""experiments/gap_vs_size.py: it plans compare_ddp's three rows per model, and its table and exit
+"""experiments/outer_recipe/gap_vs_size.py: it plans compare_ddp's three rows per model, and its table and exit
 status are right on canned runs kept for two models."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from compare_ddp import CONFIG_FILE, CONFIGS
-from gap_vs_size import main, planned
 
+from experiments.outer_recipe.compare_ddp import CONFIG_FILE, CONFIGS
+from experiments.outer_recipe.gap_vs_size import main, planned
 from tests.experiments.test_compare_ddp import canned_run
 
 

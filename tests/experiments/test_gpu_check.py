@@ -1,10 +1,10 @@
-"""experiments/gpu_check.py: its table from canned results here; the checks themselves on a GPU."""
+"""experiments/gpu/gpu_check.py: its table from canned results here; the checks themselves on a GPU."""
 
 from __future__ import annotations
 
 import pytest
-from gpu_check import report
 
+from experiments.gpu.gpu_check import report
 from tests.conftest import run_experiment
 
 
@@ -22,5 +22,5 @@ def test_the_table_names_every_check_and_its_verdict_without_the_logs():
 @pytest.mark.slow
 @pytest.mark.gpu
 def test_two_groups_on_the_gpu_end_ok_with_equal_digests_and_resume():
-    out, _ = run_experiment("gpu_check.py", ["--only", "smoke"], timeout_s=300)
+    out, _ = run_experiment("experiments.gpu.gpu_check", ["--only", "smoke"], timeout_s=300)
     assert "smoke: PASS" in out

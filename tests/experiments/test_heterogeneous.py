@@ -1,4 +1,4 @@
-"""experiments/heterogeneous.py: its numbers and table on canned runs (fast), and one smoke run
+"""experiments/fault_tolerance/heterogeneous.py: its numbers and table on canned runs (fast), and one smoke run
 with a real straggler (slow)."""
 
 from __future__ import annotations
@@ -6,8 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from heterogeneous import STEPS, TIME, Run, load_run, numbers, table, targets, time_bounded_steps
 
+from experiments.fault_tolerance.heterogeneous import (
+    STEPS,
+    TIME,
+    Run,
+    load_run,
+    numbers,
+    table,
+    targets,
+    time_bounded_steps,
+)
 from tests.experiments.in_process import run_main
 
 TOKENS_PER_STEP = 1024
@@ -67,7 +76,12 @@ def test_heterogeneous_quick(tmp_path, capsys):
     """A real straggler: with fixed H it runs every step of every window; with time-bounded windows
     it runs fewer and still takes part in every round. (Throughput is reported, not asserted:
     a smoke run on a shared CPU is noisy.)"""
-    run_main("heterogeneous.py", ["--quick", "--steps", "40", "--results", str(tmp_path)], 240, capsys)
+    run_main(
+        "experiments.fault_tolerance.heterogeneous",
+        ["--quick", "--steps", "40", "--results", str(tmp_path)],
+        240,
+        capsys,
+    )
     figures = json.loads((tmp_path / "heterogeneous.json").read_text())
     fixed, timed = figures[STEPS], figures[TIME]
     for n in (fixed, timed):

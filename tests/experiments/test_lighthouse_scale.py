@@ -1,4 +1,4 @@
-"""experiments/lighthouse_scale.py: its percentiles, latencies, table and target checks on canned
+"""experiments/scale/lighthouse_scale.py: its percentiles, latencies, table and target checks on canned
 numbers, and a ``--quick`` run of 100 simulated groups against a real lighthouse process.
 
 The smoke run requires no timing target to PASS (a shared CPU is noisy): only that every
@@ -13,8 +13,17 @@ import os
 from types import SimpleNamespace
 
 import pytest
-from lighthouse_scale import Ask, Formed, percentile, quorum_latencies, report, round_summaries, table_rows, targets
 
+from experiments.scale.lighthouse_scale import (
+    Ask,
+    Formed,
+    percentile,
+    quorum_latencies,
+    report,
+    round_summaries,
+    table_rows,
+    targets,
+)
 from tests.experiments.in_process import run_main
 
 TIMEOUT_S = 120
@@ -106,7 +115,9 @@ def test_table_and_targets_on_canned_numbers():
 def test_a_hundred_groups_against_a_real_lighthouse(tmp_path, capsys):
     cpus = os.sched_getaffinity(0)
     pinned = ["--lighthouse-cpus", str(min(cpus))] if len(cpus) > 1 else []
-    out, _ = run_main("lighthouse_scale.py", ["--quick", *pinned, "--results", str(tmp_path)], TIMEOUT_S, capsys)
+    out, _ = run_main(
+        "experiments.scale.lighthouse_scale", ["--quick", *pinned, "--results", str(tmp_path)], TIMEOUT_S, capsys
+    )
     assert (tmp_path / "lighthouse_scale.md").read_text().strip() == out.strip()
     [run] = json.loads((tmp_path / "lighthouse_scale.json").read_text())
     assert run["groups"] == 100 and run["rounds"] >= 3, run

@@ -1,4 +1,4 @@
-"""A multi-host job across namespaced hosts (experiments/netns_hosts.py) through faults between
+"""A multi-host job across namespaced hosts (experiments/scale/netns_hosts.py) through faults between
 hosts: a worker SIGKILLed (torchrun restarts its group, which heals from the peer), a group's link
 down and up again (the group is dropped, comes back and heals) and the lighthouse SIGKILLed (its
 restart loop starts it again). Each fault waits for the job's progress (new rounds in its commit
@@ -7,7 +7,7 @@ summary.json ok with one digest, and no process nor namespace is left behind. An
 groups cut from each other while all reach the lighthouse: the third never sits out, the kept side
 commits again soon after the round at the cut failed, the cut-off one is back soon after the link
 (slow; need root, ``ip`` and ``tc``: skipped with netns_link.unavailable()'s reason). And
-experiments/multihost_chaos.py's and multihost_cuts.py's own arithmetic, on records made up here (fast).
+experiments/scale/multihost_chaos.py's and multihost_cuts.py's own arithmetic, on records made up here (fast).
 
 ``multihost_chaos.py --quick`` itself is not run here: its two jobs take 75 s on two idle cores
 (2.5 min on busy ones), past the minute a test of it may take.
@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import netns_link
 import pytest
-from multihost_chaos import (
+
+from experiments.communication import netns_link
+from experiments.scale.multihost_chaos import (
     KINDS,
     Deck,
     Fault,
@@ -34,8 +35,8 @@ from multihost_chaos import (
     is_back,
     survivor_gap,
 )
-from multihost_cuts import cut_off, failed_at, model_step, reformed, sat_out, seconds_to_back
-from netns_hosts import MultihostJob, NetnsHosts
+from experiments.scale.multihost_cuts import cut_off, failed_at, model_step, reformed, sat_out, seconds_to_back
+from experiments.scale.netns_hosts import MultihostJob, NetnsHosts
 
 NO_NETNS = netns_link.unavailable()
 GROUPS = 2

@@ -1,4 +1,4 @@
-"""experiments/netns_hosts.py: the commands and options it builds (fast); a link taken down or a
+"""experiments/scale/netns_hosts.py: the commands and options it builds (fast); a link taken down or a
 partition between hosts that drops packets silently, and a host's link reshaped (slow; need root,
 ``ip`` and ``tc``). A job across the hosts, through faults, is test_multihost_netns.py's."""
 
@@ -8,10 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import netns_hosts
-import netns_link
 import pytest
-from netns_hosts import MultihostJob, NetnsHosts, group_command, job_options, lighthouse_command, mac_for
+
+from experiments.communication import netns_link
+from experiments.scale import netns_hosts
+from experiments.scale.netns_hosts import (
+    MultihostJob,
+    NetnsHosts,
+    group_command,
+    job_options,
+    lighthouse_command,
+    mac_for,
+)
 
 NO_NETNS = netns_link.unavailable()
 needs_netns = pytest.mark.skipif(NO_NETNS is not None, reason=f"namespaced hosts: {NO_NETNS}")

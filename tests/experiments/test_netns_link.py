@@ -1,4 +1,4 @@
-"""experiments/netns_link.py: the tbf command line and subnet choice (fast), and a real shaped link
+"""experiments/communication/netns_link.py: the tbf command line and subnet choice (fast), and a real shaped link
 between two namespaces, whose transfers run at its rate (slow; needs root, ``ip`` and ``tc``)."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import subprocess
 import sys
 import time
 
-import netns_link
 import pytest
-from netns_link import NetnsLink, pick_subnet, tbf_args
+
+from experiments.communication import netns_link
+from experiments.communication.netns_link import NetnsLink, pick_subnet, tbf_args
 
 # A receiver in one namespace: listens, reads ``n`` bytes, answers one byte, prints when the first came.
 RECEIVER = """

@@ -1,4 +1,4 @@
-"""experiments/own_loop.py: a Hugging Face Llama in one's own loop, trained as two replica groups
+"""experiments/fault_tolerance/own_loop.py: a Hugging Face Llama in one's own loop, trained as two replica groups
 under ``python -m diloco.launch.script_groups`` on a corpus ``role=prepare`` made, one group's
 worker SIGKILLed after its first committed round (torchrun restarts it, and it heals from its peer)."""
 
@@ -100,7 +100,7 @@ def test_own_loop_heals_a_killed_group_and_learns(tmp_path):
             "--max-restarts=1",
             f"--run-dir={run_dir}",
             "--timeout=240",
-            "experiments/own_loop.py",
+            "experiments/fault_tolerance/own_loop.py",
             f"--data={prepared / 'tokens.bin'}",
             f"--steps={STEPS}",
         ],
@@ -154,7 +154,7 @@ def test_own_loop_without_a_corpus_is_refused_once_not_restarted(tmp_path):
             "--max-restarts=3",
             f"--run-dir={run_dir}",
             "--timeout=120",
-            "experiments/own_loop.py",
+            "experiments/fault_tolerance/own_loop.py",
             f"--data={missing}",
         ],
         cwd=REPO,

@@ -1,4 +1,4 @@
-"""experiments/own_loop_fsdp.py: a group's batch does not depend on its number of workers (fast);
+"""experiments/fault_tolerance/own_loop_fsdp.py: a group's batch does not depend on its number of workers (fast);
 2 groups x 2 FSDP2 workers run under ``diloco.launch.script_groups`` and end on one model, the
 same, within float rounding, as 2 groups x 1 unsharded worker (slow)."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from own_loop_fsdp import model_config, parse_args, synthetic_batch
 
 from diloco.run_paths import RunPaths
 from diloco.train.model import Transformer
+from experiments.fault_tolerance.own_loop_fsdp import model_config, parse_args, synthetic_batch
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "experiments" / "own_loop_fsdp.py"
+SCRIPT = REPO / "experiments" / "fault_tolerance" / "own_loop_fsdp.py"
 # 4 rounds (H=10, 2 fragments: one every 5 inner steps), on the CPU whatever the machine has.
 SCRIPT_ARGS = ["--steps", "20", "--device", "cpu"]
 JOB_TIMEOUT_S = 90  # the launcher's own --timeout: it stops its groups (their own sessions) itself

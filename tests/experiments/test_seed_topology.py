@@ -1,4 +1,4 @@
-"""experiments/seed_topology.py: its presets compose at 30 groups, its figures (efficiencies,
+"""experiments/scale/seed_topology.py: its presets compose at 30 groups, its figures (efficiencies,
 hang stalls, digest mismatches) are right on canned run directories, and ``--quick`` (8 groups,
 a kill or two) runs end to end with equal digests and every kill recovered.
 """
@@ -12,11 +12,20 @@ import sys
 import time
 
 import pytest
-import soak
-from common import compose_job
-from fault_tolerance import load_run
-from seed_topology import EXPERIMENT, FAULT_FREE, JobMemory, faulty_overrides, numbers, spread, table, targets
 
+from experiments.common import compose_job
+from experiments.fault_tolerance import soak
+from experiments.fault_tolerance.kill_every import load_run
+from experiments.scale.seed_topology import (
+    EXPERIMENT,
+    FAULT_FREE,
+    JobMemory,
+    faulty_overrides,
+    numbers,
+    spread,
+    table,
+    targets,
+)
 from tests.canned_runs import canned_run, commit_record, write_jsonl
 from tests.experiments.in_process import run_main
 
@@ -103,7 +112,7 @@ def test_seed_topology_quick(tmp_path, capsys):
     with soak.py's figures, table and targets: the soak's machinery is this (Streaming DiLoCo,
     kills, soak's Progress and digest check), so its own smoke test needs no run."""
     args = ["--quick", "--steps", "100", "--results", str(tmp_path), "--keep-runs", str(tmp_path / "runs")]
-    out, _ = run_main("seed_topology.py", args, TIMEOUT_S, capsys)
+    out, _ = run_main("experiments.scale.seed_topology", args, TIMEOUT_S, capsys)
     figures = json.loads((tmp_path / "seed_topology.json").read_text())
     assert list(figures) == [FAULT_FREE, "kill every 8 s"], out
     faulty, clean = figures["kill every 8 s"], figures[FAULT_FREE]

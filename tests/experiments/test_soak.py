@@ -1,4 +1,4 @@
-"""experiments/soak.py: its presets compose, its counting is right on a canned run directory, and
+"""experiments/fault_tolerance/soak.py: its presets compose, its counting is right on a canned run directory, and
 main() plans, runs and writes its table and targets (the jobs stood in for by canned runs).
 
 No real soak run here: its machinery (run_one, Progress, digest_mismatches on a streaming job
@@ -12,11 +12,10 @@ import json
 import re
 import sys
 
-import soak
-from common import compose_job
-from fault_tolerance import load_run
-from soak import EXPERIMENT, digest_mismatches, numbers, table, targets
-
+from experiments.common import compose_job
+from experiments.fault_tolerance import soak
+from experiments.fault_tolerance.kill_every import load_run
+from experiments.fault_tolerance.soak import EXPERIMENT, digest_mismatches, numbers, table, targets
 from tests.canned_runs import canned_run, commit_record, write_jsonl
 from tests.conftest import compose_job as compose_like_run_py
 
@@ -120,10 +119,10 @@ def test_soak_main_plans_from_the_calibration_and_writes_its_table_on_canned_run
         calls.append((name, overrides, experiment, keep_failure))
         return _soak_run(name, run_dir)
 
-    monkeypatch.setattr("soak.calibrate", lambda root, window_s, experiment, extra: 10.0)
-    monkeypatch.setattr("soak.run_one", run_one)
-    monkeypatch.setattr("soak.pyplot", lambda: None)
-    monkeypatch.setattr("soak.stop_on_sigterm", lambda: None)
+    monkeypatch.setattr("experiments.fault_tolerance.soak.calibrate", lambda root, window_s, experiment, extra: 10.0)
+    monkeypatch.setattr("experiments.fault_tolerance.soak.run_one", run_one)
+    monkeypatch.setattr("experiments.fault_tolerance.soak.pyplot", lambda: None)
+    monkeypatch.setattr("experiments.fault_tolerance.soak.stop_on_sigterm", lambda: None)
     monkeypatch.setattr(sys, "argv", ["soak.py", "--quick", "--results", str(tmp_path)])
     soak.main()
     out, err = capsys.readouterr()

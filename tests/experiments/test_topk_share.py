@@ -1,4 +1,4 @@
-"""experiments/topk_share.py: the share top-k keeps is the codec's selection, and a short run
+"""experiments/outer_recipe/topk_share.py: the share top-k keeps is the codec's selection, and a short run
 gives one row per inner optimizer and quantity, the first window's two shares equal (e starts empty)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-from topk_share import kept_share, main
 
 from diloco.outer.sparse import TopK
+from experiments.outer_recipe.topk_share import kept_share, main
 
 
 def test_the_share_kept_is_the_largest_entries_of_each_chunk():

@@ -189,7 +189,7 @@ class TestBook:
     def test_a_members_replacement_asking_at_once_to_heal_does_not_start_the_join_clock(self):
         """A member died and its new process asked at once, behind, to heal; its ask
         started the clock, so when the others asked a window later the round formed the moment a
-        majority had (627 of 1,000 groups in experiments/lighthouse_scale.py). The clock starts
+        majority had (627 of 1,000 groups in experiments/scale/lighthouse_scale.py). The clock starts
         at the first ask at the members' furthest position."""
         book = QuorumBook(QuorumRules(min_groups=1, join_timeout_s=1.0, heartbeat_timeout_s=100.0))
         for g in "abcde":

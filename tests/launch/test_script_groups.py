@@ -42,7 +42,7 @@ def test_ok_only_when_every_group_exited_0_and_the_holders_agree(tmp_path, capsy
     "argv, message",
     [
         (["--groups", "0", "x.py"], "--groups=0: must be >= 1"),
-        (["--max-restarts", "-1", "experiments/own_loop.py"], "--max-restarts must be >= 0"),
+        (["--max-restarts", "-1", "experiments/fault_tolerance/own_loop.py"], "--max-restarts must be >= 0"),
         (["no_such_script.py"], "no_such_script.py: no such script"),
     ],
 )

@@ -18,7 +18,7 @@ from diloco.outer.perf_model import (
     wait_for_round_seconds,
     window_seconds,
 )
-from experiments import simulate_scale
+from experiments.parallelism import simulate_scale
 
 GBIT = 1e9
 
@@ -107,7 +107,7 @@ def test_a_replacement_ready_sooner_commits_sooner_and_loses_less():
     assert lost_group_seconds(0.1, 2.0, 0.5) == pytest.approx(1.0 + 0.1 + 0.5625)
 
 
-# Recorded by experiments/fault_tolerance.py --minutes 2.5 (session of 2026-11-24, this 2-core
+# Recorded by experiments/fault_tolerance/kill_every.py --minutes 2.5 (session of 2026-11-24, this 2-core
 # machine; DiLoCo H=20, 4 groups, a SIGKILL every 15 s, 10 deaths per run), per run: the mean
 # seconds from a death to the replacement's first ask for a quorum, the survivors' window
 # between rounds, cluster.timeouts.join, a committed round's time, and the measured mean
@@ -128,9 +128,11 @@ def test_death_to_commit_predicted_from_what_a_run_measured(how):
 
 def test_time_bounded_windows_gain_the_sum_of_the_groups_paces_over_the_slowest_ones():
     assert time_window_speedup([1.0, 1.0, 1.0]) == 1.0, "equal speeds: nothing to gain"
-    assert time_window_speedup([1.0, 2.0]) == 1.5  # one group at half speed (experiments/heterogeneous.py)
+    assert (
+        time_window_speedup([1.0, 2.0]) == 1.5
+    )  # one group at half speed (experiments/fault_tolerance/heterogeneous.py)
     assert time_window_speedup([1.0, 1.0, 1.0, 4.0]) == pytest.approx(3.25 / 1.0)  # 3.25 / (4 / 4)
-    # Recorded (experiments/heterogeneous.py, H=50, 1,000 steps): measured 1.57x, above the 1.5
+    # Recorded (experiments/fault_tolerance/heterogeneous.py, H=50, 1,000 steps): measured 1.57x, above the 1.5
     # predicted, because the sleeping straggler lends its core to the fast group on 2 cores.
     assert abs(time_window_speedup([1.0, 2.0]) - 1.57) / 1.57 < 0.05
     with pytest.raises(ValueError, match="positive step times"):

@@ -152,7 +152,7 @@ def test_bad_include_and_exclude_globs_name_the_key():
 
 
 def test_the_benchmark_table_has_a_row_per_run_with_its_rates():
-    from bench_prepare import Measured, table  # experiments/ is on pytest's path
+    from experiments.parallelism.bench_prepare import Measured, table
 
     lines = table(
         [Measured(workers=2, corpus_mb=300.0, documents=1000, tokens=5_000_000, wall_s=10.0, peak_rss_mb=700.4)]

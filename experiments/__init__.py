@@ -1,0 +1,1 @@
+"""Benchmark and reproduction scripts, by docs/results/ page: python -m experiments.<area>.<script>."""

@@ -1,0 +1,1 @@
+"""The communication experiments: their tables go to docs/results/communication.md."""

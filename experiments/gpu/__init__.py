@@ -1,0 +1,1 @@
+"""The gpu experiments: their tables go to docs/results/gpu.md."""

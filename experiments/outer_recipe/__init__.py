@@ -1,0 +1,1 @@
+"""The outer recipe experiments: their tables go to docs/results/outer-recipe.md."""

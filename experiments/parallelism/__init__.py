@@ -1,0 +1,1 @@
+"""The parallelism experiments: their tables go to docs/results/parallelism.md."""

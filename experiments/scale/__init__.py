@@ -1,0 +1,1 @@
+"""The scale experiments: their tables go to docs/results/scale.md."""

@@ -1,0 +1,276 @@
+"""What grows with the model, against what the machine can do: an outer round's phases and a heal, per size.
+
+For each Llama preset of the ladder (``--sizes``: tiny, mini, midi, llama3_150m by default;
+``llama3_300m`` is the largest whose two groups fit 24 GiB) and one run each:
+
+1. the bare figures, between two processes of one thread each on loopback Gloo, as the job's
+   groups are: the all-reduce of the model's fp32 values (median of ``--reps``), a send of a
+   heal's bytes (θ_g, outer momentum, AdamW's two moments: 16 bytes a parameter), and a heal's
+   transfer of a state of the model's shapes through ``HealState``, timed to its arrival and apply;
+2. the job: 2 groups x 1 worker, DiLoCo fp32, H = 5, batch 1 x 32 tokens, group 1 SIGKILLed
+   once after its second commit and restarted, so it heals from group 0. From the commit
+   records: a committed round's ``sync_ms`` (the training thread's whole wait, digest included
+   unless hashed beside the inner steps) and the median of each phase (docs/algorithm.md, "An
+   outer round's phases"), the healing round's ``heal`` phase (waiting for the peer's round
+   included), death to the restarted group's first commit, and each worker's peak resident
+   memory beside the bytes a plain loop holds (parameters, gradients, AdamW: 16 a parameter).
+
+Ratios are to the bare figure measured in the same run: round / all-reduce, a heal's transfer
+(``HealState.send`` / ``receive`` between the same two processes) / the bare send of its bytes.
+The machine's free memory is touched once first (``warm_memory``).
+
+    python -m experiments.scale.bench_model_size                  # the ladder to 150M: ~15 min on two idle cores
+    python -m experiments.scale.bench_model_size --quick        # tiny only: a smoke test, ~30 s
+
+Prints a markdown table; writes it to experiments/results/bench_model_size.md and every figure
+to bench_model_size.json. Timings on a shared 2-core machine are noisy: read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from diloco.ft.state import HealState, Position
+from diloco.ft.transport import CHUNK_BYTES
+from diloco.train.inner_opt import init_adamw_state
+from diloco.train.model import count_parameters, meta_model
+from experiments.common import ClusterRun, add_output_arguments, compose_job, markdown_table, runs_root, write_result
+from outer_opt import OuterOptConfig, build_outer_optimizer
+
+H = 5
+# Inner steps per size: enough that group 0 is still training when the killed group 1 is back (a
+# restart takes 8-13 s on two cores), and at least 8 rounds.
+STEPS = {"tiny": 2000, "mini": 2000, "midi": 500}
+MIN_STEPS = 8 * H
+HEAL_BYTES_PER_PARAM = 16  # θ_g, the outer momentum and AdamW's two moments, fp32 (``_bytes_by_kind``)
+PLAIN_BYTES_PER_PARAM = 16  # a plain loop's parameters, gradients and AdamW's two moments, fp32
+SHAPE = ["trainer.batch_size=1", "trainer.seq_len=32", "trainer.warmup_share=0", "algo.sync_warmup_steps=0"]
+PHASES = ("delta", "quorum", "finite", "encode", "wire", "decode", "commit", "outer_step", "digest")
+
+
+def _heal_state(shapes: list[torch.Size]) -> HealState:
+    """A worker's state of the model's shapes: θ_g with DiLoCo's outer Nesterov, AdamW's moments."""
+    theta_g = [torch.nn.Parameter(torch.rand(shape)) for shape in shapes]
+    outer = build_outer_optimizer(theta_g, OuterOptConfig())
+    params = [torch.nn.Parameter(torch.rand(shape)) for shape in shapes]
+    inner = torch.optim.AdamW(params)
+    init_adamw_state(inner)
+    return HealState(global_params=[theta_g], outer_optimizers=[outer], inner_optimizer=inner)
+
+
+def _bare_peer(rank: int, port: int, shapes: list[torch.Size], reps: int, out: Any) -> None:
+    """Rank 1 of two: the bare all-reduce and send, then a heal's transfer from rank 0, timed."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    numel = sum(shape.numel() for shape in shapes)
+    values = torch.ones(numel)
+    reduce_ms = []
+    for _ in range(reps):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(values)
+        reduce_ms.append(1000 * (time.perf_counter() - started))
+    del values
+    heal = torch.ones(numel * HEAL_BYTES_PER_PARAM // 4)  # touched on both sides: the wire alone
+    chunk = CHUNK_BYTES // 4
+    dist.barrier()
+    started = time.perf_counter()
+    op = dist.isend if rank == 0 else dist.irecv
+    for work in [op(heal[i : i + chunk], 1 - rank) for i in range(0, heal.numel(), chunk)]:
+        work.wait()
+    send_ms = 1000 * (time.perf_counter() - started)
+    del heal
+    state = _heal_state(shapes)
+    lane = dist.group.WORLD
+    position = Position(committed=1, inner_step=5, round_step=5)
+    dist.barrier()
+    started = time.perf_counter()
+    if rank == 0:
+        state.send(lane, 1, position, timeout_s=600)
+    else:
+        staged = state.receive(lane, 0, timeout_s=600)
+        received = time.perf_counter()
+        state.apply(staged)
+        applied = time.perf_counter()
+        out.put(
+            {
+                "allreduce_ms": statistics.median(reduce_ms),
+                "send_ms": send_ms,
+                "heal_transfer_ms": 1000 * (received - started),
+                "heal_apply_ms": 1000 * (applied - received),
+                "heal_bytes": _bytes_by_kind(state),
+            }
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _bytes_by_kind(state: HealState) -> dict[str, int]:
+    """The heal's bytes by kind: θ_g, the outer optimizer's state, the inner optimizer's."""
+    kinds: dict[str, int] = {}
+    for name, tensor in state.tensors().items():
+        kind = {"global": "theta_g", "outer": "outer state", "inner": "inner state"}[name.split(".")[0]]
+        kinds[kind] = kinds.get(kind, 0) + tensor.numel() * tensor.element_size()
+    return kinds
+
+
+def bare(shapes: list[torch.Size], reps: int) -> dict[str, Any]:
+    """The bare all-reduce of the model's fp32 values, a send of a heal's bytes, and a heal's
+    transfer (``HealState``), between two processes."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as probe:  # a free port for the pair's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [ctx.Process(target=_bare_peer, args=(r, port, shapes, reps, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=900)
+    for p in procs:
+        p.join(timeout=60)
+    return result
+
+
+def job_figures(size: str, run_dir: Path) -> dict[str, Any]:
+    """Run the 2-group job at ``size`` with one kill of group 1, and read its round, heal and memory figures."""
+    job = compose_job(
+        [
+            f"model={size}",
+            "cluster.groups=2",
+            f"algo.sync_every={H}",
+            f"trainer.max_steps={STEPS.get(size, MIN_STEPS)}",
+            *SHAPE,
+        ]
+    )
+    with ClusterRun(job, run_dir) as run:
+        committed = lambda g: [r for r in run.commits(g) if r["committed"]]  # noqa: E731
+        run.cluster.wait_for(lambda: len(committed(1)) >= 2, 1800, "group 1's second commit", poll_s=1.0)
+        run.cluster.signal_group(1, signal.SIGKILL)
+        killed_at = time.time()
+        run.cluster.start_group(1)
+        run.cluster.wait_for(run.cluster.finished, 3600, "the job's end", poll_s=1.0)
+        records = [r for g in range(2) for r in run.commits(g)]
+        restarted = [r for r in run.commits(1) if r["time"] > killed_at]
+    rounds = [r for r in records if r["committed"] and not r.get("join")]
+    heals = [r["phases_ms"]["heal"] for r in records if r.get("healed") and "heal" in r.get("phases_ms", {})]
+    back = [r["time"] for r in rounds if r["time"] > killed_at and r in restarted]
+    results = [json.loads(path.read_text()) for g in range(2) if (path := run.paths.result(g)).exists()]
+    return {
+        "ok": len(results) == 2,
+        "sync_ms": statistics.median(r["sync_ms"] for r in rounds),
+        "phases_ms": {p: statistics.median(r["phases_ms"].get(p, 0.0) for r in rounds) for p in PHASES},
+        "heal_ms": max(heals) if heals else None,
+        "death_to_commit_s": min(back) - killed_at if back else None,
+        "peak_rss_mb": max((r.get("peak_rss_mb", 0.0) for r in results), default=None),
+    }
+
+
+def warm_memory(fraction: float = 0.8) -> None:
+    """Touch most of the machine's free memory once and free it. A virtual machine may back a guest
+    page only at its first touch, ten times slower than a page fault (here: a 2.4 GB buffer took 6 s
+    to fill the first time, 0.9 s after), which would otherwise land on whichever run first needs
+    that much memory."""
+    available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+    block = torch.empty(int(available * fraction), dtype=torch.uint8)
+    for start in range(0, block.numel(), 1 << 28):
+        block[start : start + (1 << 28)].zero_()
+    del block
+
+
+def measure(size: str, reps: int, root: Path) -> dict[str, Any]:
+    model = meta_model(compose_job([f"model={size}"]).model)
+    numel = count_parameters(model)
+    print(f"{size}: {numel / 1e6:.1f}M parameters", file=sys.stderr, flush=True)
+    row = {"size": size, "parameters": numel} | bare([p.shape for p in model.parameters()], reps)
+    row |= job_figures(size, root / size)
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.1f}x" if a is not None and b else "n/a"
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    headers = [
+        "model",
+        "parameters",
+        "bare all-reduce ms",
+        "round ms (sync_ms)",
+        "round / all-reduce",
+        "wire ms",
+        "round's other phases ms",
+        "bare send of a heal's bytes ms",
+        "heal transfer ms",
+        "transfer / send",
+        "heal apply ms",
+        "heal in the job ms",
+        "death to commit s",
+        "peak RSS per worker MB (plain loop's state MB)",
+    ]
+    body = []
+    for r in rows:
+        others = ", ".join(f"{p} {ms:,.0f}" for p, ms in r["phases_ms"].items() if p != "wire" and ms >= 1)
+        plain_mb = r["parameters"] * PLAIN_BYTES_PER_PARAM / 2**20
+        body.append(
+            [
+                r["size"],
+                f"{r['parameters'] / 1e6:.1f}M",
+                _ms(r["allreduce_ms"]),
+                _ms(r["sync_ms"]),
+                _ratio(r["sync_ms"], r["allreduce_ms"]),
+                _ms(r["phases_ms"].get("wire")),
+                others or "-",
+                _ms(r["send_ms"]),
+                _ms(r["heal_transfer_ms"]),
+                _ratio(r["heal_transfer_ms"], r["send_ms"]),
+                _ms(r["heal_apply_ms"]),
+                _ms(r["heal_ms"]),
+                "n/a" if r["death_to_commit_s"] is None else f"{r['death_to_commit_s']:.1f}",
+                f"{_ms(r['peak_rss_mb'])} ({plain_mb:,.0f})",
+            ]
+        )
+    return markdown_table(headers, body)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "mini", "midi", "llama3_150m"], help="model presets")
+    parser.add_argument("--reps", type=int, default=5, help="bare all-reduces per size (their median)")
+    parser.add_argument("--quick", action="store_true", help="tiny only, one all-reduce, memory left as it is")
+    add_output_arguments(parser)
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.reps = ["tiny"], 1
+    else:
+        warm_memory()
+    with runs_root(args.keep_runs, "bench_model_size") as root:
+        rows = [measure(size, args.reps, root) for size in args.sizes]
+    text = table(rows)
+    print(text)
+    write_result("bench_model_size.md", text, args.results)
+    path = write_result("bench_model_size.json", json.dumps(rows, indent=2), args.results)
+    print(f"results written to {path}", file=sys.stderr)
+    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
