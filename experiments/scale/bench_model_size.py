@@ -7,6 +7,8 @@ For each Llama preset of the ladder (``--sizes``: tiny, mini, midi, llama3_150m 
    groups are: the all-reduce of the model's fp32 values (median of ``--reps``), a send of a
    heal's bytes (θ_g, outer momentum, AdamW's two moments: 16 bytes a parameter), and a heal's
    transfer of a state of the model's shapes through ``HealState``, timed to its arrival and apply;
+   and the outer step alone on the model's shapes, with torch.optim.SGD and with the project's SGD
+   that steps in Δ̄ itself (``outer_opt.optimizers.InPlaceSGD``), both processes stepping at once;
 2. the job: 2 groups x 1 worker, DiLoCo fp32, H = 5, batch 1 x 32 tokens, group 1 SIGKILLed
    once after its second commit and restarted, so it heals from group 0. From the commit
    records: a committed round's ``sync_ms`` (the training thread's whole wait, digest included
@@ -45,10 +47,11 @@ import torch.multiprocessing as mp
 
 from diloco.ft.state import HealState, Position
 from diloco.ft.transport import CHUNK_BYTES
+from diloco.outer.update import outer_update
 from diloco.train.inner_opt import init_adamw_state
 from diloco.train.model import count_parameters, meta_model
 from experiments.common import ClusterRun, add_output_arguments, compose_job, markdown_table, runs_root, write_result
-from outer_opt import OuterOptConfig, build_outer_optimizer
+from outer_opt import OuterOptConfig, build_outer_optimizer, initialize_state
 
 H = 5
 # Inner steps per size: enough that group 0 is still training when the killed group 1 is back (a
@@ -85,6 +88,7 @@ def _bare_peer(rank: int, port: int, shapes: list[torch.Size], reps: int, out: A
         dist.all_reduce(values)
         reduce_ms.append(1000 * (time.perf_counter() - started))
     del values
+    outer_step_ms = {kind: _outer_step_ms(shapes, reps, kind) for kind in ("torch", "in place")}
     heal = torch.ones(numel * HEAL_BYTES_PER_PARAM // 4)  # touched on both sides: the wire alone
     chunk = CHUNK_BYTES // 4
     dist.barrier()
@@ -109,6 +113,7 @@ def _bare_peer(rank: int, port: int, shapes: list[torch.Size], reps: int, out: A
         out.put(
             {
                 "allreduce_ms": statistics.median(reduce_ms),
+                "outer_step_alone_ms": outer_step_ms,
                 "send_ms": send_ms,
                 "heal_transfer_ms": 1000 * (received - started),
                 "heal_apply_ms": 1000 * (applied - received),
@@ -117,6 +122,30 @@ def _bare_peer(rank: int, port: int, shapes: list[torch.Size], reps: int, out: A
         )
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _outer_step_ms(shapes: list[torch.Size], reps: int, kind: str) -> float:
+    """DiLoCo's outer step alone (``outer_update``: Nesterov over θ_g of the model's shapes, then θ_l ←
+    θ_g), the median of ``reps``: with torch.optim.SGD (``torch``), or the project's SGD that steps in
+    Δ̄ itself (``in place``). Both processes step at once, as the job's two groups do."""
+    theta_g = [torch.nn.Parameter(torch.rand(shape), requires_grad=False) for shape in shapes]
+    theta_l = [p.detach().clone() for p in theta_g]
+    if kind == "torch":
+        outer = torch.optim.SGD(theta_g, lr=0.7, momentum=0.9, nesterov=True)
+        initialize_state(outer, lambda p, group: {"momentum_buffer": torch.zeros_like(p)})
+    else:
+        outer = build_outer_optimizer(theta_g, OuterOptConfig())
+    mean_delta = torch.full((sum(shape.numel() for shape in shapes),), 1e-3)
+    for p in theta_g:  # a fresh zeros_like may leave its pages untouched: touch them before the clock starts
+        outer.state[p]["momentum_buffer"].zero_()
+    took = []
+    for _ in range(reps):
+        mean_delta.fill_(1e-3)
+        dist.barrier()
+        started = time.perf_counter()
+        outer_update(theta_g, theta_l, mean_delta, outer, alpha=0.0)
+        took.append(1000 * (time.perf_counter() - started))
+    return statistics.median(took)
 
 
 def _bytes_by_kind(state: HealState) -> dict[str, int]:
@@ -218,6 +247,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "round / all-reduce",
         "wire ms",
         "round's other phases ms",
+        "outer step alone ms: torch's SGD / in place",
         "bare send of a heal's bytes ms",
         "heal transfer ms",
         "transfer / send",
@@ -239,6 +269,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 _ratio(r["sync_ms"], r["allreduce_ms"]),
                 _ms(r["phases_ms"].get("wire")),
                 others or "-",
+                " / ".join(_ms(r["outer_step_alone_ms"][kind]) for kind in ("torch", "in place")),
                 _ms(r["send_ms"]),
                 _ms(r["heal_transfer_ms"]),
                 _ratio(r["heal_transfer_ms"], r["send_ms"]),

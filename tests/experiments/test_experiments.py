@@ -131,6 +131,7 @@ def test_bench_model_size_quick_times_every_phase_of_a_round_and_a_heal_beside_t
     assert row["ok"] and row["size"] == "tiny" and row["parameters"] == 131_392, out
     assert set(row["phases_ms"]) == set(bench_model_size.PHASES) and row["phases_ms"]["wire"] > 0, out
     assert row["allreduce_ms"] > 0 and row["send_ms"] > 0 and row["heal_transfer_ms"] > 0, out
+    assert set(row["outer_step_alone_ms"]) == {"torch", "in place"} and min(row["outer_step_alone_ms"].values()) > 0
     bytes_by_kind = row["heal_bytes"]
     assert bytes_by_kind["theta_g"] == bytes_by_kind["outer state"] == 4 * 131_392, bytes_by_kind
     assert bytes_by_kind["inner state"] >= 8 * 131_392, bytes_by_kind  # AdamW's two moments, and its steps
