@@ -49,6 +49,7 @@ _OUTER_KEYS = (
     "window",
     "diverged_rounds",
 )
+SYNCING = ("diloco", "streaming")  # the algorithms with outer rounds (and so warm-ups and M-rules)
 VALUE_BITS = (1, 2, 4, 8, 32)  # as diloco/outer/sparse.py offers them (config imports no runtime code)
 READS: dict[str, tuple[str, ...]] = {
     "ddp": (),

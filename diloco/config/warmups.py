@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from diloco.config.algo import AlgoConfig
+from diloco.config.algo import SYNCING, AlgoConfig
+from diloco.config.group_rules import group_alpha
 from diloco.config.job import JobConfig
 from diloco.schedule import last_window, whole_windows
 from outer_opt import OuterOptConfig
-
-SYNCING = ("diloco", "streaming")  # the algorithms with outer rounds, and so with warm-ups
 
 
 def scheduled(job: JobConfig) -> tuple[AlgoConfig, OuterOptConfig]:
@@ -83,7 +82,8 @@ def warmup_line(job: JobConfig) -> str | None:
         said.append("no short windows at the start (too few steps for one)")
         keys.append(f"algo.sync_warmup_steps={algo.sync_warmup_steps} cut to 0")
     if run_algo.alpha_warmup_steps and algo.alpha:
-        said.append(f"the mixing weight α rising from 0 to {algo.alpha:g} over {run_algo.alpha_warmup_steps} steps")
+        alpha = group_alpha(job)  # at the job's M (its rule in the line after)
+        said.append(f"the mixing weight α rising from 0 to {alpha:.3g} over {run_algo.alpha_warmup_steps} steps")
         keys.append(_key("algo.alpha_warmup_steps", run_algo.alpha_warmup_steps, algo.alpha_warmup_steps))
     momentum = outer_opt.momentum if outer_opt.name in ("nesterov", "sgd") else 0.0
     if run_opt.momentum_warmup_steps and momentum:

@@ -1,5 +1,6 @@
 """The few lines a local job prints at its start: what it trains, how its groups sync and how
-much they send, the tokens it reads, its warm-ups, and where to watch it.
+much they send, the tokens it reads, its warm-ups and its rules for the number of groups, and
+where to watch it.
 
 A new user learns here, before the first step, what the composed presets and overrides made
 of the job: every number is derived from the ``JobConfig`` the workers get.
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from diloco.config.algo import AlgoConfig
 from diloco.config.base import to_dict
+from diloco.config.group_rules import group_rules_line
 from diloco.config.job import JobConfig
 from diloco.config.model import ModelConfig
 from diloco.config.warmups import last_window_line, planned_windows, warmup_line
@@ -25,8 +27,7 @@ NOT_SHAPE = ("vocab_size", "init_from")
 def header_lines(job: JobConfig, n_params: int, status_url: str | None, run_dir: Path) -> list[str]:
     """The job's header, one fact per line (``status_url`` None: no lighthouse, so no page)."""
     lines = [model_line(job, n_params), algo_line(job, n_params), tokens_line(job)]
-    if warmups := warmup_line(job):
-        lines.append(warmups)
+    lines += [line for line in (warmup_line(job), group_rules_line(job)) if line]
     page = f", status page {status_url}/" if status_url else ""
     return [*lines, f"watch: run directory {run_dir}{page}"]  # the page last: tools read its URL off the end
 

@@ -114,6 +114,8 @@ def _sparse(
     return Config(f"sparseloco H={h} {100 * density:g}% {bits}-bit{name}", groups, overrides)
 
 
+MANY_GROUPS = (8, 16, 30)
+DDP_LRS = ("0.00075", "0.0015", "0.006")  # around the inner lr every other row trains with (3e-3)
 STREAMING = ("algo=streaming", "algo.sync_every=100", "algo.fragments=4", "algo.delay=1", "algo.quantize=fp4")
 CONFIGS = [
     Config("ddp", 2, ("algo=ddp",)),
@@ -287,6 +289,25 @@ CONFIGS = [
         "outer_opt.momentum=0",
         name="diloco H=20, outer SGD lr 1.25, muon",
     ),
+    # The seed's group counts: data parallel with its inner lr tuned (M times the batch may want
+    # another lr; ``baseline`` keeps the best), local, DiLoCo with the defaults and with the outer
+    # settings the M-rules bear on (α, the outer lr), and the sparse recipe measured best at M = 4.
+    *(
+        row
+        for groups in MANY_GROUPS
+        for row in (
+            Config("ddp", groups, ("algo=ddp",)),
+            *(Config(f"ddp, lr {lr}", groups, ("algo=ddp", f"inner_opt.lr={lr}")) for lr in DDP_LRS),
+            Config("local", groups, ("algo=local",)),
+            _diloco(50, groups),
+            _diloco(50, groups, "algo.alpha=0", name="diloco H=50, α=0"),
+            _diloco(50, groups, "algo.alpha_reference_groups=0", name="diloco H=50, α=0.5 whatever M"),
+            _diloco(50, groups, "outer_opt.lr=1.0", name="diloco H=50, outer lr 1"),
+            _sparse(
+                20, 0.01, groups, name=", α ramped, outer lr 1.75", changes={"algo.alpha": None, "outer_opt.lr": "1.75"}
+            ),
+        )
+    ),
 ]
 QUICK_STEPS = 100
 QUICK_BATCH = ["trainer.batch_size=4", "trainer.seq_len=64"]  # a smoke run: start-up dominates anyway
@@ -300,6 +321,7 @@ class RunResult:
     summary: dict[str, Any]
     curve: list[tuple[float, float]]  # (job tokens, eval loss of group 0's model)
     seed: int = 0
+    inner_lr: float = math.nan  # as the job resolved it (job.json)
 
     @property
     def loss(self) -> float:
@@ -313,7 +335,8 @@ def collect(config: Config, run_dir: Path, seed: int = 0) -> RunResult:
     tokens_per_step = summary["tokens_seen"] / max(summary["steps"], 1)  # the whole job's, every group
     curve = [(r["step"] * tokens_per_step, r["eval/loss"]) for r in read_jsonl(paths.metrics(0)) if "eval/loss" in r]
     curve.append((summary["tokens_seen"], summary["final_eval_loss"]))
-    return RunResult(config, summary, sorted(dict(curve).items()), seed)
+    inner_lr = json.loads(paths.job.read_text())["inner_opt"]["lr"]
+    return RunResult(config, summary, sorted(dict(curve).items()), seed, inner_lr)
 
 
 def kept_by_shape(roots: list[Path]) -> dict[tuple[str, int, str], list[RunResult]]:
@@ -344,12 +367,25 @@ def collect_kept(roots: list[Path]) -> tuple[list[RunResult], str, int, str]:
     return found[model, steps, device], model, steps, device
 
 
-def baseline(results: list[RunResult], algo: str, groups: int, seed: int, inner: str = "adamw") -> float | None:
-    """The loss of the ``algo`` row (``ddp`` or ``local``; ``ddp, muon`` with another inner optimizer)
-    with ``groups`` groups at ``seed``; None if there is none or it failed."""
+def baseline_runs(results: list[RunResult], algo: str, groups: int, seed: int, inner: str = "adamw") -> list[RunResult]:
+    """The finished runs of the ``algo`` row (``ddp`` or ``local``; ``ddp, muon`` with another inner
+    optimizer) with ``groups`` groups at ``seed``, with its inner-lr variants (``ddp, lr 0.006``)."""
     name = algo if inner == "adamw" else f"{algo}, {inner}"
-    found = [r.loss for r in results if r.config.name == name and r.config.groups == groups and r.seed == seed]
-    return found[0] if found and math.isfinite(found[0]) else None
+    return [
+        r
+        for r in results
+        if (r.config.name == name or r.config.name.startswith(f"{name}, lr "))
+        and r.config.groups == groups
+        and r.seed == seed
+        and math.isfinite(r.loss)
+    ]
+
+
+def baseline(results: list[RunResult], algo: str, groups: int, seed: int, inner: str = "adamw") -> float | None:
+    """The loss of the ``algo`` row with ``groups`` groups at ``seed``, the best of its inner learning
+    rates where several ran (tuned data parallel); None if there is none or every one failed."""
+    found = baseline_runs(results, algo, groups, seed, inner)
+    return min(r.loss for r in found) if found else None
 
 
 def gap_closed(results: list[RunResult], run: RunResult, inner: str | None = None) -> float | None:
@@ -531,12 +567,14 @@ def targets(results: list[RunResult]) -> list[str]:
         lines.append(f"- DiLoCo worse than local: {', '.join(worse) if worse else 'none'}")
     lines += _muon_targets(results, found)
     lines += [line for groups in (2, 4) for line in _sparse_with_muon(found, groups)]
-    four = found.get(("diloco H=50", 4))
-    if four and four.ratios:
-        lines.append(
-            f"- DiLoCo M=4 H=50 against ddp: mean {100 * _mean(four.ratios):+.1f}%, "
-            f"worst {100 * max(four.ratios):+.1f}%"
-        )
+    for groups in (4, *MANY_GROUPS):
+        lines += _tuned_ddp(results, groups)
+        many = found.get(("diloco H=50", groups))
+        if many and many.ratios:
+            lines.append(
+                f"- DiLoCo M={groups} H=50 against ddp: mean {100 * _mean(many.ratios):+.1f}%, "
+                f"worst {100 * max(many.ratios):+.1f}%"
+            )
     stream, same_h = found.get(("streaming H=100 P=4 τ=1 fp4", 2)), found.get(("diloco H=100", 2))
     if stream and same_h:
         pairs = [(s.loss, d.loss) for s in stream.runs for d in same_h.runs if s.seed == d.seed]
@@ -547,6 +585,18 @@ def targets(results: list[RunResult]) -> list[str]:
             )
     lines += [_sparse_target(found, groups) for groups in (2, 4)]
     return [line for line in lines if line]
+
+
+def _tuned_ddp(results: list[RunResult], groups: int) -> list[str]:
+    """Which inner lr the data-parallel baseline at M groups kept, per seed (where several ran)."""
+    lines = []
+    for seed in sorted({r.seed for r in results}):
+        runs = baseline_runs(results, "ddp", groups, seed)
+        if len(runs) > 1:
+            lrs = {r.inner_lr: r.loss for r in runs}
+            tried = ", ".join(f"{lr:g}: {loss:.4f}" for lr, loss in sorted(lrs.items()))
+            lines.append(f"- ddp M={groups} seed {seed}: inner lr {min(lrs, key=lrs.get):g} kept (of {tried})")
+    return lines
 
 
 def _sparse_target(found: dict[tuple[str, int], Row], groups: int) -> str:

@@ -7,7 +7,10 @@ The same job (the same ``trainer.max_steps``, from a short fault-free calibratio
 - ``faults=none``: nothing injected, the reference;
 - ``faults=seed_topology_60s``: a random group SIGKILLed every 60 s, one SIGSTOPped for 10 s
   every 150 s; every restarted group heals from a live peer (no checkpoints);
-- ``faults=seed_topology_15s``: the same with a kill every 15 s.
+- ``faults=seed_topology_15s``: the same with a kill every 15 s;
+- ``algo=ddp``, fault-free: data parallel on the same groups and tokens (gradients averaged
+  across the groups every inner step), so the table also says how well the job trained: each
+  run's final eval loss against it.
 
 Everything reported is read back from the run directories (``summary.json``, ``events.jsonl``,
 every group's commit log) as ``kill_every.py`` and ``soak.py`` read them, plus the job's
@@ -31,7 +34,7 @@ Its exact wording could not be retrieved here; the two figures are implemented a
 
     python -m experiments.scale.seed_topology             # ~45 min on two cores: calibration + 3 x ~13 min
     python -m experiments.scale.seed_topology --faults 15 # the fault-free run and the 15-s run only
-    python -m experiments.scale.seed_topology --quick     # 8 groups, a kill every 8 s, 2 x ~30 s: a smoke test
+    python -m experiments.scale.seed_topology --quick     # 8 groups, a kill every 8 s, 3 x ~30 s: a smoke test
 
 Prints the plan and progress to stderr, a markdown table to stdout and
 experiments/results/seed_topology.md (the numbers also to seed_topology.json).
@@ -68,6 +71,9 @@ from experiments.fault_tolerance.soak import Progress, digest_mismatches
 
 EXPERIMENT = "seed_topology"
 FAULT_FREE = "fault-free"
+DATA_PARALLEL = "data parallel"
+# The preset's H and sync warm-up are Streaming's: data parallel syncs every step and reads neither.
+DATA_PARALLEL_OVERRIDES = ["algo=ddp", "algo.sync_every=1", "~algo.sync_warmup_steps", "faults=none"]
 BLOG = {60.0: (0.823, 0.812), 15.0: (0.302, 0.134)}  # kill period s -> the blog's (step, training) efficiency
 MEMORY_EVERY_S = 2.0
 EVAL_BATCHES = 8
@@ -177,8 +183,9 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"count": len(values), "median": median(values), "p90": p90, "max": ordered[-1]}
 
 
-def numbers(run: Run, base: Run, memory: dict[str, float]) -> dict[str, Any]:
-    """Every figure of the table for one run (also written as JSON)."""
+def numbers(run: Run, base: Run, memory: dict[str, float], ddp_loss: float | None = None) -> dict[str, Any]:
+    """Every figure of the table for one run (also written as JSON); ``ddp_loss``: the data-parallel
+    run's final eval loss (None while it has not run or failed)."""
     s = run.summary
     mismatched, checked = digest_mismatches(run.commits)
     hangs = [e for e in run.events if e["kind"] == "hang"]
@@ -204,6 +211,7 @@ def numbers(run: Run, base: Run, memory: dict[str, float]) -> dict[str, Any]:
         "memory": memory,
         "final_eval_loss": loss,
         "loss_gap": (loss - base_loss) / base_loss if base_loss else math.nan,
+        "vs_data_parallel": loss / ddp_loss - 1 if ddp_loss else math.nan,
         # A failed run's last step is not the planned one: no efficiency to speak of.
         "step_efficiency": base.training_times()[0] / run.training_times()[0] if s["ok"] else math.nan,
         "training_efficiency": run.goodput_to_last_step() / base.goodput_to_last_step() if s["ok"] else math.nan,
@@ -214,6 +222,10 @@ def _stats(stats: dict[str, float], keys: tuple[str, ...]) -> str:
     if not stats.get("count"):
         return "n/a"
     return " / ".join(f"{stats[k]:.2f}" for k in keys) + f" (n={stats['count']})"
+
+
+def _vs(ratio: float) -> str:
+    return "n/a" if math.isnan(ratio) else f"{ratio:+.2%}"
 
 
 def _blog(period: float | None) -> str:
@@ -243,6 +255,7 @@ ROWS = [
         lambda n: f"{n['memory']['pss_mib']:,.0f} / {n['memory']['rss_mib']:,.0f} ({n['memory']['processes']} proc.)",
     ),
     ("final eval loss (vs fault-free)", lambda n: f"{n['final_eval_loss']:.4f} ({n['loss_gap']:+.2%})"),
+    ("final eval loss vs data parallel, same tokens", lambda n: _vs(n["vs_data_parallel"])),
     ("step / training efficiency", lambda n: f"{n['step_efficiency']:.1%} / {n['training_efficiency']:.1%}"),
 ]
 
@@ -269,7 +282,7 @@ def targets(figures: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def setup(job: JobConfig, runs: dict[str, Run], steps: int, how: str) -> str:
-    faulty = next((r for name, r in runs.items() if name != FAULT_FREE), None)
+    faulty = next((r for name, r in runs.items() if name not in (FAULT_FREE, DATA_PARALLEL)), None)
     faults = json.loads(faulty.job_file.read_text())["faults"] if faulty else {"start_after": 0, "hang_every": 0}
     return (
         f"Streaming DiLoCo H={job.algo.sync_every}, P={job.algo.fragments}, τ={job.algo.delay}, {job.algo.quantize}; "
@@ -279,6 +292,26 @@ def setup(job: JobConfig, runs: dict[str, Run], steps: int, how: str) -> str:
         f"every {faults['hang_every']:g} s (faults/seed_topology_*.yaml); every return a live recovery from a peer. "
         f"Peak memory: sampled every {MEMORY_EVERY_S:g} s over the supervisor and all its descendants. "
         "Efficiencies: see the docstring of experiments/scale/seed_topology.py."
+    )
+
+
+def data_parallel_figures(run: Run) -> dict[str, Any]:
+    """What the data-parallel run of the same tokens reached (also written as JSON)."""
+    s = run.summary
+    keys = ("ok", "failure", "final_eval_loss", "wall_seconds", "bytes_per_token")
+    return {key: s[key] for key in keys} | {"overrides": DATA_PARALLEL_OVERRIDES}
+
+
+def data_parallel_line(figures: dict[str, Any] | None) -> str:
+    """The data-parallel run in one line ("" before it ran)."""
+    if figures is None:
+        return ""
+    how = ", ".join(figures["overrides"])
+    if not figures["ok"]:
+        return f"Data parallel ({how}): failed: {figures['failure']}"
+    return (
+        f"Data parallel ({how}, the same groups and tokens): final eval loss {figures['final_eval_loss']:.4f}, "
+        f"{figures['wall_seconds']:.0f} s, {figures['bytes_per_token']:,.1f} bytes per token."
     )
 
 
@@ -308,6 +341,7 @@ def main() -> None:
         shared = [f"trainer.max_steps={steps}", f"trainer.eval_batches={EVAL_BATCHES}", *cfg.extra]
         plans: list[tuple[str, float | None, list[str]]] = [(FAULT_FREE, None, ["faults=none"])]
         plans += [(run_name(p), p, [*faulty_overrides(p), *cfg.faults]) for p in cfg.kill_periods]
+        plans.append((DATA_PARALLEL, None, DATA_PARALLEL_OVERRIDES))
         runs, memory = {}, {}
         for name, _, overrides in plans:
             started = time.monotonic()
@@ -316,15 +350,23 @@ def main() -> None:
             memory[name] = sampler.figures()
             print(f"{name} run done in {(time.monotonic() - started) / 60:.1f} min", file=sys.stderr, flush=True)
             # The table so far after every run: a long experiment cut short still leaves its numbers.
-            figures = {name: numbers(run, runs[FAULT_FREE], memory[name]) for name, run in runs.items()}
-            periods = {name: p for name, p, _ in plans if name in runs}
-            text = "\n".join([setup(job, runs, steps, how), "", table(figures, periods), "", *targets(figures)])
+            ddp = data_parallel_figures(runs[DATA_PARALLEL]) if DATA_PARALLEL in runs else None
+            ddp_loss = ddp["final_eval_loss"] if ddp and ddp["ok"] else None
+            figures = {
+                other: numbers(run, runs[FAULT_FREE], memory[other], ddp_loss)
+                for other, run in runs.items()
+                if other != DATA_PARALLEL
+            }
+            periods = {name: p for name, p, _ in plans if name in figures}
+            head = [setup(job, runs, steps, how), data_parallel_line(ddp)]
+            text = "\n".join([*head, "", table(figures, periods), "", *targets(figures)])
             write_result("seed_topology.md", text, args.results)
-            write_result("seed_topology.json", json.dumps(figures, indent=2), args.results)
+            written = figures | ({DATA_PARALLEL: ddp} if ddp else {})
+            write_result("seed_topology.json", json.dumps(written, indent=2), args.results)
         print(text)
         print(f"table written to {write_result('seed_topology.md', text, args.results)}", file=sys.stderr)
     print(f"total wall time {(time.monotonic() - began) / 60:.1f} min", file=sys.stderr)
-    failed = [f"{name}: {n['failure']}" for name, n in figures.items() if not n["ok"]]
+    failed = [f"{name}: {run.summary['failure']}" for name, run in runs.items() if not run.summary["ok"]]
     if failed:
         sys.exit(f"run(s) failed: {'; '.join(failed)}")
 

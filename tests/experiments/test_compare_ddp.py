@@ -72,7 +72,8 @@ def test_configurations_are_chosen_by_name_and_group_count():
         return [(c.name, c.groups) for c in chosen(parse_args(list(argv)))]
 
     assert names("--only", "ddp", "diloco H=50", "--groups", "2") == [("ddp", 2), ("diloco H=50", 2)]
-    assert names("--only", "ddp") == [("ddp", 2), ("ddp", 4)]
+    assert names("--only", "ddp") == [("ddp", 2), ("ddp", 4), ("ddp", 8), ("ddp", 16), ("ddp", 30)]
+    assert names("--only", "ddp", "ddp, lr 0.006", "--groups", "8") == [("ddp", 8), ("ddp, lr 0.006", 8)]
     assert names("--quick") == [("ddp", 2), ("local", 2), ("diloco H=50", 2)]
     assert len(names()) == len(CONFIGS)
     with pytest.raises(SystemExit, match="unknown configuration"):
@@ -115,8 +116,10 @@ def test_the_sparseloco_preset_is_the_recipe_compare_ddp_measured():
     assert compose_like_run_py(["+experiment=sparseloco"]) == compose_like_run_py(list(row.overrides))
 
 
-def canned_run(root: Path, loss: float, curve: list[float], ok: bool = True, bytes_per_token: float = 0.0) -> Path:
-    """A run directory as a finished job leaves it: summary.json and group 0's metrics."""
+def canned_run(
+    root: Path, loss: float, curve: list[float], ok: bool = True, bytes_per_token: float = 0.0, inner_lr: float = 3e-3
+) -> Path:
+    """A run directory as a finished job leaves it: summary.json, job.json and group 0's metrics."""
     paths = RunPaths(root)
     paths.metrics(0).parent.mkdir(parents=True)
     steps = 100 * len(curve)
@@ -131,6 +134,7 @@ def canned_run(root: Path, loss: float, curve: list[float], ok: bool = True, byt
         "parameters": 800_000,
     }
     paths.summary.write_text(json.dumps(summary))
+    paths.job.write_text(json.dumps({"inner_opt": {"lr": inner_lr}}))
     lines = [{"step": 100 * (i + 1), "train/loss": 9.0} for i in range(len(curve))]
     lines += [{"step": 100 * (i + 1), "eval/loss": v} for i, v in enumerate(curve)]
     paths.metrics(0).write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -212,6 +216,25 @@ def test_compare_ddp_quick_at_two_seeds_two_jobs_at_a_time(tmp_path, capsys):
         assert NO_MATPLOTLIB in out
     else:
         assert (tmp_path / "compare_ddp_tiny_100.png").stat().st_size > 0
+
+
+def test_at_many_groups_the_baseline_is_data_parallel_at_its_best_inner_lr(tmp_path):
+    """M = 8: ddp ran at three inner lrs; every ratio and gap is against the best of them, and the
+    targets say which lr was kept. A failed lr is passed over."""
+    runs = [("ddp", 1.30, 3e-3), ("ddp, lr 0.006", 1.25, 6e-3), ("ddp, lr 0.0015", 1.40, 1.5e-3)]
+    runs += [("local", 1.50, 3e-3), ("diloco H=50", 1.35, 3e-3)]
+    results = [
+        collect(by_name(name, 8), canned_run(tmp_path / name, loss, [loss], inner_lr=lr)) for name, loss, lr in runs
+    ]
+    diloco = table(results).splitlines()[6]
+    assert diloco == "| diloco H=50 | 8 | 1 | 1.3500 | 1.3500 | 0.0000 | +8.0% | 60% | 60% | 0.0 | 1.5 |", diloco
+    assert targets(results)[1:] == [
+        "- ddp M=8 seed 0: inner lr 0.006 kept (of 0.0015: 1.4000, 0.003: 1.3000, 0.006: 1.2500)",
+        "- DiLoCo M=8 H=50 against ddp: mean +8.0%, worst +8.0%",
+    ]
+    failed = collect(by_name("ddp, lr 0.006", 8), canned_run(tmp_path / "nan", 1.0, [1.0], ok=False, inner_lr=6e-3))
+    results[1] = failed
+    assert "| diloco H=50 | 8 | 1 | 1.3500 | 1.3500 | 0.0000 | +3.8% | 75% |" in table(results)
 
 
 def test_a_failed_baseline_gives_no_ratio_instead_of_nan(tmp_path):

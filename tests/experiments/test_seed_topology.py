@@ -17,6 +17,8 @@ from experiments.common import compose_job
 from experiments.fault_tolerance import soak
 from experiments.fault_tolerance.kill_every import load_run
 from experiments.scale.seed_topology import (
+    DATA_PARALLEL,
+    DATA_PARALLEL_OVERRIDES,
     EXPERIMENT,
     FAULT_FREE,
     JobMemory,
@@ -39,6 +41,8 @@ def test_seed_topology_presets_compose():
     for period in (15.0, 60.0):
         faults = compose_job(faulty_overrides(period), EXPERIMENT).faults
         assert (faults.kill_every, faults.hang_every, faults.min_alive) == (period, 150.0, 2)
+    ddp = compose_job(DATA_PARALLEL_OVERRIDES, EXPERIMENT)
+    assert (ddp.algo.name, ddp.algo.sync_every, ddp.cluster.groups, ddp.faults.kill_every) == ("ddp", 1, 30, 0)
 
 
 def _canned(tmp_path, name, faults, goodput, last_step_at, events=(), commits=None):
@@ -68,7 +72,7 @@ def test_efficiencies_stalls_and_table_on_canned_runs(tmp_path):
     kill = {"time": 20.0, "kind": "kill", "group": 2}
     faulty = _canned(tmp_path, "kill every 15 s", {"kill": 1, "hang": 1}, 50.0, 80.0, [hang, kill], commits)
     memory = {"rss_mib": 900.0, "pss_mib": 300.0, "processes": 4}
-    figures = {name: numbers(run, base, memory) for name, run in ((FAULT_FREE, base), (faulty.name, faulty))}
+    figures = {name: numbers(run, base, memory, 1.6) for name, run in ((FAULT_FREE, base), (faulty.name, faulty))}
 
     f = figures[faulty.name]
     assert (f["kills"], f["hangs"], f["digest_mismatches"], f["goodput_ratio"]) == (1, 1, 1, 0.5)
@@ -82,6 +86,9 @@ def test_efficiencies_stalls_and_table_on_canned_runs(tmp_path):
     assert "| fault-tolerant Llama blog: step / training efficiency | n/a | 30.2% / 13.4% |" in text, text
     assert "| survivors' stall per hang s (median / max) | n/a | 3.00 / 3.00 (n=1) |" in text, text
     assert "| peak memory of the job MiB: sum of PSS / sum of RSS | 300 / 900 (4 proc.) |" in text, text
+    assert "| final eval loss vs data parallel, same tokens | +25.00% | +25.00% |" in text, text  # 2.0 / 1.6
+    without = numbers(faulty, base, memory)
+    assert "| final eval loss vs data parallel, same tokens | n/a |" in table({FAULT_FREE: without}, {FAULT_FREE: None})
     lines = targets(figures)
     assert lines[0].startswith("kill every 15 s: 0 digest mismatches: FAIL"), lines
     assert lines[1].startswith("kill every 15 s: final eval loss within 3% of fault-free: PASS"), lines
@@ -108,15 +115,19 @@ def test_spread_and_job_memory_count_a_child():
 def test_seed_topology_quick(tmp_path, capsys):
     """8 groups, 100 steps each (--steps skips the calibration), faults from 6 s: a kill every 8 s,
     and the job lasts past the second one (~14 s), since under load the first one finds too few
-    groups holding the state yet (faults.min_alive) and is skipped. The same run directories are read back
+    groups holding the state yet (faults.min_alive) and is skipped; then data parallel on the same
+    tokens, fault-free, each run's final eval loss against its. The same run directories are read back
     with soak.py's figures, table and targets: the soak's machinery is this (Streaming DiLoCo,
     kills, soak's Progress and digest check), so its own smoke test needs no run."""
     args = ["--quick", "--steps", "100", "--results", str(tmp_path), "--keep-runs", str(tmp_path / "runs")]
     out, _ = run_main("experiments.scale.seed_topology", args, TIMEOUT_S, capsys)
     figures = json.loads((tmp_path / "seed_topology.json").read_text())
-    assert list(figures) == [FAULT_FREE, "kill every 8 s"], out
-    faulty, clean = figures["kill every 8 s"], figures[FAULT_FREE]
-    assert faulty["ok"] and clean["ok"], out
+    assert list(figures) == [FAULT_FREE, "kill every 8 s", DATA_PARALLEL], out
+    faulty, clean, ddp = figures["kill every 8 s"], figures[FAULT_FREE], figures[DATA_PARALLEL]
+    assert faulty["ok"] and clean["ok"] and ddp["ok"], out
+    assert ddp["bytes_per_token"] > 0 and ddp["overrides"] == DATA_PARALLEL_OVERRIDES, ddp
+    vs = clean["final_eval_loss"] / ddp["final_eval_loss"] - 1
+    assert clean["vs_data_parallel"] == pytest.approx(vs) and f"| {vs:+.2%} |" in out, out
     assert faulty["groups"] == 8 and faulty["kills"] > 0 and faulty["recoveries"] > 0, out
     assert faulty["digest_mismatches"] == 0 and clean["digest_mismatches"] == 0 and faulty["rounds_checked"] > 0, out
     assert faulty["memory"]["processes"] >= 9, out  # supervisor, fork server, lighthouse?, 8 workers
