@@ -14,7 +14,9 @@ DiLoCo must beat), DiLoCo at several H and M, with the mixing α ramped (the def
 from the first round and (at M=4) not scaled down by the number of groups, the paper's exact
 settings, Streaming DiLoCo (P=4, τ=1, fp4; α on and off), and SparseLoCo's error-feedback top-k
 (``algo.compress=topk``) at several densities and H, and MuLoCo's rows (``inner_opt=muon``: Muon as
-the inner optimizer, each against data parallel and local with Muon too). Every group reads its own shard
+the inner optimizer, each against data parallel and local with Muon too), and at the seed's group
+counts (M = 8, 16, 30) data parallel at several inner learning rates (``ddp, lr 0.006``: the ratios
+and gaps are against the best of them), local, DiLoCo and the sparse recipe. Every group reads its own shard
 and takes the same inner steps, so at M groups every configuration sees the same tokens.
 
 ``--seeds N`` runs every configuration at ``trainer.seed`` 0 .. N−1 (other initial weights and
