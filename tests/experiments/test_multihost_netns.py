@@ -1,14 +1,13 @@
 """A multi-host job across namespaced hosts (experiments/scale/netns_hosts.py) through faults between
-hosts, one after the other in one job of three groups under torchrun: two groups cut from each other
-while all reach the lighthouse (the third never sits out, the kept side commits again soon after the
-round at the cut failed, the cut-off one is back soon after the link), a group's link down and up
-again (the group is dropped, comes back and heals) and the lighthouse SIGKILLed (its restart loop
-starts it again). Each fault waits for the job's progress (new rounds in its commit logs), not for
-fixed times. The job must end as if nothing had happened: every part exits 0, summary.json ok with
-one digest, and no process nor namespace is left behind (slow; need root, ``ip`` and ``tc``: skipped
-with netns_link.unavailable()'s reason). A worker SIGKILLed under torchrun is
-tests/launch/test_multihost.py's. And experiments/scale/multihost_chaos.py's and multihost_cuts.py's
-own arithmetic, on records made up here (fast).
+hosts: a worker SIGKILLed (torchrun restarts its group, which heals from the peer), a group's link
+down and up again (the group is dropped, comes back and heals) and the lighthouse SIGKILLed (its
+restart loop starts it again). Each fault waits for the job's progress (new rounds in its commit
+logs), not for fixed times. The job must end as if nothing had happened: every part exits 0,
+summary.json ok with one digest, and no process nor namespace is left behind. And two of three
+groups cut from each other while all reach the lighthouse: the third never sits out, the kept side
+commits again soon after the round at the cut failed, the cut-off one is back soon after the link
+(slow; need root, ``ip`` and ``tc``: skipped with netns_link.unavailable()'s reason). And
+experiments/scale/multihost_chaos.py's and multihost_cuts.py's own arithmetic, on records made up here (fast).
 
 ``multihost_chaos.py --quick`` itself is not run here: its two jobs take 75 s on two idle cores
 (2.5 min on busy ones), past the minute a test of it may take.
@@ -40,16 +39,21 @@ from experiments.scale.multihost_cuts import cut_off, failed_at, model_step, ref
 from experiments.scale.netns_hosts import MultihostJob, NetnsHosts
 
 NO_NETNS = netns_link.unavailable()
+GROUPS = 2
+# Enough steps that the job outlasts the three faults (about 45 s of them): at ~20 steps/s per group on
+# two idle cores, and fewer while the lighthouse is down (the groups train on, rounds skipped).
+OVERRIDES = ["trainer.max_steps=1400", "algo.sync_every=10"]
+LINK_DOWN_S = 8.0  # > cluster.timeouts.heartbeat (3 s): the group is dropped
+BACK_S = 60.0  # a restarted or cut-off group back at its peers' round; a lighthouse started again
+JOB_S = 240.0
 # Three groups, g0 | g1 cut for CUT_S: longer than the round at the cut takes to fail (a cut shorter than
-# cluster.timeouts.collective fails no round: its TCP connections resume). Then g1's link down for LINK_DOWN_S
-# and the lighthouse killed. Steps enough that the job outlasts the three faults and their recoveries (about
-# 60 s of them; ~30 steps/s per group on two idle cores, and fewer while the lighthouse is down: the groups
-# train on, rounds skipped). No link is timed slow (cluster.slow_link_factor=0): on two busy cores a probe
-# times the same unshaped link at 36 Mbit/s and at 760, and the group it calls slow would sit out for a reason
-# this test is not about.
-GROUPS = 3
-OVERRIDES = [
-    "trainer.max_steps=1800",
+# cluster.timeouts.collective fails no round: its TCP connections resume), and steps enough that the job
+# outlasts it and the heal (~30 steps/s per group on two idle cores). No link is timed slow
+# (cluster.slow_link_factor=0): on two busy cores a probe times the same unshaped link at 36 Mbit/s and at
+# 760, and the group it calls slow would sit out for a reason this test is not about.
+CUT_GROUPS = 3
+CUT_OVERRIDES = [
+    "trainer.max_steps=600",
     "algo.sync_every=20",
     "trainer.warmup_share=0",
     "cluster.timeouts.collective=5",
@@ -58,9 +62,6 @@ OVERRIDES = [
 ]
 CUT_S = 10.0
 AGAIN_WITHIN_S = 5.0  # the kept side commits again after the failed round; the cut-off group is back after the link
-LINK_DOWN_S = 8.0  # > cluster.timeouts.heartbeat (3 s): the group is dropped
-BACK_S = 60.0  # a cut-off group back at its peers' round; a lighthouse started again
-JOB_S = 420.0  # from the last fault to the end, on busy cores
 
 
 def _namespaces() -> set[str]:
@@ -96,33 +97,31 @@ def _more_rounds(job: MultihostJob, rounds: int, what: str) -> None:
     _wait(job, lambda: all(_committed(job, g) >= start[g] + rounds for g in range(job.groups)), what)
 
 
-def _back(job: MultihostJob, group: int, since: float, healed: bool = False) -> bool:
+def _back(job: MultihostJob, group: int, since: float, old_pids: set[int] = frozenset(), healed: bool = False) -> bool:
     records = commits(job.run_dir, job.groups)[group]
     if healed:  # it took a peer's state after ``since``
         return any(r.get("healed") and r["time"] > since for r in records)
-    return is_back(records, since, set())
+    return is_back(records, since, set(old_pids))
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(NO_NETNS is not None, reason=f"namespaced hosts: {NO_NETNS}")
-def test_a_multihost_job_rides_out_a_cut_pair_a_link_down_and_a_lighthouse_kill(tmp_path: Path):
-    with NetnsHosts(["lh", "g0", "g1", "g2"]) as hosts:
+def test_a_multihost_job_rides_out_a_worker_kill_a_link_down_and_a_lighthouse_kill(tmp_path: Path):
+    with NetnsHosts(["lh", "g0", "g1"]) as hosts:
         namespaces = {hosts.hub, *map(hosts.namespace, hosts.names)}
         with MultihostJob(hosts, tmp_path, groups=GROUPS, overrides=OVERRIDES, max_restarts=2) as job:
             job.start()
-            _more_rounds(job, 3, "first rounds")
+            _more_rounds(job, 2, "first rounds")
 
-            # g0 | g1 cut while both reach g2 and the lighthouse.
-            cut_at = time.time()
-            hosts.partition("g0", "g1")
-            time.sleep(CUT_S)
-            hosts.heal("g0", "g1")
-            link_back = time.time()
-            _wait(job, lambda: _back(job, 0, link_back) and _back(job, 1, link_back), "both sides back after the link")
-            cut_over = time.time()
+            # A worker SIGKILLed: torchrun starts the group again and the new worker heals from g1.
+            old = {r["pid"] for r in commits(job.run_dir, GROUPS)[0]}
+            killed_at = time.time()
+            old.add(job.kill_worker(0))
+            _wait(job, lambda: _back(job, 0, killed_at, old), "commit by group 0's restarted worker")
+            assert _back(job, 0, killed_at, healed=True), "the restarted worker healed from its peer"
 
             # g1's link down past the heartbeat timeout: g1 is dropped, then comes back and heals.
-            _more_rounds(job, 1, "a round of every group after the cut")
+            _more_rounds(job, 1, "a round of both groups after the restart")
             hosts.link_down("g1")
             time.sleep(LINK_DOWN_S)
             hosts.link_up("g1")
@@ -130,7 +129,7 @@ def test_a_multihost_job_rides_out_a_cut_pair_a_link_down_and_a_lighthouse_kill(
             _wait(job, lambda: _back(job, 1, up_at, healed=True), "heal of group 1 after its link came back")
 
             # The lighthouse SIGKILLed: its loop starts it again and the groups commit rounds with it.
-            _more_rounds(job, 1, "a round of every group after the heal")
+            _more_rounds(job, 1, "a round of both groups after the heal")
             lighthouse = job.kill_lighthouse()
             _wait(job, lambda: any(p != lighthouse for p in job.lighthouse_pids()), "lighthouse started again")
             restarted_at = time.time()
@@ -140,11 +139,29 @@ def test_a_multihost_job_rides_out_a_cut_pair_a_link_down_and_a_lighthouse_kill(
             assert summary["recoveries"] >= 2, summary
             assert job.leftovers() == []
         logs = {g: (job.log_dir / f"g{g}.log").read_text() for g in range(GROUPS)}
+        assert all("healed" in log for log in logs.values()), "each group says it healed"
         assert "lighthouse died; restarting" in (job.log_dir / "lh.log").read_text()
     assert not _namespaces() & namespaces
 
-    records = commits(job.run_dir, GROUPS)
-    after = {g: [r for r in rs if cut_at < r["time"] < cut_over] for g, rs in records.items()}
+
+@pytest.mark.slow
+@pytest.mark.skipif(NO_NETNS is not None, reason=f"namespaced hosts: {NO_NETNS}")
+def test_two_groups_cut_apart_leave_the_third_in_every_round_and_both_sides_commit_again_soon(tmp_path: Path):
+    with (
+        NetnsHosts(["lh", "g0", "g1", "g2"]) as hosts,
+        MultihostJob(hosts, tmp_path, groups=CUT_GROUPS, overrides=CUT_OVERRIDES) as job,
+    ):
+        job.start()
+        _more_rounds(job, 3, "first rounds")
+        cut_at = time.time()
+        hosts.partition("g0", "g1")
+        time.sleep(CUT_S)
+        hosts.heal("g0", "g1")
+        link_back = time.time()
+        _wait(job, lambda: _back(job, 0, link_back) and _back(job, 1, link_back), "both sides back after the link")
+        _ended_ok(job)
+
+    after = {g: [r for r in rs if r["time"] > cut_at] for g, rs in commits(job.run_dir, CUT_GROUPS).items()}
     failed = failed_at(after, cut_at)
     assert failed is not None, "the round at the cut failed"
     first = reformed(after, cuts=((0, 1),), since=failed)
@@ -162,7 +179,6 @@ def test_a_multihost_job_rides_out_a_cut_pair_a_link_down_and_a_lighthouse_kill(
     for group in left_out:
         back = seconds_to_back(after[group], link_back)
         assert back is not None and back <= AGAIN_WITHIN_S, f"group {group}, cut off, back {back} s after its link"
-    assert all("healed" in logs[g] for g in {1, *left_out}), "each group that was cut off says it healed"
 
 
 def _records(times: list[float], pid: int = 1, **extra: object) -> list[dict]:
