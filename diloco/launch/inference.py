@@ -48,7 +48,7 @@ def locate_weights(checkpoint: str | None) -> tuple[Path, Path]:
         return path, path.parents[2]
     weights = path / "model.pt" if path.is_dir() else path
     where = None
-    if path.exists() and enclosing_checkpoint(path) not in (None, path):  # a worker's .distcp, its folder
+    if path.exists() and enclosing_checkpoint(path) not in (None, path):  # a worker's file, its folder
         what = "a folder inside" if path.is_dir() else "a file of"
         raise ConfigError(
             f"checkpoint={checkpoint}: {what} the checkpoint {enclosing_checkpoint(path)}; a checkpoint is a "

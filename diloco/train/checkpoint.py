@@ -2,27 +2,26 @@
 
 Healing stays live from peers (DESIGN); a checkpoint is for a stop the user asked for
 (Ctrl-C, SIGTERM from a scheduler) or for restarting a whole job. Each worker saves only
-its own shard with ``torch.distributed.checkpoint`` (``no_dist``: no gather to one rank and
-no pickled collective between ranks): θ_l, the inner optimizer's state, θ_g and the outer
-optimizers' state, plus its position as JSON. Layout in the run directory::
+its own shard (no gather to one rank, no collective between ranks) in one safetensors file
+(``diloco.train.tensor_file``: nothing in a checkpoint is unpickled): θ_l, the inner
+optimizer's state, θ_g and the outer optimizers' state, plus its position as JSON. Layout in
+the run directory::
 
-    checkpoints/step-000500/group-0/rank-0/   one worker's DCP files and manifest.json
+    checkpoints/step-000500/group-0/rank-0/   one worker's state.safetensors and manifest.json
     checkpoints/step-000500/group-0/complete.json   written last, by the group's leader
 
-A rank's folder is written under a temporary name and renamed whole; ``manifest.json``
-holds every file's size and sha256, so a truncated or altered file is refused by name;
-``complete.json`` appears only once every rank of the group has its folder in place.
+A rank's folder is written under a temporary name, flushed to disk and renamed whole;
+``manifest.json`` holds every file's size and sha256, so a truncated or altered file is
+refused by name; ``complete.json`` appears only once every rank of the group has its folder
+in place.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,11 @@ import torch
 from diloco.config.base import ConfigError
 from diloco.files import file_sha256, write_json_atomically
 from diloco.run_paths import RunPaths
+from diloco.train.tensor_file import TensorFileError, read_tensors, write_tensors
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
+STATE = "state.safetensors"
 COMPLETE = "complete.json"
 LATEST = "latest"
 AUTO = "auto"
@@ -60,11 +61,13 @@ def save_rank(folder: Path, tensors: dict[str, torch.Tensor], progress: dict[str
     folder.parent.mkdir(parents=True, exist_ok=True)
     partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    snapshot = {name: t.detach().cpu() for name, t in tensors.items()}
-    dcp = _dcp()
-    with _single_process():
-        dcp.save(snapshot, checkpoint_id=str(partial), no_dist=True)
-    files = {p.name: _file_record(p) for p in sorted(partial.iterdir()) if p.is_file()}
+    partial.mkdir()
+    snapshot = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    with (partial / STATE).open("wb") as file:
+        sha256 = write_tensors(file, snapshot)
+        file.flush()
+        os.fsync(file.fileno())
+    files = {STATE: {"bytes": (partial / STATE).stat().st_size, "sha256": sha256}}
     layout = {
         name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in snapshot.items()
     }
@@ -80,13 +83,13 @@ def mark_complete(group_folder: Path, info: dict[str, Any]) -> None:
 
 
 def load_rank(folder: Path, template: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """One worker's shard and its progress, after checking every file against the manifest.
+    """One worker's shard and its progress, its file checked against the manifest as it is read.
 
     ``template`` names the tensors this worker holds now (their shapes and dtypes); the
     checkpoint must hold exactly those. Returns new CPU tensors: nothing live is touched
     here, so a refused checkpoint leaves the worker as it was.
     """
-    return _load_verified(folder, template, verify_rank(folder))
+    return _load_verified(folder, template, _manifest(folder))
 
 
 def _load_verified(
@@ -99,35 +102,27 @@ def _load_verified(
             f"{folder}: holds other state than this job's workers (missing {missing[:3]}, unexpected {extra[:3]}); "
             "resume with the model, algo, inner_opt and outer_opt settings the checkpoint was written with"
         )
-    loaded = {name: torch.empty_like(t.detach(), device="cpu") for name, t in template.items()}
-    dcp = _dcp()
+    path = folder / STATE
     try:
-        with _single_process():
-            dcp.load(loaded, checkpoint_id=str(folder), no_dist=True)
-    except Exception as error:  # DCP reports shape or storage problems in several types
-        raise CheckpointError(f"{folder}: cannot be loaded: {str(error).splitlines()[0]}") from error
+        with path.open("rb") as file:
+            loaded, sha256 = read_tensors(file)
+    except TensorFileError as error:
+        raise CheckpointError(f"{path}: corrupt ({error})") from None
+    if sha256 != manifest["files"][STATE]["sha256"]:
+        raise CheckpointError(f"{path}: corrupt (its size or sha256 differs from {folder / MANIFEST})")
+    for name, tensor in template.items():
+        saved = loaded.get(name)
+        if saved is None or saved.shape != tensor.shape or saved.dtype != tensor.dtype:
+            what = "missing" if saved is None else f"{saved.dtype} {list(saved.shape)}"
+            raise CheckpointError(
+                f"{path}: cannot be loaded: tensor {name} is {what}, this job's {tensor.dtype} {list(tensor.shape)}"
+            )
     return loaded, manifest["progress"]
-
-
-def _dcp() -> Any:
-    """torch.distributed.checkpoint, imported on first use: it pulls in DTensor (0.6 s), which
-    the launcher, the lighthouse and ``role=summary`` never need, and every ``python run.py`` pays."""
-    import torch.distributed.checkpoint as dcp
-
-    return dcp
-
-
-@contextlib.contextmanager
-def _single_process() -> Iterator[None]:
-    """``no_dist`` is meant: each worker writes its own shard (DCP warns when torch.distributed is not set up)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
 
 
 def read_rank(folder: Path) -> dict[str, torch.Tensor]:
     """One worker's shard as it was saved (names, shapes and dtypes from its manifest), checked."""
-    manifest = verify_rank(folder)
+    manifest = _manifest(folder)
     template = {}
     for name, saved in manifest.get("layout", {}).items():
         dtype = getattr(torch, str(saved.get("dtype")), None)
@@ -139,6 +134,16 @@ def read_rank(folder: Path) -> dict[str, torch.Tensor]:
 
 def verify_rank(folder: Path) -> dict[str, Any]:
     """The rank's manifest, once every file it names is present with its recorded size and sha256."""
+    manifest = _manifest(folder)
+    for name, record in manifest["files"].items():
+        if file_sha256(folder / name) != record["sha256"]:
+            raise CheckpointError(f"{folder / name}: corrupt (its size or sha256 differs from {folder / MANIFEST})")
+    return manifest
+
+
+def _manifest(folder: Path) -> dict[str, Any]:
+    """The rank's manifest, once every file it names is present with its recorded size (their sha256
+    is ``verify_rank``'s, or taken by ``_load_verified`` as it reads them: one pass over the bytes)."""
     manifest_path = folder / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -149,17 +154,18 @@ def verify_rank(folder: Path) -> dict[str, Any]:
         ) from None
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{manifest_path}: corrupt ({error})") from None
+    if not isinstance(files, dict) or STATE not in files:
+        raise CheckpointError(
+            f"{manifest_path}: names no {STATE}, so it is of an earlier format (torch.distributed.checkpoint "
+            "files); resume it with the release that wrote it, or start the job anew"
+        )
     for name, record in files.items():
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"{path}: missing from the checkpoint")
-        if _file_record(path) != record:
+        if path.stat().st_size != record.get("bytes"):
             raise CheckpointError(f"{path}: corrupt (its size or sha256 differs from {manifest_path})")
     return manifest
-
-
-def _file_record(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def complete_info(group_folder: Path) -> dict[str, Any] | None:
@@ -225,7 +231,7 @@ def enclosing_checkpoint(path: Path) -> Path | None:
 
 
 def _refuse_part_of_a_checkpoint(spec: str, source: Path) -> None:
-    """A file (a worker's ``.distcp``, its manifest) or a group's or worker's folder is a part of a checkpoint:
+    """A file (a worker's ``state.safetensors``, its manifest) or a group's or worker's folder is a part of a checkpoint:
     name the checkpoint folder it belongs to, which is what ``trainer.resume`` takes."""
     enclosing = enclosing_checkpoint(source)
     if not source.exists() or (source.is_dir() and enclosing in (None, source)):

@@ -293,7 +293,8 @@ CONFIGS = [
     ),
     # The seed's group counts: data parallel with its inner lr tuned (M times the batch may want
     # another lr; ``baseline`` keeps the best), local, DiLoCo with the defaults and with the outer
-    # settings the M-rules bear on (α, the outer lr), and the sparse recipe measured best at M = 4.
+    # settings the M-rules bear on (α, the outer lr, the sync warm-up's length), and the sparse recipe
+    # measured best at M = 4.
     *(
         row
         for groups in MANY_GROUPS
@@ -305,6 +306,8 @@ CONFIGS = [
             _diloco(50, groups, "algo.alpha=0", name="diloco H=50, α=0"),
             _diloco(50, groups, "algo.alpha_reference_groups=0", name="diloco H=50, α=0.5 whatever M"),
             _diloco(50, groups, "outer_opt.lr=1.0", name="diloco H=50, outer lr 1"),
+            _diloco(50, groups, "algo.sync_warmup_steps=0", name="diloco H=50, no H warm-up"),
+            _diloco(50, groups, "algo.sync_warmup_steps=200", name="diloco H=50, H₀=10 for 200 steps"),
             _sparse(
                 20, 0.01, groups, name=", α ramped, outer lr 1.75", changes={"algo.alpha": None, "outer_opt.lr": "1.75"}
             ),

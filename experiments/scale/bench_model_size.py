@@ -15,10 +15,13 @@ For each Llama preset of the ladder (``--sizes``: tiny, mini, midi, llama3_150m 
    unless hashed beside the inner steps) and the median of each phase (docs/algorithm.md, "An
    outer round's phases"), the healing round's ``heal`` phase (waiting for the peer's round
    included), death to the restarted group's first commit, and each worker's peak resident
-   memory beside the bytes a plain loop holds (parameters, gradients, AdamW: 16 a parameter).
+   memory beside the bytes a plain loop holds (parameters, gradients, AdamW: 16 a parameter);
+3. a checkpoint of a worker's state of the model's shapes (θ_l, AdamW, θ_g, momentum: 20 bytes a
+   parameter) saved and loaded beside a bare write and read of the same bytes (``checkpoint_io``).
 
 Ratios are to the bare figure measured in the same run: round / all-reduce, a heal's transfer
-(``HealState.send`` / ``receive`` between the same two processes) / the bare send of its bytes.
+(``HealState.send`` / ``receive`` between the same two processes) / the bare send of its bytes,
+a checkpoint's save / the bare write synced, its load / the bare read.
 The machine's free memory is touched once first (``warm_memory``).
 
     python -m experiments.scale.bench_model_size                  # the ladder to 150M: ~15 min on two idle cores
@@ -51,6 +54,7 @@ from diloco.outer.update import outer_update
 from diloco.train.inner_opt import init_adamw_state
 from diloco.train.model import count_parameters, meta_model
 from experiments.common import ClusterRun, add_output_arguments, compose_job, markdown_table, runs_root, write_result
+from experiments.scale.checkpoint_io import checkpoint_figures
 from outer_opt import OuterOptConfig, build_outer_optimizer, initialize_state
 
 H = 5
@@ -224,7 +228,9 @@ def measure(size: str, reps: int, root: Path) -> dict[str, Any]:
     model = meta_model(compose_job([f"model={size}"]).model)
     numel = count_parameters(model)
     print(f"{size}: {numel / 1e6:.1f}M parameters", file=sys.stderr, flush=True)
-    row = {"size": size, "parameters": numel} | bare([p.shape for p in model.parameters()], reps)
+    shapes = [p.shape for p in model.parameters()]
+    row = {"size": size, "parameters": numel} | bare(shapes, reps)
+    row |= checkpoint_figures(shapes, root / size / "checkpoint")
     row |= job_figures(size, root / size)
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
@@ -255,6 +261,13 @@ def table(rows: list[dict[str, Any]]) -> str:
         "heal in the job ms",
         "death to commit s",
         "peak RSS per worker MB (plain loop's state MB)",
+        "checkpoint MB",
+        "bare write ms: alone / synced",
+        "checkpoint save ms",
+        "save / synced write",
+        "bare read ms",
+        "checkpoint load ms",
+        "load / read",
     ]
     body = []
     for r in rows:
@@ -277,6 +290,13 @@ def table(rows: list[dict[str, Any]]) -> str:
                 _ms(r["heal_ms"]),
                 "n/a" if r["death_to_commit_s"] is None else f"{r['death_to_commit_s']:.1f}",
                 f"{_ms(r['peak_rss_mb'])} ({plain_mb:,.0f})",
+                f"{r['checkpoint_bytes'] / 2**20:,.0f}",
+                f"{_ms(r['raw_write_ms'])} / {_ms(r['raw_write_synced_ms'])}",
+                _ms(r["save_ms"]),
+                _ratio(r["save_ms"], r["raw_write_synced_ms"]),
+                _ms(r["raw_read_ms"]),
+                _ms(r["load_ms"]),
+                _ratio(r["load_ms"], r["raw_read_ms"]),
             ]
         )
     return markdown_table(headers, body)

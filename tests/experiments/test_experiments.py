@@ -15,7 +15,7 @@ import pytest
 from experiments.common import compose_job
 from experiments.fault_tolerance import bench_restart
 from experiments.parallelism import bench_overhead, bench_sync
-from experiments.scale import bench_model_size
+from experiments.scale import bench_model_size, checkpoint_io
 from tests.experiments.in_process import run_main
 
 TIMEOUT_S = 240
@@ -136,4 +136,6 @@ def test_bench_model_size_quick_times_every_phase_of_a_round_and_a_heal_beside_t
     assert bytes_by_kind["theta_g"] == bytes_by_kind["outer state"] == 4 * 131_392, bytes_by_kind
     assert bytes_by_kind["inner state"] >= 8 * 131_392, bytes_by_kind  # AdamW's two moments, and its steps
     assert row["heal_ms"] is not None and row["death_to_commit_s"] is not None and row["peak_rss_mb"] > 0, out
+    assert row["checkpoint_bytes"] == len(checkpoint_io.KINDS) * 4 * 131_392, row  # 20 bytes a parameter
+    assert min(row[k] for k in ("raw_write_ms", "raw_write_synced_ms", "raw_read_ms", "save_ms", "load_ms")) > 0, row
     assert "| tiny | 0.1M |" in out

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.train.checkpoint import group_dir, mark_complete, rank_dir, save_rank, step_dir
+from diloco.train.checkpoint import STATE, group_dir, mark_complete, rank_dir, save_rank, step_dir
 from tests.conftest import REPO
 
 
@@ -56,8 +56,8 @@ def test_files_that_are_not_what_the_key_takes(tmp_path):
     checkpoint = step_dir(tmp_path / "trained", 10)
     save_rank(rank_dir(group_dir(checkpoint, 0), 0), {"w": torch.zeros(2)}, {"step": 10})
     mark_complete(group_dir(checkpoint, 0), {"step": 10})
-    distcp = next(rank_dir(group_dir(checkpoint, 0), 0).glob("*.distcp"))
-    line = _refused_in_one_line(_run_py(tmp_path / "r", f"trainer.resume={distcp}", "logger=none"))
+    shard = rank_dir(group_dir(checkpoint, 0), 0) / STATE
+    line = _refused_in_one_line(_run_py(tmp_path / "r", f"trainer.resume={shard}", "logger=none"))
     assert line.endswith(f"a checkpoint is a folder, so pass trainer.resume={checkpoint}")
 
     tokens = tmp_path / "t32.bin"

@@ -23,6 +23,7 @@ from diloco.launch.local_cluster import JobFailed, wait_until
 from diloco.run_paths import RunPaths
 from diloco.train.checkpoint import (
     COMPLETE,
+    STATE,
     CheckpointError,
     check_compatible,
     describe_resume,
@@ -63,7 +64,7 @@ def test_a_rank_saved_is_loaded_exactly_with_its_progress(tmp_path):
 def test_a_corrupt_or_partial_checkpoint_is_refused_naming_the_file(tmp_path):
     folder = _save_group(tmp_path, 0, 20)
     template = {k: torch.zeros_like(v) for k, v in TENSORS.items()}
-    shard = next(p for p in rank_dir(folder, 0).iterdir() if p.suffix == ".distcp")
+    shard = rank_dir(folder, 0) / STATE
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -81,6 +82,17 @@ def test_a_checkpoint_of_other_state_is_refused(tmp_path):
     folder = _save_group(tmp_path, 0, 20)
     with pytest.raises(CheckpointError, match="holds other state than this job's workers"):
         load_rank(rank_dir(folder, 0), {"model.w": torch.zeros(2, 3)})
+    other_shape = {"model.w": torch.zeros(3, 2), "inner.0.step": torch.tensor(0.0)}
+    with pytest.raises(
+        CheckpointError, match=r"tensor model.w is torch.float32 \[2, 3\], this job's torch.float32 \[3, 2\]"
+    ):
+        load_rank(rank_dir(folder, 0), other_shape)
+    manifest_path = rank_dir(folder, 0) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"] = {"__0_0.distcp": manifest["files"][STATE]}  # as the earlier format listed its files
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="names no state.safetensors, so it is of an earlier format"):
+        load_rank(rank_dir(folder, 0), other_shape)
     check_compatible(folder, {"step": 20})
     with pytest.raises(CheckpointError, match=r"written with step=20, this job has 30"):
         check_compatible(folder, {"step": 30})
@@ -188,13 +200,13 @@ def test_resume_takes_each_groups_newest_whole_checkpoint_of_a_run(tmp_path):
 
 
 def test_resume_from_a_part_of_a_checkpoint_names_the_checkpoint_folder(tmp_path):
-    """A ``.distcp`` file was once "no such directory"; a checkpoint is a folder, so name it."""
+    """A worker's file was once "no such directory"; a checkpoint is a folder, so name it."""
     run = tmp_path / "run"
     for group in (0, 1):
         _save_group(run, group, 20)
     checkpoint = step_dir(run, 20)
-    distcp = next(rank_dir(group_dir(checkpoint, 0), 0).glob("*.distcp"))
-    for part, what in [(distcp, "a file of"), (group_dir(checkpoint, 1), "a folder inside")]:
+    shard = rank_dir(group_dir(checkpoint, 0), 0) / STATE
+    for part, what in [(shard, "a file of"), (group_dir(checkpoint, 1), "a folder inside")]:
         with pytest.raises(CheckpointError) as refused:
             resolve_resume(str(part), tmp_path / "new", tmp_path, 2)
         assert str(refused.value) == (
@@ -210,11 +222,11 @@ def test_resume_from_a_part_of_a_checkpoint_names_the_checkpoint_folder(tmp_path
 
 
 def test_eval_of_a_part_of_a_checkpoint_names_the_checkpoint_folder(tmp_path):
-    """role=eval checkpoint= a worker's .distcp or its folder: the checkpoint folder is what it takes."""
+    """role=eval checkpoint= a worker's state.safetensors or its folder: the checkpoint folder is what it takes."""
     checkpoint = step_dir(tmp_path / "run", 20)
     folder = _save_group(tmp_path / "run", 0, 20)
-    distcp = next(rank_dir(folder, 0).glob("*.distcp"))
-    for part, what in [(distcp, "a file of"), (rank_dir(folder, 0), "a folder inside")]:
+    shard = rank_dir(folder, 0) / STATE
+    for part, what in [(shard, "a file of"), (rank_dir(folder, 0), "a folder inside")]:
         with pytest.raises(ConfigError) as refused:
             locate_weights(str(part))
         assert str(refused.value) == (

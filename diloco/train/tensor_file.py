@@ -1,0 +1,111 @@
+"""A worker's checkpoint tensors in one safetensors file, hashed as its bytes pass.
+
+The format is safetensors' (an 8-byte little-endian header length, a JSON header naming each
+tensor's dtype, shape and byte range, then the bytes), so a shard opens with
+``safetensors.safe_open``; nothing in it is unpickled. Written and read here rather than with
+``safetensors.torch`` because a checkpoint's cost is its bytes: each tensor goes between its own
+memory and the file in one call, and the file's sha256 is taken on the way (the manifest's
+record costs no second pass over the file). Reads go into new tensors, so a refused file leaves
+nothing live touched, and into freshly allocated ones, as a plain read would (reading through
+a mapped file was 5x slower at 150M on the project's CPU machine: docs/results/scale.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from typing import IO, Any
+
+import torch
+
+DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+BY_NAME = {name: dtype for dtype, name in DTYPES.items()}
+ALIGN = 8  # the header is padded with spaces so the bytes after it start 8-aligned, as safetensors writes
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit: a larger length is a corrupt or foreign file
+
+
+class TensorFileError(ValueError):
+    """A file that is not a tensor file this module can read (truncated, foreign, or of unknown dtypes)."""
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes (any dtype: a uint8 view of its flat values)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_tensors(file: IO[bytes], tensors: dict[str, torch.Tensor]) -> str:
+    """Write ``tensors`` (CPU, contiguous) to ``file`` in safetensors' layout; the sha256 of what was written."""
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in DTYPES:
+            raise TensorFileError(f"tensor {name}: dtype {tensor.dtype} has no safetensors name")
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % ALIGN)
+    digest = hashlib.sha256()
+    for part in (struct.pack("<Q", len(text)), text, *(_bytes(t) for t in tensors.values())):
+        file.write(part)
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def read_tensors(file: IO[bytes]) -> tuple[dict[str, torch.Tensor], str]:
+    """Every tensor of a file ``write_tensors`` wrote, as new CPU tensors, and the sha256 of the file's bytes."""
+    digest = hashlib.sha256()
+    prefix = _read_exactly(file, 8, digest)
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES:
+        raise TensorFileError(f"a header of {length} bytes: not a safetensors file")
+    try:
+        header = json.loads(_read_exactly(file, length, digest))
+    except ValueError as error:
+        raise TensorFileError(f"its header is not JSON ({error})") from None
+    header.pop("__metadata__", None)
+    tensors, position = {}, 0
+    for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+        dtype = BY_NAME.get(entry.get("dtype"))
+        if dtype is None:
+            raise TensorFileError(f"tensor {name}: unknown dtype {entry.get('dtype')!r}")
+        begin, end = entry["data_offsets"]
+        if begin != position or end < begin:
+            raise TensorFileError(f"tensor {name}: bytes {begin}..{end} do not follow the previous tensor's")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if end - begin != itemsize * math.prod(entry["shape"]):
+            raise TensorFileError(f"tensor {name}: {end - begin} bytes do not hold shape {entry['shape']} of {dtype}")
+        flat = torch.empty(end - begin, dtype=torch.uint8)
+        view = memoryview(flat.numpy())
+        if file.readinto(view) != len(view):
+            raise TensorFileError(f"tensor {name}: the file ends inside it")
+        digest.update(view)
+        tensors[name] = flat.view(dtype).reshape(entry["shape"])
+        position = end
+    if file.read(1):
+        raise TensorFileError("bytes after the last tensor")
+    return tensors, digest.hexdigest()
+
+
+def _read_exactly(file: IO[bytes], size: int, digest: Any) -> bytes:
+    data = file.read(size)
+    if len(data) != size:
+        raise TensorFileError("the file ends inside its header")
+    digest.update(data)
+    return data
