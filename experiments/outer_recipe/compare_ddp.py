@@ -308,6 +308,7 @@ CONFIGS = [
             _diloco(50, groups, "outer_opt.lr=1.0", name="diloco H=50, outer lr 1"),
             _diloco(50, groups, "algo.sync_warmup_steps=0", name="diloco H=50, no H warm-up"),
             _diloco(50, groups, "algo.sync_warmup_steps=200", name="diloco H=50, H₀=10 for 200 steps"),
+            _diloco(50, groups, "algo.sync_warmup_steps=1000", name="diloco H=50, H₀=10 for 1000 steps"),
             _sparse(
                 20, 0.01, groups, name=", α ramped, outer lr 1.75", changes={"algo.alpha": None, "outer_opt.lr": "1.75"}
             ),
