@@ -6,8 +6,7 @@ tensor's dtype, shape and byte range, then the bytes), so a shard opens with
 ``safetensors.torch`` because a checkpoint's cost is its bytes: each tensor goes between its own
 memory and the file in one call, and the file's sha256 is taken on the way (the manifest's
 record costs no second pass over the file). Reads go into new tensors, so a refused file leaves
-nothing live touched, and into freshly allocated ones, as a plain read would (reading through
-a mapped file was 5x slower at 150M on the project's CPU machine: docs/results/scale.md).
+nothing live touched.
 """
 
 from __future__ import annotations
@@ -79,28 +78,40 @@ def read_tensors(file: IO[bytes]) -> tuple[dict[str, torch.Tensor], str]:
         header = json.loads(_read_exactly(file, length, digest))
     except ValueError as error:
         raise TensorFileError(f"its header is not JSON ({error})") from None
-    header.pop("__metadata__", None)
     tensors, position = {}, 0
-    for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-        dtype = BY_NAME.get(entry.get("dtype"))
-        if dtype is None:
-            raise TensorFileError(f"tensor {name}: unknown dtype {entry.get('dtype')!r}")
-        begin, end = entry["data_offsets"]
+    for name, dtype, shape, begin, end in _entries(header):
         if begin != position or end < begin:
             raise TensorFileError(f"tensor {name}: bytes {begin}..{end} do not follow the previous tensor's")
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - begin != itemsize * math.prod(entry["shape"]):
-            raise TensorFileError(f"tensor {name}: {end - begin} bytes do not hold shape {entry['shape']} of {dtype}")
+        if end - begin != itemsize * math.prod(shape):
+            raise TensorFileError(f"tensor {name}: {end - begin} bytes do not hold shape {shape} of {dtype}")
         flat = torch.empty(end - begin, dtype=torch.uint8)
         view = memoryview(flat.numpy())
         if file.readinto(view) != len(view):
             raise TensorFileError(f"tensor {name}: the file ends inside it")
         digest.update(view)
-        tensors[name] = flat.view(dtype).reshape(entry["shape"])
+        tensors[name] = flat.view(dtype).reshape(shape)
         position = end
     if file.read(1):
         raise TensorFileError("bytes after the last tensor")
     return tensors, digest.hexdigest()
+
+
+def _entries(header: Any) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """The header's tensors as (name, dtype, shape, first byte, end byte), in the order of their bytes."""
+    try:
+        entries = []
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = BY_NAME.get(entry["dtype"])
+            if dtype is None:
+                raise TensorFileError(f"tensor {name}: unknown dtype {entry['dtype']!r}")
+            shape, (begin, end) = [int(n) for n in entry["shape"]], entry["data_offsets"]
+            entries.append((name, dtype, shape, int(begin), int(end)))
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        raise TensorFileError(f"its header is not a safetensors header ({error!r})") from None
+    return sorted(entries, key=lambda entry: entry[3])
 
 
 def _read_exactly(file: IO[bytes], size: int, digest: Any) -> bytes:

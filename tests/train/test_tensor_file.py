@@ -61,6 +61,8 @@ def test_a_truncated_or_foreign_file_is_refused_saying_why():
         ((200 << 20).to_bytes(8, "little") + data[8:], "not a safetensors file"),
         (len(b"{nope").to_bytes(8, "little") + b"{nope", "its header is not JSON"),
         (data.replace(b'"F32"', b'"F99"', 1), "unknown dtype 'F99'"),
+        (len(b"[1, 2]").to_bytes(8, "little") + b"[1, 2]", "not a safetensors header"),
+        (data.replace(b'"data_offsets"', b'"data_offsetz"', 1), "not a safetensors header"),
     ]:
         with pytest.raises(TensorFileError, match=why):
             read_tensors(io.BytesIO(bad))
