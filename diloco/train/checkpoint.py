@@ -109,7 +109,7 @@ def _load_verified(
     except TensorFileError as error:
         raise CheckpointError(f"{path}: corrupt ({error})") from None
     if sha256 != manifest["files"][STATE]["sha256"]:
-        raise CheckpointError(f"{path}: corrupt (its size or sha256 differs from {folder / MANIFEST})")
+        raise _differs(path, folder / MANIFEST)
     for name, tensor in template.items():
         saved = loaded.get(name)
         if saved is None or saved.shape != tensor.shape or saved.dtype != tensor.dtype:
@@ -137,7 +137,7 @@ def verify_rank(folder: Path) -> dict[str, Any]:
     manifest = _manifest(folder)
     for name, record in manifest["files"].items():
         if file_sha256(folder / name) != record["sha256"]:
-            raise CheckpointError(f"{folder / name}: corrupt (its size or sha256 differs from {folder / MANIFEST})")
+            raise _differs(folder / name, folder / MANIFEST)
     return manifest
 
 
@@ -164,8 +164,12 @@ def _manifest(folder: Path) -> dict[str, Any]:
         if not path.is_file():
             raise CheckpointError(f"{path}: missing from the checkpoint")
         if path.stat().st_size != record.get("bytes"):
-            raise CheckpointError(f"{path}: corrupt (its size or sha256 differs from {manifest_path})")
+            raise _differs(path, manifest_path)
     return manifest
+
+
+def _differs(path: Path, manifest_path: Path) -> CheckpointError:
+    return CheckpointError(f"{path}: corrupt (its size or sha256 differs from {manifest_path})")
 
 
 def complete_info(group_folder: Path) -> dict[str, Any] | None:

@@ -40,7 +40,7 @@ class TensorFileError(ValueError):
     """A file that is not a tensor file this module can read (truncated, foreign, or of unknown dtypes)."""
 
 
-def _bytes(tensor: torch.Tensor) -> memoryview:
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes (any dtype: a uint8 view of its flat values)."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
@@ -61,7 +61,7 @@ def write_tensors(file: IO[bytes], tensors: dict[str, torch.Tensor]) -> str:
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % ALIGN)
     digest = hashlib.sha256()
-    for part in (struct.pack("<Q", len(text)), text, *(_bytes(t) for t in tensors.values())):
+    for part in (struct.pack("<Q", len(text)), text, *(tensor_bytes(t) for t in tensors.values())):
         file.write(part)
         digest.update(part)
     return digest.hexdigest()
@@ -82,8 +82,7 @@ def read_tensors(file: IO[bytes]) -> tuple[dict[str, torch.Tensor], str]:
     for name, dtype, shape, begin, end in _entries(header):
         if begin != position or end < begin:
             raise TensorFileError(f"tensor {name}: bytes {begin}..{end} do not follow the previous tensor's")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - begin != itemsize * math.prod(shape):
+        if end - begin != dtype.itemsize * math.prod(shape):
             raise TensorFileError(f"tensor {name}: {end - begin} bytes do not hold shape {shape} of {dtype}")
         flat = torch.empty(end - begin, dtype=torch.uint8)
         view = memoryview(flat.numpy())

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from diloco.train.checkpoint import load_rank, save_rank
+from diloco.train.tensor_file import tensor_bytes
 
 KINDS = ("model", "inner.exp_avg", "inner.exp_avg_sq", "global", "outer.momentum")
 
@@ -27,10 +28,6 @@ KINDS = ("model", "inner.exp_avg", "inner.exp_avg_sq", "global", "outer.momentum
 def worker_state(shapes: list[torch.Size]) -> dict[str, torch.Tensor]:
     """A worker's checkpoint tensors of the model's shapes, one of each ``KINDS`` per parameter."""
     return {f"{kind}.{i}": torch.rand(shape) for kind in KINDS for i, shape in enumerate(shapes)}
-
-
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.numpy()).cast("B")
 
 
 def _timed(action, then_sync: bool = False) -> tuple[float, float]:
@@ -52,12 +49,12 @@ def checkpoint_figures(shapes: list[torch.Size], folder: Path) -> dict[str, floa
     def write_raw() -> None:
         with raw.open("wb") as file:
             for tensor in state.values():
-                file.write(_bytes(tensor))
+                file.write(tensor_bytes(tensor))
 
     def read_raw() -> None:
         with raw.open("rb") as file:
             for tensor in state.values():
-                file.readinto(_bytes(torch.empty_like(tensor)))
+                file.readinto(tensor_bytes(torch.empty_like(tensor)))
 
     os.sync()  # what an earlier run left unwritten is not this one's to pay
     write_ms, write_synced_ms = _timed(write_raw, then_sync=True)
