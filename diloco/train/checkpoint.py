@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from diloco.config.base import ConfigError
-from diloco.files import file_sha256, write_json_atomically
+from diloco.files import write_json_atomically
 from diloco.run_paths import RunPaths
-from diloco.train.tensor_file import TensorFileError, read_tensors, write_tensors
+from diloco.train.tensor_file import TensorFileError, read_layout, read_tensors, write_tensors
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -132,18 +132,29 @@ def read_rank(folder: Path) -> dict[str, torch.Tensor]:
     return _load_verified(folder, template, manifest)[0]
 
 
-def verify_rank(folder: Path) -> dict[str, Any]:
-    """The rank's manifest, once every file it names is present with its recorded size and sha256."""
+def check_rank(folder: Path) -> dict[str, Any]:
+    """The rank's manifest, once its file is present with its recorded size and a header that lays
+    out the manifest's tensors to the file's last byte. What the bytes hold is checked by their
+    sha256 as a worker loads them (``load_rank``): one pass over them, in every worker at once,
+    before its first step, so a corrupt shard still ends the job in one line and changes nothing."""
     manifest = _manifest(folder)
-    for name, record in manifest["files"].items():
-        if file_sha256(folder / name) != record["sha256"]:
-            raise _differs(folder / name, folder / MANIFEST)
+    path = folder / STATE
+    try:
+        with path.open("rb") as file:
+            entries = read_layout(file)
+            header_end = file.tell()
+    except TensorFileError as error:
+        raise CheckpointError(f"{path}: corrupt ({error})") from None
+    layout = {name: {"shape": shape, "dtype": str(dtype).removeprefix("torch.")} for name, dtype, shape, *_ in entries}
+    end = header_end + (entries[-1][4] if entries else 0)
+    if layout != manifest.get("layout") or end != manifest["files"][STATE]["bytes"]:
+        raise _differs(path, folder / MANIFEST)
     return manifest
 
 
 def _manifest(folder: Path) -> dict[str, Any]:
     """The rank's manifest, once every file it names is present with its recorded size (their sha256
-    is ``verify_rank``'s, or taken by ``_load_verified`` as it reads them: one pass over the bytes)."""
+    is taken by ``_load_verified`` as it reads them: one pass over the bytes)."""
     manifest_path = folder / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())

@@ -67,9 +67,12 @@ def write_tensors(file: IO[bytes], tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def read_tensors(file: IO[bytes]) -> tuple[dict[str, torch.Tensor], str]:
-    """Every tensor of a file ``write_tensors`` wrote, as new CPU tensors, and the sha256 of the file's bytes."""
-    digest = hashlib.sha256()
+def read_layout(file: IO[bytes], digest: Any = None) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """The header of a file ``write_tensors`` wrote, checked: its tensors as (name, dtype, shape,
+    first byte, end byte) in the order of their bytes, each range following the last and holding
+    its shape. ``file`` is left at the first tensor's bytes; ``digest`` (a hashlib object) takes
+    the header's bytes."""
+    digest = digest if digest is not None else hashlib.sha256()
     prefix = _read_exactly(file, 8, digest)
     (length,) = struct.unpack("<Q", prefix)
     if length > MAX_HEADER_BYTES:
@@ -78,19 +81,27 @@ def read_tensors(file: IO[bytes]) -> tuple[dict[str, torch.Tensor], str]:
         header = json.loads(_read_exactly(file, length, digest))
     except ValueError as error:
         raise TensorFileError(f"its header is not JSON ({error})") from None
-    tensors, position = {}, 0
-    for name, dtype, shape, begin, end in _entries(header):
+    entries, position = _entries(header), 0
+    for name, dtype, shape, begin, end in entries:
         if begin != position or end < begin:
             raise TensorFileError(f"tensor {name}: bytes {begin}..{end} do not follow the previous tensor's")
         if end - begin != dtype.itemsize * math.prod(shape):
             raise TensorFileError(f"tensor {name}: {end - begin} bytes do not hold shape {shape} of {dtype}")
+        position = end
+    return entries
+
+
+def read_tensors(file: IO[bytes]) -> tuple[dict[str, torch.Tensor], str]:
+    """Every tensor of a file ``write_tensors`` wrote, as new CPU tensors, and the sha256 of the file's bytes."""
+    digest = hashlib.sha256()
+    tensors = {}
+    for name, dtype, shape, begin, end in read_layout(file, digest):
         flat = torch.empty(end - begin, dtype=torch.uint8)
         view = memoryview(flat.numpy())
         if file.readinto(view) != len(view):
             raise TensorFileError(f"tensor {name}: the file ends inside it")
         digest.update(view)
         tensors[name] = flat.view(dtype).reshape(shape)
-        position = end
     if file.read(1):
         raise TensorFileError("bytes after the last tensor")
     return tensors, digest.hexdigest()

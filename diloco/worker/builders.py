@@ -24,7 +24,7 @@ from diloco.ft.fault_requests import FaultHook
 from diloco.outer.synchronizer import Synchronizer
 from diloco.run_paths import RunPaths
 from diloco.train.block_wrappers import apply_block_wrappers, check_compile, will_run_on_cpu
-from diloco.train.checkpoint import check_compatible, rank_dir, resolve_resume, verify_rank
+from diloco.train.checkpoint import check_compatible, check_rank, rank_dir, resolve_resume
 from diloco.train.data import ShardedBatches, data_repeats_warning, eval_batches, load_corpus, shard_windows
 from diloco.train.device import check_device
 from diloco.train.flops import Peak, Utilization, device_peak, flops_per_token
@@ -150,7 +150,7 @@ def preflight(job: JobConfig, paths: RunPaths, warn: Callable[[str], None] | Non
         for folder in folders.values():
             check_compatible(folder, identity)
             for rank in range(job.cluster.workers_per_group):
-                verify_rank(rank_dir(folder, rank))
+                check_rank(rank_dir(folder, rank))
     return count_parameters(model), signature
 
 

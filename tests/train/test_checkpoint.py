@@ -26,6 +26,7 @@ from diloco.train.checkpoint import (
     STATE,
     CheckpointError,
     check_compatible,
+    check_rank,
     describe_resume,
     group_dir,
     load_rank,
@@ -62,14 +63,26 @@ def test_a_rank_saved_is_loaded_exactly_with_its_progress(tmp_path):
 
 
 def test_a_corrupt_or_partial_checkpoint_is_refused_naming_the_file(tmp_path):
+    """The launcher's check reads sizes and the header (a truncated or re-laid file); an altered
+    byte of a tensor is the worker's load's to refuse, by the sha256 it takes as it reads."""
     folder = _save_group(tmp_path, 0, 20)
     template = {k: torch.zeros_like(v) for k, v in TENSORS.items()}
     shard = rank_dir(folder, 0) / STATE
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    good = shard.read_bytes()
+    data = bytearray(good)
+    data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
+    check_rank(rank_dir(folder, 0))
     with pytest.raises(CheckpointError, match=rf"{shard}: corrupt"):
         load_rank(rank_dir(folder, 0), template)
+    relaid = good.replace(b'"shape":[2,3]', b'"shape":[3,2]')
+    assert relaid != good
+    shard.write_bytes(relaid)
+    with pytest.raises(CheckpointError, match=rf"{shard}: corrupt \(its size or sha256 differs"):
+        check_rank(rank_dir(folder, 0))
+    shard.write_bytes(good[:-4])
+    with pytest.raises(CheckpointError, match=rf"{shard}: corrupt \(its size or sha256 differs"):
+        check_rank(rank_dir(folder, 0))
     shard.unlink()
     with pytest.raises(CheckpointError, match=rf"{shard}: missing"):
         load_rank(rank_dir(folder, 0), template)
