@@ -27,8 +27,12 @@ The machine's free memory is touched once first (``warm_memory``).
     python -m experiments.scale.bench_model_size                  # the ladder to 150M: ~15 min on two idle cores
     python -m experiments.scale.bench_model_size --quick        # tiny only: a smoke test, ~30 s
 
-Prints a markdown table; writes it to experiments/results/bench_model_size.md and every figure
-to bench_model_size.json. Timings on a shared 2-core machine are noisy: read the ratios.
+    python -m experiments.scale.bench_model_size --from experiments/results/bench_model_size.json  # tables again
+
+Prints a markdown table and each cost fitted as a fixed part plus a per-byte part beside its bare
+figure's (``cost_lines``); writes them to experiments/results/bench_model_size.md, every figure
+to bench_model_size.json and the costs against the parameters to bench_model_size.png. Timings
+on a shared 2-core machine are noisy: read the ratios.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from diloco.train.inner_opt import init_adamw_state
 from diloco.train.model import count_parameters, meta_model
 from experiments.common import ClusterRun, add_output_arguments, compose_job, markdown_table, runs_root, write_result
 from experiments.scale.checkpoint_io import checkpoint_figures
+from experiments.scale.cost_lines import fit_table, plot
 from outer_opt import OuterOptConfig, build_outer_optimizer, initialize_state
 
 H = 5
@@ -307,19 +312,24 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["tiny", "mini", "midi", "llama3_150m"], help="model presets")
     parser.add_argument("--reps", type=int, default=5, help="bare all-reduces per size (their median)")
     parser.add_argument("--quick", action="store_true", help="tiny only, one all-reduce, memory left as it is")
+    parser.add_argument("--from", dest="source", metavar="JSON", help="tables and plot of an earlier run's figures")
     add_output_arguments(parser)
     args = parser.parse_args()
-    if args.quick:
-        args.sizes, args.reps = ["tiny"], 1
+    if args.source:
+        rows = json.loads(Path(args.source).read_text())
     else:
-        warm_memory()
-    with runs_root(args.keep_runs, "bench_model_size") as root:
-        rows = [measure(size, args.reps, root) for size in args.sizes]
-    text = table(rows)
+        if args.quick:
+            args.sizes, args.reps = ["tiny"], 1
+        else:
+            warm_memory()
+        with runs_root(args.keep_runs, "bench_model_size") as root:
+            rows = [measure(size, args.reps, root) for size in args.sizes]
+        path = write_result("bench_model_size.json", json.dumps(rows, indent=2), args.results)
+        print(f"figures written to {path}", file=sys.stderr)
+    text = f"{table(rows)}\n\nEach cost as fixed + per byte (experiments/scale/cost_lines.py):\n\n{fit_table(rows)}"
     print(text)
-    write_result("bench_model_size.md", text, args.results)
-    path = write_result("bench_model_size.json", json.dumps(rows, indent=2), args.results)
-    print(f"results written to {path}", file=sys.stderr)
+    path = write_result("bench_model_size.md", text, args.results)
+    print(plot(rows, path.with_suffix(".png")), file=sys.stderr)
     sys.exit(0 if all(r["ok"] for r in rows) else 1)
 
 

@@ -15,7 +15,7 @@ import pytest
 from experiments.common import compose_job
 from experiments.fault_tolerance import bench_restart
 from experiments.parallelism import bench_overhead, bench_sync
-from experiments.scale import bench_model_size, checkpoint_io
+from experiments.scale import bench_model_size, checkpoint_io, cost_lines
 from tests.experiments.in_process import run_main
 
 TIMEOUT_S = 240
@@ -124,6 +124,19 @@ def test_bench_muon_times_both_ways_and_gives_the_ratio(tmp_path, capsys):
     assert (tmp_path / "bench_muon.md").read_text().strip() in out
 
 
+def test_each_cost_is_read_as_a_fixed_part_and_a_per_byte_part_beside_its_bare_figure():
+    """Costs on exact lines give back their lines; the per-byte ratio is the two slopes'."""
+    assert cost_lines.linear_fit([(1.0, 12.0), (10.0, 30.0), (100.0, 210.0)]) == pytest.approx((10.0, 2.0))
+    assert cost_lines.linear_fit([(1.0, 5.0)]) is None and cost_lines.linear_fit([(1.0, 5.0), (2.0, 0.0)]) is None
+    params = (1e6, 1e7, 1e8)  # the round's 4 bytes a parameter: 0.004, 0.04 and 0.4 GB
+    rows = [
+        {"parameters": n, "sync_ms": 5 + 3000 * 4 * n / 1e9, "allreduce_ms": 1 + 1000 * 4 * n / 1e9} for n in params
+    ]
+    (line,) = [r for r in cost_lines.fit_table(rows).splitlines() if r.startswith("| round")]
+    assert line == "| round (sync_ms) | 5.0 | 3,000 | bare all-reduce | 1.0 | 1,000 | 3.0x |", line
+    assert cost_lines.fit_table(rows[:1]) == "(a fit needs two sizes or more)"
+
+
 @pytest.mark.slow
 def test_bench_model_size_quick_times_every_phase_of_a_round_and_a_heal_beside_the_bare_figures(tmp_path, capsys):
     out = run_script("experiments.scale.bench_model_size", tmp_path, capsys)
@@ -138,4 +151,11 @@ def test_bench_model_size_quick_times_every_phase_of_a_round_and_a_heal_beside_t
     assert row["heal_ms"] is not None and row["death_to_commit_s"] is not None and row["peak_rss_mb"] > 0, out
     assert row["checkpoint_bytes"] == len(checkpoint_io.KINDS) * 4 * 131_392, row  # 20 bytes a parameter
     assert min(row[k] for k in ("raw_write_ms", "raw_write_synced_ms", "raw_read_ms", "save_ms", "load_ms")) > 0, row
+    again, _ = run_main(
+        "experiments.scale.bench_model_size",
+        ["--from", str(tmp_path / "bench_model_size.json"), "--results", str(tmp_path / "again")],
+        TIMEOUT_S,
+        capsys,
+    )
+    assert again.split("\n\n")[0] in out and "(a fit needs two sizes or more)" in again, again
     assert "| tiny | 0.1M |" in out
