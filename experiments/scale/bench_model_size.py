@@ -17,7 +17,13 @@ For each Llama preset of the ladder (``--sizes``: tiny, mini, midi, llama3_150m 
    included), death to the restarted group's first commit, and each worker's peak resident
    memory beside the bytes a plain loop holds (parameters, gradients, AdamW: 16 a parameter);
 3. a checkpoint of a worker's state of the model's shapes (θ_l, AdamW, θ_g, momentum: 20 bytes a
-   parameter) saved and loaded beside a bare write and read of the same bytes (``checkpoint_io``).
+   parameter) saved and loaded beside a bare write and read of the same bytes (``checkpoint_io``);
+4. with ``--variants``, the same job per payload and layout (``VARIANTS``: Streaming P=4 τ=1 fp4,
+   the sparse recipe's 1% 2-bit top-k, fp32 on 2 x 2 FSDP2 workers), each beside the bare
+   collective of what one lane carries in one (fragment) round: an all-reduce of a worker's fp32
+   shard, or an all-gather of the packed payload's bytes (the fragment's share taken as numel / P:
+   fragments are cut at blocks, so near it). A variant a size cannot run (P fragments need P
+   blocks) is skipped, saying why.
 
 Ratios are to the bare figure measured in the same run: round / all-reduce, a heal's transfer
 (``HealState.send`` / ``receive`` between the same two processes) / the bare send of its bytes,
@@ -26,6 +32,8 @@ The machine's free memory is touched once first (``warm_memory``).
 
     python -m experiments.scale.bench_model_size                  # the ladder to 150M: ~15 min on two idle cores
     python -m experiments.scale.bench_model_size --quick        # tiny only: a smoke test, ~30 s
+    python -m experiments.scale.bench_model_size --sizes llama3_150m \
+        --variants "streaming P=4 τ=1 fp4" "sparse 1% 2-bit" "fp32, 2 x 2 FSDP2"   # a job each beside fp32
 
     python -m experiments.scale.bench_model_size --from experiments/results/bench_model_size.json  # tables again
 
@@ -40,11 +48,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +62,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from diloco.config.base import ConfigError
 from diloco.ft.state import HealState, Position
 from diloco.ft.transport import CHUNK_BYTES
+from diloco.outer.codecs import Codec, Dense, codec_for
 from diloco.outer.update import outer_update
 from diloco.train.inner_opt import init_adamw_state
 from diloco.train.model import count_parameters, meta_model
@@ -71,6 +83,55 @@ HEAL_BYTES_PER_PARAM = 16  # θ_g, the outer momentum and AdamW's two moments, f
 PLAIN_BYTES_PER_PARAM = 16  # a plain loop's parameters, gradients and AdamW's two moments, fp32
 SHAPE = ["trainer.batch_size=1", "trainer.seq_len=32", "trainer.warmup_share=0", "algo.sync_warmup_steps=0"]
 PHASES = ("delta", "quorum", "finite", "encode", "wire", "decode", "commit", "outer_step", "digest")
+STREAMING_H = 8  # a multiple of its P = 4 fragments: a fragment round every 2 inner steps
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A payload and layout of the job beside plain DiLoCo fp32 on one worker a group."""
+
+    overrides: tuple[str, ...]
+    h: int = H
+    workers: int = 1
+    fragments: int = 1
+
+    def codec(self, size: str) -> Codec:
+        return codec_for(compose_job([f"model={size}", *self.overrides]).algo)
+
+    def misfit(self, size: str) -> str | None:
+        """Why the variant's job cannot run at ``size`` (P fragments need P blocks), or None."""
+        try:
+            compose_job([f"model={size}", *self.overrides, f"trainer.max_steps={MIN_STEPS * self.h}"])
+        except ConfigError as error:
+            return str(error)
+        return None
+
+    def fits(self, size: str) -> bool:
+        return self.misfit(size) is None
+
+    def round_numel(self, numel: int) -> int:
+        """Values one lane carries in one (fragment) round: a fragment's share, a worker's shard of it."""
+        return numel // (self.fragments * self.workers)
+
+    def collective(self, size: str, numel: int) -> tuple[str, int]:
+        """The bare collective of one lane's round: ("allreduce", fp32 values) or ("allgather", bytes)."""
+        codec, values = self.codec(size), self.round_numel(numel)
+        return ("allreduce", values) if isinstance(codec, Dense) else ("allgather", codec.nbytes(values))
+
+
+VARIANTS = {
+    "fp32": Variant((f"algo.sync_every={H}",)),
+    "streaming P=4 τ=1 fp4": Variant(
+        ("algo=streaming", f"algo.sync_every={STREAMING_H}", "algo.fragments=4", "algo.delay=1", "algo.quantize=fp4"),
+        h=STREAMING_H,
+        fragments=4,
+    ),
+    "sparse 1% 2-bit": Variant(
+        (f"algo.sync_every={H}", "algo.compress=topk", "algo.density=0.01", "algo.value_bits=2", "algo.alpha=0")
+        + ("outer_opt=sgd", "outer_opt.lr=1", "outer_opt.momentum=0")
+    ),
+    "fp32, 2 x 2 FSDP2": Variant((f"algo.sync_every={H}", "cluster.workers_per_group=2"), workers=2),
+}
 
 
 def _heal_state(shapes: list[torch.Size]) -> HealState:
@@ -83,8 +144,11 @@ def _heal_state(shapes: list[torch.Size]) -> HealState:
     return HealState(global_params=[theta_g], outer_optimizers=[outer], inner_optimizer=inner)
 
 
-def _bare_peer(rank: int, port: int, shapes: list[torch.Size], reps: int, out: Any) -> None:
-    """Rank 1 of two: the bare all-reduce and send, then a heal's transfer from rank 0, timed."""
+def _bare_peer(
+    rank: int, port: int, shapes: list[torch.Size], reps: int, collectives: dict[str, tuple[str, int]], out: Any
+) -> None:
+    """Rank 1 of two: the bare all-reduce, each variant's collective (``Variant.collective``) and
+    send, then a heal's transfer from rank 0, timed."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -97,6 +161,7 @@ def _bare_peer(rank: int, port: int, shapes: list[torch.Size], reps: int, out: A
         dist.all_reduce(values)
         reduce_ms.append(1000 * (time.perf_counter() - started))
     del values
+    collective_ms = {name: _collective_ms(kind, count, reps) for name, (kind, count) in collectives.items()}
     outer_step_ms = {kind: _outer_step_ms(shapes, reps, kind) for kind in ("torch", "in place")}
     heal = torch.ones(numel * HEAL_BYTES_PER_PARAM // 4)  # touched on both sides: the wire alone
     chunk = CHUNK_BYTES // 4
@@ -122,6 +187,7 @@ def _bare_peer(rank: int, port: int, shapes: list[torch.Size], reps: int, out: A
         out.put(
             {
                 "allreduce_ms": statistics.median(reduce_ms),
+                "collective_ms": collective_ms,
                 "outer_step_alone_ms": outer_step_ms,
                 "send_ms": send_ms,
                 "heal_transfer_ms": 1000 * (received - started),
@@ -131,6 +197,24 @@ def _bare_peer(rank: int, port: int, shapes: list[torch.Size], reps: int, out: A
         )
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _collective_ms(kind: str, count: int, reps: int) -> float:
+    """The median of ``reps`` bare all-reduces of ``count`` fp32 values, or all-gathers of ``count`` bytes."""
+    took = []
+    if kind == "allreduce":
+        values = torch.ones(count)
+        run = lambda: dist.all_reduce(values)  # noqa: E731
+    else:
+        payload = torch.ones(count, dtype=torch.uint8)
+        gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size())]
+        run = lambda: dist.all_gather(gathered, payload)  # noqa: E731
+    for _ in range(reps):
+        dist.barrier()
+        started = time.perf_counter()
+        run()
+        took.append(1000 * (time.perf_counter() - started))
+    return statistics.median(took)
 
 
 def _outer_step_ms(shapes: list[torch.Size], reps: int, kind: str) -> float:
@@ -166,15 +250,15 @@ def _bytes_by_kind(state: HealState) -> dict[str, int]:
     return kinds
 
 
-def bare(shapes: list[torch.Size], reps: int) -> dict[str, Any]:
-    """The bare all-reduce of the model's fp32 values, a send of a heal's bytes, and a heal's
-    transfer (``HealState``), between two processes."""
+def bare(shapes: list[torch.Size], reps: int, collectives: dict[str, tuple[str, int]]) -> dict[str, Any]:
+    """The bare all-reduce of the model's fp32 values, each of ``collectives``, a send of a heal's
+    bytes, and a heal's transfer (``HealState``), between two processes."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as probe:  # a free port for the pair's rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    procs = [ctx.Process(target=_bare_peer, args=(r, port, shapes, reps, out)) for r in range(2)]
+    procs = [ctx.Process(target=_bare_peer, args=(r, port, shapes, reps, collectives, out)) for r in range(2)]
     for p in procs:
         p.start()
     result = out.get(timeout=900)
@@ -183,17 +267,10 @@ def bare(shapes: list[torch.Size], reps: int) -> dict[str, Any]:
     return result
 
 
-def job_figures(size: str, run_dir: Path) -> dict[str, Any]:
+def job_figures(size: str, run_dir: Path, variant: Variant = VARIANTS["fp32"]) -> dict[str, Any]:
     """Run the 2-group job at ``size`` with one kill of group 1, and read its round, heal and memory figures."""
-    job = compose_job(
-        [
-            f"model={size}",
-            "cluster.groups=2",
-            f"algo.sync_every={H}",
-            f"trainer.max_steps={STEPS.get(size, MIN_STEPS)}",
-            *SHAPE,
-        ]
-    )
+    steps = -(-STEPS.get(size, MIN_STEPS) // variant.h) * variant.h  # whole windows: the last round reaches θ_g
+    job = compose_job([f"model={size}", "cluster.groups=2", *variant.overrides, f"trainer.max_steps={steps}", *SHAPE])
     with ClusterRun(job, run_dir) as run:
         committed = lambda g: [r for r in run.commits(g) if r["committed"]]  # noqa: E731
         run.cluster.wait_for(lambda: len(committed(1)) >= 2, 1800, "group 1's second commit", poll_s=1.0)
@@ -229,14 +306,26 @@ def warm_memory(fraction: float = 0.8) -> None:
     del block
 
 
-def measure(size: str, reps: int, root: Path) -> dict[str, Any]:
+def measure(size: str, reps: int, root: Path, variants: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One size's row: the bare figures, a checkpoint, the fp32 job, and each of ``variants``'s job
+    beside the bare collective of one lane's round of it (``variants``: names of ``VARIANTS``)."""
     model = meta_model(compose_job([f"model={size}"]).model)
     numel = count_parameters(model)
     print(f"{size}: {numel / 1e6:.1f}M parameters", file=sys.stderr, flush=True)
     shapes = [p.shape for p in model.parameters()]
-    row = {"size": size, "parameters": numel} | bare(shapes, reps)
+    fitting = [name for name in variants if VARIANTS[name].fits(size)]
+    for name in set(variants) - set(fitting):
+        print(f"{size}: {name} skipped: {VARIANTS[name].misfit(size)}", file=sys.stderr, flush=True)
+    collectives = {name: VARIANTS[name].collective(size, numel) for name in fitting}
+    row = {"size": size, "parameters": numel} | bare(shapes, reps, collectives)
     row |= checkpoint_figures(shapes, root / size / "checkpoint")
     row |= job_figures(size, root / size)
+    row["variants"] = {}
+    for name in fitting:
+        kind, count = collectives[name]
+        figures = job_figures(size, root / size / re.sub(r"[^A-Za-z0-9]+", "_", name), VARIANTS[name])
+        round_bytes = 4 * count if kind == "allreduce" else count
+        row["variants"][name] = figures | {"collective": kind, "round_bytes": round_bytes}
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
 
@@ -307,10 +396,57 @@ def table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(headers, body)
 
 
+def variants_table(rows: list[dict[str, Any]]) -> str:
+    """Each size's job per payload and layout, fp32 on one worker a group first, beside the bare
+    collective (all-reduce or all-gather) of what one lane carries in one (fragment) round."""
+    headers = [
+        "model",
+        "payload, layout",
+        "a lane's round MB",
+        "bare collective ms",
+        "round ms (sync_ms)",
+        "round / bare",
+        "wire ms",
+        "round's other phases ms",
+        "heal in the job ms",
+        "death to commit s",
+        "peak RSS per worker MB",
+    ]
+    body = []
+    for r in rows:
+        jobs = {"fp32": r | {"collective": "allreduce", "round_bytes": 4 * r["parameters"]}} | r.get("variants", {})
+        for name, job in jobs.items():
+            bare_ms = r["allreduce_ms"] if name == "fp32" else r["collective_ms"][name]
+            others = ", ".join(f"{p} {ms:,.0f}" for p, ms in job["phases_ms"].items() if p != "wire" and ms >= 1)
+            body.append(
+                [
+                    r["size"],
+                    name,
+                    f"{job['round_bytes'] / 2**20:.3g}",
+                    f"{_ms(bare_ms)} ({job['collective'].replace('all', 'all-')})",
+                    _ms(job["sync_ms"]),
+                    _ratio(job["sync_ms"], bare_ms),
+                    _ms(job["phases_ms"].get("wire")),
+                    others or "-",
+                    _ms(job["heal_ms"]),
+                    "n/a" if job["death_to_commit_s"] is None else f"{job['death_to_commit_s']:.1f}",
+                    _ms(job["peak_rss_mb"]),
+                ]
+            )
+    return markdown_table(headers, body)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "mini", "midi", "llama3_150m"], help="model presets")
     parser.add_argument("--reps", type=int, default=5, help="bare all-reduces per size (their median)")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        choices=[name for name in VARIANTS if name != "fp32"],
+        default=[],
+        help="payloads and layouts to run beside fp32 on one worker a group, each a job per size",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny only, one all-reduce, memory left as it is")
     parser.add_argument("--from", dest="source", metavar="JSON", help="tables and plot of an earlier run's figures")
     add_output_arguments(parser)
@@ -323,14 +459,16 @@ def main() -> None:
         else:
             warm_memory()
         with runs_root(args.keep_runs, "bench_model_size") as root:
-            rows = [measure(size, args.reps, root) for size in args.sizes]
+            rows = [measure(size, args.reps, root, tuple(args.variants)) for size in args.sizes]
         path = write_result("bench_model_size.json", json.dumps(rows, indent=2), args.results)
         print(f"figures written to {path}", file=sys.stderr)
     text = f"{table(rows)}\n\nEach cost as fixed + per byte (experiments/scale/cost_lines.py):\n\n{fit_table(rows)}"
+    if any(r.get("variants") for r in rows):
+        text += f"\n\nPayloads and layouts, a job each:\n\n{variants_table(rows)}"
     print(text)
     path = write_result("bench_model_size.md", text, args.results)
     print(plot(rows, path.with_suffix(".png")), file=sys.stderr)
-    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+    sys.exit(0 if all(r["ok"] and all(v["ok"] for v in r.get("variants", {}).values()) for r in rows) else 1)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,27 @@ def test_each_cost_is_read_as_a_fixed_part_and_a_per_byte_part_beside_its_bare_f
     assert cost_lines.fit_table(rows[:1]) == "(a fit needs two sizes or more)"
 
 
+def test_the_bench_payloads_and_layouts_compose_at_150m_and_each_lane_rounds_bytes_are_its_codecs():
+    numel = 151_544_832  # llama3_150m
+    collectives = {name: v.collective("llama3_150m", numel) for name, v in bench_model_size.VARIANTS.items()}
+    assert collectives["fp32"] == ("allreduce", numel)
+    assert collectives["fp32, 2 x 2 FSDP2"] == ("allreduce", numel // 2), "each lane carries its worker's shard"
+    kind, fp4_bytes = collectives["streaming P=4 τ=1 fp4"]
+    assert kind == "allgather" and numel // 4 // 2 < fp4_bytes < numel // 4 // 2 * 1.1, "half a byte a value, scales"
+    assert collectives["sparse 1% 2-bit"][0] == "allgather" and collectives["sparse 1% 2-bit"][1] < numel * 0.01 * 2
+    assert "larger than the model's 2 transformer blocks" in bench_model_size.VARIANTS["streaming P=4 τ=1 fp4"].misfit(
+        "tiny"
+    )
+    phases = {p: 1.0 for p in bench_model_size.PHASES}
+    job = {"ok": True, "sync_ms": 30.0, "phases_ms": phases, "heal_ms": 9.0, "death_to_commit_s": 2.5}
+    job |= {"peak_rss_mb": 300.0}
+    row = {"size": "tiny", "parameters": 1 << 20, "allreduce_ms": 10.0, "collective_ms": {"sparse 1% 2-bit": 2.0}}
+    row |= job | {"variants": {"sparse 1% 2-bit": job | {"collective": "allgather", "round_bytes": 1 << 19}}}
+    lines = bench_model_size.variants_table([row]).splitlines()
+    assert lines[2].startswith("| tiny | fp32 | 4 | 10 (all-reduce) | 30 | 3.0x |"), lines
+    assert lines[3].startswith("| tiny | sparse 1% 2-bit | 0.5 | 2 (all-gather) | 30 | 15.0x |"), lines
+
+
 @pytest.mark.slow
 def test_bench_model_size_quick_times_every_phase_of_a_round_and_a_heal_beside_the_bare_figures(tmp_path, capsys):
     out = run_script("experiments.scale.bench_model_size", tmp_path, capsys)

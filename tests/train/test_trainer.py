@@ -52,7 +52,9 @@ def test_fit_logs_the_named_metrics_and_the_loss_falls():
 
 def test_without_a_synchronizer_a_planned_stop_is_agreed_at_a_log_line():
     """``NoSync`` never holds a round in flight: the stop waits for the next log line only."""
-    job = compose_job(["algo=local", "trainer.max_steps=20", "trainer.log_every=5", "trainer.seq_len=64"])
+    job = compose_job(
+        ["algo=local", "trainer.max_steps=20", "trainer.log_every=5", "trainer.seq_len=32", "trainer.batch_size=2"]
+    )
     trainer = _trainer(job)
     trainer.stop_requested = lambda: True
     result = trainer.fit()
