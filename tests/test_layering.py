@@ -11,6 +11,7 @@ from the source with ``ast`` (what ``import`` would run: lazy imports inside fun
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -65,6 +66,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A source file's tree, parsed once for every test of this module (the files do not change under them)."""
+    return ast.parse(path.read_text())
+
+
 def library_modules() -> dict[str, Path]:
     return {module_name(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
 
@@ -94,6 +101,12 @@ def imported_names(tree: ast.AST, this: str, is_package: bool, type_hints: bool 
 
 
 def import_graph(with_parents: bool = True, type_hints: bool = False) -> dict[str, set[str]]:
+    """Library module -> the library modules importing it loads (a copy: the tests may change theirs)."""
+    return {module: set(targets) for module, targets in _import_graph(with_parents, type_hints).items()}
+
+
+@functools.cache
+def _import_graph(with_parents: bool, type_hints: bool) -> dict[str, set[str]]:
     """Library module -> the library modules importing it loads.
 
     ``with_parents``: a module loads its parent packages too (their ``__init__``). Left out to
@@ -104,7 +117,7 @@ def import_graph(with_parents: bool = True, type_hints: bool = False) -> dict[st
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets = set()
-        for imported in imported_names(ast.parse(path.read_text()), name, path.name == "__init__.py", type_hints):
+        for imported in imported_names(parsed(path), name, path.name == "__init__.py", type_hints):
             parts = imported.split(".")
             targets |= {".".join(parts[:i]) for i in range(1 if with_parents else len(parts), len(parts) + 1)}
         parents = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)} if with_parents else set()
@@ -158,7 +171,7 @@ def test_only_the_compose_module_imports_hydra_or_omegaconf():
         for path in sorted((REPO / package).rglob("*.py")):
             if str(path.relative_to(REPO)) == HYDRA_DOOR:
                 continue
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parsed(path)):
                 names = []
                 if isinstance(node, ast.Import):
                     names = [a.name for a in node.names]
@@ -173,7 +186,7 @@ def test_nothing_imports_run_py():
     offenders = []
     for folder in (*PACKAGES, "tests", "experiments"):
         for path in sorted((REPO / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parsed(path)):
                 if isinstance(node, ast.Import) and any(a.name == "run" for a in node.names):
                     offenders.append(str(path.relative_to(REPO)))
                 elif isinstance(node, ast.ImportFrom) and node.module == "run" and not node.level:
