@@ -98,10 +98,14 @@ class Variant:
     def codec(self, size: str) -> Codec:
         return codec_for(compose_job([f"model={size}", *self.overrides]).algo)
 
+    def steps(self, size: str) -> int:
+        """The job's inner steps at ``size``: ``STEPS`` rounded up to whole windows (the last round reaches θ_g)."""
+        return -(-STEPS.get(size, MIN_STEPS) // self.h) * self.h
+
     def misfit(self, size: str) -> str | None:
         """Why the variant's job cannot run at ``size`` (P fragments need P blocks), or None."""
         try:
-            compose_job([f"model={size}", *self.overrides, f"trainer.max_steps={MIN_STEPS * self.h}"])
+            compose_job([f"model={size}", *self.overrides, f"trainer.max_steps={self.steps(size)}"])
         except ConfigError as error:
             return str(error)
         return None
@@ -269,8 +273,8 @@ def bare(shapes: list[torch.Size], reps: int, collectives: dict[str, tuple[str, 
 
 def job_figures(size: str, run_dir: Path, variant: Variant = VARIANTS["fp32"]) -> dict[str, Any]:
     """Run the 2-group job at ``size`` with one kill of group 1, and read its round, heal and memory figures."""
-    steps = -(-STEPS.get(size, MIN_STEPS) // variant.h) * variant.h  # whole windows: the last round reaches θ_g
-    job = compose_job([f"model={size}", "cluster.groups=2", *variant.overrides, f"trainer.max_steps={steps}", *SHAPE])
+    steps = f"trainer.max_steps={variant.steps(size)}"
+    job = compose_job([f"model={size}", "cluster.groups=2", *variant.overrides, steps, *SHAPE])
     with ClusterRun(job, run_dir) as run:
         committed = lambda g: [r for r in run.commits(g) if r["committed"]]  # noqa: E731
         run.cluster.wait_for(lambda: len(committed(1)) >= 2, 1800, "group 1's second commit", poll_s=1.0)
