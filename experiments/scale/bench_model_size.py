@@ -110,9 +110,6 @@ class Variant:
             return str(error)
         return None
 
-    def fits(self, size: str) -> bool:
-        return self.misfit(size) is None
-
     def round_numel(self, numel: int) -> int:
         """Values one lane carries in one (fragment) round: a fragment's share, a worker's shard of it."""
         return numel // (self.fragments * self.workers)
@@ -317,9 +314,11 @@ def measure(size: str, reps: int, root: Path, variants: tuple[str, ...] = ()) ->
     numel = count_parameters(model)
     print(f"{size}: {numel / 1e6:.1f}M parameters", file=sys.stderr, flush=True)
     shapes = [p.shape for p in model.parameters()]
-    fitting = [name for name in variants if VARIANTS[name].fits(size)]
-    for name in set(variants) - set(fitting):
-        print(f"{size}: {name} skipped: {VARIANTS[name].misfit(size)}", file=sys.stderr, flush=True)
+    misfits = {name: VARIANTS[name].misfit(size) for name in variants}
+    for name, why in misfits.items():
+        if why is not None:
+            print(f"{size}: {name} skipped: {why}", file=sys.stderr, flush=True)
+    fitting = [name for name, why in misfits.items() if why is None]
     collectives = {name: VARIANTS[name].collective(size, numel) for name in fitting}
     row = {"size": size, "parameters": numel} | bare(shapes, reps, collectives)
     row |= checkpoint_figures(shapes, root / size / "checkpoint")
@@ -329,7 +328,11 @@ def measure(size: str, reps: int, root: Path, variants: tuple[str, ...] = ()) ->
         kind, count = collectives[name]
         figures = job_figures(size, root / size / re.sub(r"[^A-Za-z0-9]+", "_", name), VARIANTS[name])
         round_bytes = 4 * count if kind == "allreduce" else count
-        row["variants"][name] = figures | {"collective": kind, "round_bytes": round_bytes}
+        row["variants"][name] = figures | {
+            "collective": kind,
+            "round_bytes": round_bytes,
+            "bare_ms": row["collective_ms"][name],
+        }
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
 
@@ -418,9 +421,9 @@ def variants_table(rows: list[dict[str, Any]]) -> str:
     ]
     body = []
     for r in rows:
-        jobs = {"fp32": r | {"collective": "allreduce", "round_bytes": 4 * r["parameters"]}} | r.get("variants", {})
-        for name, job in jobs.items():
-            bare_ms = r["allreduce_ms"] if name == "fp32" else r["collective_ms"][name]
+        fp32 = r | {"collective": "allreduce", "round_bytes": 4 * r["parameters"], "bare_ms": r["allreduce_ms"]}
+        for name, job in ({"fp32": fp32} | r.get("variants", {})).items():
+            bare_ms = job["bare_ms"]
             others = ", ".join(f"{p} {ms:,.0f}" for p, ms in job["phases_ms"].items() if p != "wire" and ms >= 1)
             body.append(
                 [

@@ -152,7 +152,9 @@ def test_the_bench_payloads_and_layouts_compose_at_150m_and_each_lane_rounds_byt
     job = {"ok": True, "sync_ms": 30.0, "phases_ms": phases, "heal_ms": 9.0, "death_to_commit_s": 2.5}
     job |= {"peak_rss_mb": 300.0}
     row = {"size": "tiny", "parameters": 1 << 20, "allreduce_ms": 10.0, "collective_ms": {"sparse 1% 2-bit": 2.0}}
-    row |= job | {"variants": {"sparse 1% 2-bit": job | {"collective": "allgather", "round_bytes": 1 << 19}}}
+    row |= job | {
+        "variants": {"sparse 1% 2-bit": job | {"collective": "allgather", "round_bytes": 1 << 19, "bare_ms": 2.0}}
+    }
     lines = bench_model_size.variants_table([row]).splitlines()
     assert lines[2].startswith("| tiny | fp32 | 4 | 10 (all-reduce) | 30 | 3.0x |"), lines
     assert lines[3].startswith("| tiny | sparse 1% 2-bit | 0.5 | 2 (all-gather) | 30 | 15.0x |"), lines
