@@ -68,9 +68,7 @@ def save_rank(folder: Path, tensors: dict[str, torch.Tensor], progress: dict[str
         file.flush()
         os.fsync(file.fileno())
     files = {STATE: {"bytes": (partial / STATE).stat().st_size, "sha256": sha256}}
-    layout = {
-        name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in snapshot.items()
-    }
+    layout = {name: _layout(t.shape, t.dtype) for name, t in snapshot.items()}
     manifest = {"tensors": sorted(snapshot), "layout": layout, "files": files, "progress": progress}
     write_json_atomically(partial / MANIFEST, manifest)
     shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt at the same step
@@ -145,7 +143,7 @@ def check_rank(folder: Path) -> dict[str, Any]:
             header_end = file.tell()
     except TensorFileError as error:
         raise CheckpointError(f"{path}: corrupt ({error})") from None
-    layout = {name: {"shape": shape, "dtype": str(dtype).removeprefix("torch.")} for name, dtype, shape, *_ in entries}
+    layout = {name: _layout(shape, dtype) for name, dtype, shape, *_ in entries}
     end = header_end + (entries[-1][4] if entries else 0)
     if layout != manifest.get("layout") or end != manifest["files"][STATE]["bytes"]:
         raise _differs(path, folder / MANIFEST)
@@ -177,6 +175,11 @@ def _manifest(folder: Path) -> dict[str, Any]:
         if path.stat().st_size != record.get("bytes"):
             raise _differs(path, manifest_path)
     return manifest
+
+
+def _layout(shape: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """A tensor's entry in the manifest's layout, as ``save_rank`` writes it and ``check_rank`` compares it."""
+    return {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
 
 
 def _differs(path: Path, manifest_path: Path) -> CheckpointError:
