@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import random
 import re
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -62,7 +64,11 @@ CUT_OVERRIDES = [
     "cluster.slow_link_factor=0",
 ]
 CUT_S = 10.0
-AGAIN_WITHIN_S = 5.0  # the kept side commits again after the failed round; the cut-off group is back after the link
+# The kept side commits again after the failed round, the cut-off group is back after the link, within
+# AGAIN_WITHIN_S or AGAIN_WITHIN_ROUNDS of the job's own round period before the cut, whichever is longer:
+# a group asks at its next round boundary, H steps on, and on busy cores those steps take seconds.
+AGAIN_WITHIN_S = 5.0
+AGAIN_WITHIN_ROUNDS = 3
 
 
 def _namespaces() -> set[str]:
@@ -96,6 +102,16 @@ def _more_rounds(job: MultihostJob, rounds: int, what: str) -> None:
     """Wait for every group to commit ``rounds`` more rounds."""
     start = [_committed(job, g) for g in range(job.groups)]
     _wait(job, lambda: all(_committed(job, g) >= start[g] + rounds for g in range(job.groups)), what)
+
+
+def _round_period(records: dict[int, list[dict]], before: float) -> float:
+    """The median time between a group's consecutive commits before ``before``, over every group."""
+    gaps = [
+        b - a
+        for rs in records.values()
+        for a, b in pairwise(sorted(r["time"] for r in rs if r["committed"] and r["time"] < before))
+    ]
+    return statistics.median(gaps)
 
 
 def _back(job: MultihostJob, group: int, since: float, old_pids: set[int] = frozenset(), healed: bool = False) -> bool:
@@ -163,7 +179,9 @@ def test_two_groups_cut_apart_leave_the_third_in_every_round_and_both_sides_comm
         _ended_ok(job)
         third_log = (job.log_dir / "g2.log").read_text()
 
-    after = {g: [r for r in rs if r["time"] > cut_at] for g, rs in commits(job.run_dir, CUT_GROUPS).items()}
+    records = commits(job.run_dir, CUT_GROUPS)
+    after = {g: [r for r in rs if r["time"] > cut_at] for g, rs in records.items()}
+    within = max(AGAIN_WITHIN_S, AGAIN_WITHIN_ROUNDS * _round_period(records, cut_at))
     failed = failed_at(after, cut_at)
     assert failed is not None, "the round at the cut failed"
     first = reformed(after, cuts=((0, 1),), since=failed)
@@ -179,7 +197,9 @@ def test_two_groups_cut_apart_leave_the_third_in_every_round_and_both_sides_comm
     benched = re.findall(r"request of group 'group2' withdrawn: (?:it cannot reach|sits out|its link).*", third_log)
     assert not benched, f"group 2 was turned away: {benched}"
     again = first["time"] - failed
-    assert again <= AGAIN_WITHIN_S, f"{first['participants']} committed {again:.1f} s after the failed round"
+    assert again <= within, (
+        f"{first['participants']} committed {again:.1f} s after the failed round (within {within:.1f})"
+    )
     # Cut off: those of the pair the last commit before the link's return left out (the side kept may
     # change while the cut stands: a quorum forms of the groups asking, and either side of the pair asks;
     # under load a round may form of group 2 alone, leaving out both).
@@ -187,7 +207,9 @@ def test_two_groups_cut_apart_leave_the_third_in_every_round_and_both_sides_comm
     assert left_out, "the last commit before the link's return held both of the cut pair"
     for group in left_out:
         back = seconds_to_back(after[group], link_back)
-        assert back is not None and back <= AGAIN_WITHIN_S, f"group {group}, cut off, back {back} s after its link"
+        assert back is not None and back <= within, (
+            f"group {group}, cut off, back {back} s after its link ({within:.1f})"
+        )
 
 
 def _records(times: list[float], pid: int = 1, **extra: object) -> list[dict]:
