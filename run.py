@@ -12,6 +12,10 @@ import os
 import sys
 from pathlib import Path
 
+from diloco.huge_pages import huge_pages_by_default
+
+huge_pages_by_default()  # before anything imports torch
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode

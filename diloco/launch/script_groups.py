@@ -31,6 +31,7 @@ from diloco.config.cluster import ClusterConfig, LighthouseConfig, TimeoutsConfi
 from diloco.config.redaction import TOKEN_ENV
 from diloco.exits import exit_without_teardown
 from diloco.ft.lighthouse import Lighthouse, save_page
+from diloco.huge_pages import HUGE_PAGES_ENV
 from diloco.launch.local_cluster import last_exception
 from diloco.library.loop import GROUP_ENV, JOB_ENV, LIGHTHOUSE_ENV, RUN_DIR_ENV
 from diloco.run_paths import RunPaths
@@ -72,12 +73,13 @@ def run(args: argparse.Namespace) -> str | None:
     rules = ClusterConfig(groups=args.groups, min_groups=1).quorum_rules()
     with Lighthouse(LighthouseConfig(token=token), rules, args.job) as lighthouse:
         print(f"lighthouse for job {args.job!r} at {lighthouse.url}; status page {lighthouse.url}/", flush=True)
-        environ = os.environ | {
+        job_env = {
             LIGHTHOUSE_ENV: lighthouse.url,
             JOB_ENV: args.job,
             RUN_DIR_ENV: str(paths.root.resolve()),
             TOKEN_ENV: token,
         }
+        environ = {HUGE_PAGES_ENV: "1"} | os.environ | job_env  # huge pages as run.py has them, unless set
         groups = {g: start_group(g, args, environ, paths) for g in range(args.groups)}
         (paths.root / "groups.json").write_text(json.dumps({g: p.pid for g, p in groups.items()}))
         print(

@@ -16,12 +16,13 @@ import torch.multiprocessing as mp
 
 from diloco.ft import transport
 from diloco.ft.transport import (
+    ChunkSums,
     StateBundle,
     TransferError,
     lay_out_state,
     pack_state,
+    payload_checksum,
     recv_state,
-    send_packed,
     send_state,
     unpack_state,
 )
@@ -71,8 +72,8 @@ def edit_header(header: bytes, edit) -> bytes:
 
 def test_round_trip_mixed_dtypes_bit_exact() -> None:
     tensors = mixed_tensors()
-    header, payload = pack_state(StateBundle(tensors, {"committed": 3, "inner_step": 300, "loss": 2.5}))
-    got = unpack_state(header, payload, zeros_like(tensors))
+    header, payload, checksum = pack_state(StateBundle(tensors, {"committed": 3, "inner_step": 300, "loss": 2.5}))
+    got = unpack_state(header, payload, checksum, zeros_like(tensors))
     assert_bit_equal(got.tensors, tensors)
     assert got.meta == {"committed": 3, "inner_step": 300, "loss": 2.5}
 
@@ -80,20 +81,25 @@ def test_round_trip_mixed_dtypes_bit_exact() -> None:
 @pytest.mark.parametrize("chunk", [64, 1000, 4096, 1 << 20])
 def test_the_laid_out_payload_reads_chunk_by_chunk_as_the_packed_bytes_without_packing_the_whole(chunk: int) -> None:
     tensors = mixed_tensors(scale=3)
-    header, packed = pack_state(StateBundle(tensors, {}))
+    header, packed, _ = pack_state(StateBundle(tensors, {}))
     laid_header, laid_out = lay_out_state(StateBundle(tensors, {}))
     assert laid_header == header and laid_out.total == packed.numel()
     starts = range(0, laid_out.total, chunk)
-    # Each chunk as _stream asks for it, taken before a later one may reuse its buffer.
-    read = [laid_out.chunk(i, start, min(chunk, laid_out.total - start)).clone() for i, start in enumerate(starts)]
+    # Each chunk as _stream asks for it, summed as the sender does and taken before a later one may reuse its buffer.
+    sums, read = ChunkSums(), []
+    for i, start in enumerate(starts):
+        piece = laid_out.chunk(i, start, min(chunk, laid_out.total - start))
+        sums.add(piece)
+        read.append(piece.clone())
     assert torch.equal(torch.cat(read), packed)
+    assert sums.value == payload_checksum(packed, chunk)  # what the receiver takes of the same bytes
     first = tensors["global.0.0"]  # the payload's first tensor, at offset 0
     assert laid_out.chunk(0, 0, min(chunk, first.numel() * 4)).data_ptr() == first.data_ptr()  # a view, no copy
 
 
 def test_header_lists_tensors_in_order_with_aligned_offsets() -> None:
     tensors = mixed_tensors()
-    header, payload = pack_state(StateBundle(tensors, {}))
+    header, payload, _ = pack_state(StateBundle(tensors, {}))
     doc = json.loads(header)
     assert [e["name"] for e in doc["tensors"]] == list(tensors)
     assert all(e["offset"] % transport.ALIGN_BYTES == 0 for e in doc["tensors"])
@@ -102,16 +108,16 @@ def test_header_lists_tensors_in_order_with_aligned_offsets() -> None:
 
 
 def test_empty_state_round_trips() -> None:
-    header, payload = pack_state(StateBundle({}, {"committed": 0}))
+    header, payload, checksum = pack_state(StateBundle({}, {"committed": 0}))
     assert payload.numel() == 0
-    assert unpack_state(header, payload, {}).meta == {"committed": 0}
+    assert unpack_state(header, payload, checksum, {}).meta == {"committed": 0}
 
 
 def test_unpacked_tensors_do_not_alias_the_template() -> None:
     tensors = mixed_tensors()
     template = zeros_like(tensors)
-    header, payload = pack_state(StateBundle(tensors, {}))
-    unpack_state(header, payload, template)
+    header, payload, checksum = pack_state(StateBundle(tensors, {}))
+    unpack_state(header, payload, checksum, template)
     assert all(not v.any() for v in template.values())
 
 
@@ -134,26 +140,40 @@ def test_meta_that_is_not_json_is_refused_at_pack() -> None:
 )
 def test_mismatched_template_is_refused_with_the_tensor_name(change, match: str) -> None:
     tensors = mixed_tensors()
-    header, payload = pack_state(StateBundle(dict(tensors), {}))
+    header, payload, checksum = pack_state(StateBundle(dict(tensors), {}))
     template = zeros_like(tensors)
     change(template)
     with pytest.raises(TransferError, match=match):
-        unpack_state(header, payload, template)
+        unpack_state(header, payload, checksum, template)
 
 
 def test_corrupted_payload_byte_fails_the_checksum() -> None:
     tensors = mixed_tensors()
-    header, payload = pack_state(StateBundle(tensors, {}))
+    header, payload, checksum = pack_state(StateBundle(tensors, {}))
     payload[payload.numel() // 2] ^= 0x01
     with pytest.raises(TransferError, match="checksum mismatch"):
-        unpack_state(header, payload, zeros_like(tensors))
+        unpack_state(header, payload, checksum, zeros_like(tensors))
+
+
+@pytest.mark.parametrize("chunk", [8, 13, 64])
+def test_the_checksum_changes_with_any_one_byte_and_with_chunks_out_of_order(chunk: int) -> None:
+    payload = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    want = payload_checksum(payload, chunk)
+    for at in range(payload.numel()):
+        for bit in (0x01, 0x80):
+            changed = payload.clone()
+            changed[at] ^= bit
+            assert payload_checksum(changed, chunk) != want, (at, bit)
+    swapped = torch.cat([payload[chunk : 2 * chunk], payload[:chunk], payload[2 * chunk :]])
+    assert payload_checksum(swapped, chunk) != want
+    assert torch.tensor([2**62] * 4).sum().item() == 0  # the int64 sum it rests on wraps mod 2^64
 
 
 def test_truncated_payload_is_refused() -> None:
     tensors = mixed_tensors()
-    header, payload = pack_state(StateBundle(tensors, {}))
+    header, payload, checksum = pack_state(StateBundle(tensors, {}))
     with pytest.raises(TransferError, match="payload is"):
-        unpack_state(header, payload[:-1].clone(), zeros_like(tensors))
+        unpack_state(header, payload[:-1].clone(), checksum, zeros_like(tensors))
 
 
 @pytest.mark.parametrize(
@@ -167,17 +187,17 @@ def test_truncated_payload_is_refused() -> None:
     ],
 )
 def test_malformed_header_is_refused(header: bytes, match: str) -> None:
-    _, payload = pack_state(StateBundle({"a": torch.ones(2)}, {}))
+    _, payload, checksum = pack_state(StateBundle({"a": torch.ones(2)}, {}))
     with pytest.raises(TransferError, match=match):
-        unpack_state(header, payload, {"a": torch.zeros(2)})
+        unpack_state(header, payload, checksum, {"a": torch.zeros(2)})
 
 
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
-        (lambda d: d.update(version=2), "version 2 received"),
-        (lambda d: d.pop("checksum"), "no crc32 checksum"),
-        (lambda d: d["checksum"].update(value="0"), "no crc32 checksum"),
+        (lambda d: d.update(version=1), "version 1 received"),
+        (lambda d: d.pop("checksum"), "names no chunk-sum64 checksum"),
+        (lambda d: d["checksum"].update(algo="crc32"), "names no chunk-sum64 checksum"),
         (lambda d: d.update(meta=[1]), "meta must be a JSON object"),
         (lambda d: d.update(tensors={"a": 1}), "'tensors' must be a list"),
         (lambda d: d["tensors"][1].update(offset=8), "'b': offset expected 64, got 8"),
@@ -187,9 +207,9 @@ def test_malformed_header_is_refused(header: bytes, match: str) -> None:
 )
 def test_inconsistent_header_fields_are_refused(edit, match: str) -> None:
     tensors = {"a": torch.ones(2), "b": torch.arange(3)}
-    header, payload = pack_state(StateBundle(tensors, {}))
+    header, payload, checksum = pack_state(StateBundle(tensors, {}))
     with pytest.raises(TransferError, match=match):
-        unpack_state(edit_header(header, edit), payload, zeros_like(tensors))
+        unpack_state(edit_header(header, edit), payload, checksum, zeros_like(tensors))
 
 
 # ---------------------------------------------------------------- two processes over a real Gloo lane
@@ -215,11 +235,18 @@ def _roundtrip(rank: int, pg) -> str:
 def _corrupt(rank: int, pg) -> str:
     tensors = mixed_tensors(scale=40)
     if rank == 0:
-        header, payload = pack_state(StateBundle(tensors, {"committed": 7}))
-        payload[payload.numel() - 1000] ^= 0x80  # flipped after the checksum was taken
         with pytest.raises(TransferError, match="receiver refused the payload"):
-            send_packed(pg, 1, header, payload, TIMEOUT_S)
+            send_state(pg, 1, StateBundle(tensors, {"committed": 7}), TIMEOUT_S)
         return "told"
+    add, flipped = ChunkSums.add, []
+
+    def add_flipped_once(sums: ChunkSums, piece: torch.Tensor) -> None:
+        if not flipped:  # a bit of the first chunk changed on the way in, after the sender summed it
+            piece[piece.numel() // 2] ^= 0x80
+            flipped.append(True)
+        add(sums, piece)
+
+    ChunkSums.add = add_flipped_once
     template = mixed_tensors(scale=40, seed=1)
     before = {k: v.clone() for k, v in template.items()}
     with pytest.raises(TransferError, match="checksum mismatch"):
