@@ -19,12 +19,17 @@ fp4      e2m1 (max 6) × scale          0.5 + 4/block (two codes per byte)
 Block layout: [scales as fp32 bytes | payload]. The scales come first so they sit at a
 4-byte aligned offset of a freshly received buffer. The last block is zero-padded for the
 absmax; the payload holds only ``numel`` values (fp4: ceil(numel/2) bytes).
+
+Every value's code depends only on its block, so encode and decode run a chunk of whole blocks
+at a time: each of their dozen elementwise steps then passes over a cache's worth of values,
+not over the model's (a fragment of 38M values is 150 MB a step), with the same bits.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -41,6 +46,7 @@ _FP4_MAX = 6.0
 _FP4_MIDPOINTS = tuple((a + b) / 2 for a, b in itertools.pairwise(_FP4_GRID))
 
 _MAXIMA = {"fp8": _FP8_MAX, "int8": _INT8_MAX, "fp4": _FP4_MAX}
+CHUNK_VALUES = 1 << 18  # values an encode or decode step works on at once (1 MB of fp32)
 
 
 def _check(fmt: str, block: int) -> None:
@@ -52,6 +58,12 @@ def _check(fmt: str, block: int) -> None:
 
 def _n_blocks(numel: int, block: int) -> int:
     return math.ceil(numel / block)
+
+
+def _chunk(block: int) -> int:
+    """Values a chunk: whole blocks, about ``CHUNK_VALUES``, and even, so no fp4 byte straddles two chunks."""
+    values = max(1, CHUNK_VALUES // block) * block
+    return values * (values % 2 + 1)
 
 
 def packed_nbytes(numel: int, fmt: str, block: int = DEFAULT_BLOCK) -> int:
@@ -86,9 +98,11 @@ def _blockwise(x: torch.Tensor, block: int, qmax: float) -> tuple[torch.Tensor, 
     value. An all-zero block has scale 0 and maps to zeros (no 0/0).
     """
     n = x.numel()
-    padded = torch.zeros(_n_blocks(n, block) * block, dtype=torch.float32, device=x.device)
-    padded[:n] = x
-    rows = padded.view(-1, block)
+    if n % block:
+        padded = torch.zeros(_n_blocks(n, block) * block, dtype=torch.float32, device=x.device)
+        padded[:n] = x
+        x = padded
+    rows = x.view(-1, block)
     # A 0-d tensor, not a Python float: CUDA divides by a Python scalar as a multiply by its
     # reciprocal, which rounds differently, and every codec device must give the same bits.
     scales = rows.abs().amax(dim=1) / torch.tensor(qmax, device=x.device)
@@ -118,11 +132,25 @@ def _fp4_pack(codes: torch.Tensor) -> torch.Tensor:
     return pairs[:, 0] | (pairs[:, 1] << 4)
 
 
-def _fp4_decode(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    grid = torch.tensor(_FP4_GRID, dtype=torch.float32, device=packed.device)
-    lut = torch.cat([grid, -grid])
+def _fp4_lut(device: torch.device) -> torch.Tensor:
+    """The value of each code 0..15."""
+    grid = torch.tensor(_FP4_GRID, dtype=torch.float32, device=device)
+    return torch.cat([grid, -grid])
+
+
+def _fp4_decode(packed: torch.Tensor, numel: int, lut: torch.Tensor) -> torch.Tensor:
     codes = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)[:numel]
     return lut[codes.long()]
+
+
+def _codes(y: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The payload bytes of ``y`` (values already divided by their block's scale)."""
+    if fmt == "fp8":
+        # The clamp only guards rounding in x / scale; torch's cast would give NaN above 448.
+        return _as_bytes(y.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8))
+    if fmt == "int8":
+        return _as_bytes(y.round().clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8))
+    return _fp4_pack(_fp4_encode(y))
 
 
 def quantize(x: torch.Tensor, fmt: str, block: int = DEFAULT_BLOCK) -> torch.Tensor:
@@ -135,27 +163,30 @@ def quantize(x: torch.Tensor, fmt: str, block: int = DEFAULT_BLOCK) -> torch.Ten
     _check(fmt, block)
     if x.dim() != 1 or x.dtype != torch.float32:
         raise ValueError(f"quantize takes a 1-D fp32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
-    x = x.detach()
+    x = x.detach().contiguous()  # its chunks are viewed as rows of blocks
     if fmt == "none":
         return _as_bytes(x.clone())
     if fmt == "bf16":
         return _as_bytes(x.to(torch.bfloat16))
-    if x.numel() and not torch.isfinite(x).all():
-        raise ValueError(f"quantize({fmt}) needs finite values; the tensor holds inf or NaN")
-    y, scales = _blockwise(x, block, _MAXIMA[fmt])
-    y = y.reshape(-1)[: x.numel()]
-    if fmt == "fp8":
-        # The clamp only guards rounding in x / scale; torch's cast would give NaN above 448.
-        payload = _as_bytes(y.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8))
-    elif fmt == "int8":
-        payload = _as_bytes(y.round().clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8))
-    else:
-        payload = _fp4_pack(_fp4_encode(y))
-    return torch.cat([_as_bytes(scales), payload])
+    n, nb = x.numel(), _n_blocks(x.numel(), block)
+    packed = torch.empty(packed_nbytes(n, fmt, block), dtype=torch.uint8, device=x.device)
+    scales, payload = packed[: 4 * nb].view(torch.float32), packed[4 * nb :]  # a new buffer: aligned
+    step = _chunk(block)
+    for start in range(0, n, step):
+        piece = x[start : start + step]
+        if not torch.isfinite(piece).all():
+            raise ValueError(f"quantize({fmt}) needs finite values; the tensor holds inf or NaN")
+        y, piece_scales = _blockwise(piece, block, _MAXIMA[fmt])
+        scales[start // block : start // block + piece_scales.numel()] = piece_scales
+        codes = _codes(y.reshape(-1)[: piece.numel()], fmt)
+        at = start // 2 if fmt == "fp4" else start
+        payload[at : at + codes.numel()] = codes
+    return packed
 
 
-def dequantize(packed: torch.Tensor, fmt: str, numel: int, block: int = DEFAULT_BLOCK) -> torch.Tensor:
-    """The fp32 tensor of ``numel`` values that ``quantize`` encoded in ``packed``."""
+def _decoder(packed: torch.Tensor, fmt: str, numel: int, block: int) -> Callable[[int, int], torch.Tensor]:
+    """What ``quantize`` encoded in ``packed``, as a function of a chunk: values [start, stop) in fp32
+    (``start`` a multiple of ``_chunk(block)``). The bytes are checked and the scales read once."""
     _check(fmt, block)
     expected = packed_nbytes(numel, fmt, block)
     if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != expected:
@@ -163,32 +194,48 @@ def dequantize(packed: torch.Tensor, fmt: str, numel: int, block: int = DEFAULT_
             f"packed {fmt} payload of {numel} values must be a 1-D uint8 tensor of {expected} bytes, "
             f"got {packed.dtype} of shape {tuple(packed.shape)}"
         )
-    if fmt == "none":
-        return _reinterpret(packed, torch.float32).clone()
-    if fmt == "bf16":
-        return _reinterpret(packed, torch.bfloat16).float()
+    if fmt in ("none", "bf16"):
+        values = _reinterpret(packed, torch.float32 if fmt == "none" else torch.bfloat16)
+        return lambda start, stop: values[start:stop].float()
     nb = _n_blocks(numel, block)
     scales = _reinterpret(packed[: 4 * nb], torch.float32)
     payload = packed[4 * nb :]
-    if fmt == "fp8":
-        values = payload.view(_FP8).float()
-    elif fmt == "int8":
-        values = payload.view(torch.int8).float()
-    else:
-        values = _fp4_decode(payload, numel)
-    per_element = scales.repeat_interleave(block)[:numel]
-    return values * per_element
+    lut = _fp4_lut(packed.device) if fmt == "fp4" else None
+
+    def chunk(start: int, stop: int) -> torch.Tensor:
+        if fmt == "fp8":
+            values = payload[start:stop].view(_FP8).float()
+        elif fmt == "int8":
+            values = payload[start:stop].view(torch.int8).float()
+        else:
+            values = _fp4_decode(payload[start // 2 : (stop + 1) // 2], stop - start, lut)
+        first = start // block
+        return values * scales[first : _n_blocks(stop, block)].repeat_interleave(block)[: stop - start]
+
+    return chunk
+
+
+def dequantize(packed: torch.Tensor, fmt: str, numel: int, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """The fp32 tensor of ``numel`` values that ``quantize`` encoded in ``packed`` (a sum of one)."""
+    return reduce_quantized([packed], fmt, numel, block)
 
 
 def reduce_quantized(gathered: list[torch.Tensor], fmt: str, numel: int, block: int = DEFAULT_BLOCK) -> torch.Tensor:
     """The fp32 sum of the dequantized payloads, accumulated in list order.
 
     Every group sums the same payloads in the same (rank) order, so every group gets the
-    same bits; divide by the number of contributors for the mean.
+    same bits; divide by the number of contributors for the mean. Chunk by chunk: each value
+    is still the first payload's plus the second's plus ..., in that order.
     """
     if not gathered:
         raise ValueError("reduce_quantized needs at least one payload")
-    total = dequantize(gathered[0], fmt, numel, block)
-    for packed in gathered[1:]:
-        total += dequantize(packed, fmt, numel, block)
+    decoders = [_decoder(packed, fmt, numel, block) for packed in gathered]
+    total = torch.empty(numel, dtype=torch.float32, device=gathered[0].device)
+    step = _chunk(block)
+    for start in range(0, numel, step):
+        stop = min(start + step, numel)
+        part = total[start:stop]
+        part.copy_(decoders[0](start, stop))
+        for decode in decoders[1:]:
+            part += decode(start, stop)
     return total

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from diloco.outer import quantize as quantize_module
 from diloco.outer.quantize import DEFAULT_BLOCK, FORMATS, dequantize, packed_nbytes, quantize, reduce_quantized
 
 BLOCK_FORMATS = ("fp8", "int8", "fp4")
@@ -242,6 +243,27 @@ def test_two_group_mean_within_bound_and_unbiased(fmt, kind):
         if fmt != "none":
             standard_error = math.sqrt(bound.pow(2).mean().item() / 3 / n)
             assert abs(err.mean().item()) <= 5 * standard_error, (fmt, kind, trial)
+
+
+@pytest.mark.parametrize("block", [DEFAULT_BLOCK, 7, 3])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_chunk_by_chunk_gives_the_bits_of_the_whole_at_once(fmt, block, monkeypatch):
+    """Encode and decode run a chunk of whole blocks at a time: chunks of 14 to 128 values (an odd
+    count doubled, for fp4's pairs) give the bytes and sums of one chunk of everything."""
+    xs = [sample("outliers", 1001, 30 + i) for i in range(3)]
+    xs[0][:200] = 0.0  # all-zero blocks
+    whole = [quantize(x, fmt, block) for x in xs]
+    summed, decoded = reduce_quantized(whole, fmt, 1001, block), dequantize(whole[1], fmt, 1001, block)
+    monkeypatch.setattr(quantize_module, "CHUNK_VALUES", 16)
+    assert quantize_module._chunk(block) < 1001  # many chunks, the last one partial
+    chunked = [quantize(x, fmt, block) for x in xs]
+    assert all(torch.equal(a, b) for a, b in zip(chunked, whole))
+    assert torch.equal(dequantize(whole[1], fmt, 1001, block).view(torch.int32), decoded.view(torch.int32))
+    assert torch.equal(reduce_quantized(chunked, fmt, 1001, block).view(torch.int32), summed.view(torch.int32))
+    if fmt in BLOCK_FORMATS:
+        xs[2][900] = float("inf")  # in a late chunk: refused all the same
+        with pytest.raises(ValueError, match="finite"):
+            quantize(xs[2], fmt, block)
 
 
 def test_reduce_is_deterministic():
