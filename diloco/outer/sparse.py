@@ -26,6 +26,7 @@ zero-padded; an index into the padding decodes to nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ import torch
 from diloco.config.algo import VALUE_BITS
 
 CHUNK = 4096  # the paper's chunk: 64 x 64 entries, as DeMo's DCT blocks
+STEP_VALUES = 1 << 18  # values encode, decode and feedback work on at once: a cache's worth, not the model's
 
 
 @dataclass(frozen=True)
@@ -72,44 +74,91 @@ class TopK:
             return 4 * n + _packed_len(n, self.index_bits(numel))
         return 8 * self.chunks(numel) + _packed_len(n, self.index_bits(numel)) + _packed_len(n, self.value_bits)
 
+    def rows_per_step(self, numel: int) -> int:
+        """Chunks handled at once: about ``STEP_VALUES`` values, a multiple of 8 so that every step's
+        index and value codes start on a byte of the payload's bit streams."""
+        return max(8, STEP_VALUES // self.width(numel) // 8 * 8)
+
+    def steps(self, numel: int) -> list[tuple[int, int]]:
+        """The chunk ranges [r0, r1) a pass over ``numel`` values takes, in order."""
+        c, step = self.chunks(numel), self.rows_per_step(numel)
+        return [(r0, min(c, r0 + step)) for r0 in range(0, c, step)]
+
+    def _layout(self, numel: int) -> tuple[int, int]:
+        """Where the payload's sections end: the fp32 section's bytes and the index section's."""
+        n = self.chunks(numel) * self.kept(numel)
+        head = 4 * n if self.value_bits == 32 else 8 * self.chunks(numel)
+        return head, head + _packed_len(n, self.index_bits(numel))
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The payload of a 1-D fp32 tensor: each chunk's k largest magnitudes, indices and values."""
         if x.dim() != 1 or x.dtype != torch.float32:
             raise ValueError(f"encode takes a 1-D fp32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
-        numel, width, k = x.numel(), self.width(x.numel()), self.kept(x.numel())
-        rows = torch.zeros(self.chunks(numel) * width, dtype=torch.float32, device=x.device)
-        rows[:numel] = x.detach()
-        rows = rows.view(-1, width)
+        numel, width = x.numel(), self.width(x.numel())
+        payload = torch.empty(self.nbytes(numel), dtype=torch.uint8, device=x.device)
+        x = x.detach().contiguous()
+        for r0, r1 in self.steps(numel):
+            self.encode_rows(x[r0 * width : r1 * width], numel, r0, payload)
+        return payload
+
+    def encode_rows(self, piece: torch.Tensor, numel: int, r0: int, payload: torch.Tensor) -> None:
+        """The values of chunks [r0, r1) (of a tensor of ``numel``) into their bytes of ``payload``, a
+        buffer of ``nbytes(numel)`` allocated for it (so its fp32 section is aligned)."""
+        width, k = self.width(numel), self.kept(numel)
+        r1 = r0 + math.ceil(piece.numel() / width)
+        head, index_end = self._layout(numel)
+        if piece.numel() < (r1 - r0) * width:  # the last chunk, zero-padded
+            piece = torch.cat([piece, piece.new_zeros((r1 - r0) * width - piece.numel())])
+        rows = piece.view(-1, width)
         index = rows.abs().topk(k, dim=1, sorted=False).indices
         values = rows.gather(1, index)
-        packed_index = _pack(index.reshape(-1), self.index_bits(numel))
+        fp32 = payload[:head].view(torch.float32)
+        index_bits = self.index_bits(numel)
+        _put(payload[head:index_end], r0 * k * index_bits, _pack(index.reshape(-1), index_bits))
         if self.value_bits == 32:
-            return torch.cat([_as_bytes(values), packed_index])
+            fp32[r0 * k : r1 * k] = values.reshape(-1)
+            return
         scales, codes = _quantize(values, self.value_bits)
-        return torch.cat([_as_bytes(scales), packed_index, _pack(codes.reshape(-1), self.value_bits)])
+        fp32[2 * r0 : 2 * r1] = scales.reshape(-1)
+        _put(payload[index_end:], r0 * k * self.value_bits, _pack(codes.reshape(-1), self.value_bits))
 
-    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        """The fp32 tensor of ``numel`` values ``payload`` stands for: zeros but at the kept entries."""
+    def decoder(self, payload: torch.Tensor, numel: int) -> Callable[[int, int], torch.Tensor]:
+        """What ``payload`` stands for, as a function of a step: the dense fp32 values of chunks [r0, r1)
+        (the last one's padding cut off), zeros but at the kept entries. The bytes are checked once."""
         expected = self.nbytes(numel)
         if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != expected:
             raise ValueError(
                 f"a topk payload of {numel} values must be a 1-D uint8 tensor of {expected} bytes, "
                 f"got {payload.dtype} of shape {tuple(payload.shape)}"
             )
-        c, width, k = self.chunks(numel), self.width(numel), self.kept(numel)
-        n = c * k
-        head = 4 * n if self.value_bits == 32 else 8 * c
-        index_end = head + _packed_len(n, self.index_bits(numel))
-        index = _unpack(payload[head:index_end], self.index_bits(numel), n).view(c, k)
+        width, k, index_bits = self.width(numel), self.kept(numel), self.index_bits(numel)
+        head, index_end = self._layout(numel)
         fp32 = _as_float(payload[:head])
-        if self.value_bits == 32:
-            values = fp32.view(c, k)
-        else:
-            codes = _unpack(payload[index_end:], self.value_bits, n).view(c, k)
-            values = _dequantize(fp32.view(c, 2), codes, self.value_bits)
-        out = torch.zeros(c, width, dtype=torch.float32, device=payload.device)
-        out.scatter_(1, index, values)
-        return out.view(-1)[:numel]
+
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            m = (r1 - r0) * k
+            index = _unpack(_take(payload[head:index_end], r0 * k * index_bits, m, index_bits), index_bits, m)
+            if self.value_bits == 32:
+                values = fp32[r0 * k : r1 * k].view(-1, k)
+            else:
+                codes = _unpack(
+                    _take(payload[index_end:], r0 * k * self.value_bits, m, self.value_bits), self.value_bits, m
+                )
+                values = _dequantize(fp32[2 * r0 : 2 * r1].view(-1, 2), codes.view(-1, k), self.value_bits)
+            out = torch.zeros(r1 - r0, width, dtype=torch.float32, device=payload.device)
+            out.scatter_(1, index.view(-1, k), values)
+            return out.view(-1)[: min(numel, r1 * width) - r0 * width]
+
+        return rows
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """The fp32 tensor of ``numel`` values ``payload`` stands for: zeros but at the kept entries."""
+        rows = self.decoder(payload, numel)
+        out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+        width = self.width(numel)
+        for r0, r1 in self.steps(numel):
+            out[r0 * width : r1 * width] = rows(r0, r1)
+        return out
 
 
 def feedback(
@@ -119,10 +168,17 @@ def feedback(
 
     β = 0 is no feedback: a = Δ (0·e is exact for a finite e).
     """
-    accumulated = delta + decay * error if decay else delta.clone()
-    payload = codec.encode(accumulated)
-    sent = codec.decode(payload, accumulated.numel())
-    return payload, sent, accumulated - sent
+    numel, width = delta.numel(), codec.width(delta.numel())
+    payload = torch.empty(codec.nbytes(numel), dtype=torch.uint8, device=delta.device)
+    sent, new_error = torch.empty_like(delta), torch.empty_like(delta)
+    decoded = codec.decoder(payload, numel)  # views of the payload: each step reads the bytes just written
+    for r0, r1 in codec.steps(numel):  # a, ŝ and e a step at a time, element by element as over the whole
+        span = slice(r0 * width, r1 * width)
+        accumulated = delta[span] + decay * error[span] if decay else delta[span].clone()
+        codec.encode_rows(accumulated, numel, r0, payload)
+        sent[span] = decoded(r0, r1)
+        torch.sub(accumulated, sent[span], out=new_error[span])
+    return payload, sent, new_error
 
 
 def outgoing(
@@ -155,12 +211,15 @@ def reduce_sparse(
     scaled = 0 < reference_groups < len(contributing)
     total = torch.zeros(numel, dtype=torch.float32, device=gathered[0].device)
     senders = torch.zeros_like(total) if scaled else None
-    for payload, weight in zip(gathered, weights):
-        if weight:
-            sent = codec.decode(payload, numel)
-            total += sent * weight
+    decoders = [(codec.decoder(payload, numel), weight) for payload, weight in zip(gathered, weights) if weight]
+    width = codec.width(numel)
+    for r0, r1 in codec.steps(numel):  # each entry summed in list order, as over the whole
+        span = slice(r0 * width, r1 * width)
+        for rows, weight in decoders:
+            sent = rows(r0, r1)
+            total[span] += sent * weight
             if senders is not None:
-                senders += (sent != 0) * weight
+                senders[span] += (sent != 0) * weight
     if senders is None:
         return total
     whole = sum(contributing)
@@ -221,8 +280,14 @@ def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return (flat * weights).sum(dim=1)
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).reshape(-1)
+def _put(stream: torch.Tensor, bit: int, packed: torch.Tensor) -> None:
+    """A step's packed codes into a bit stream at ``bit``, a multiple of 8 (``rows_per_step``)."""
+    stream[bit // 8 : bit // 8 + packed.numel()] = packed
+
+
+def _take(stream: torch.Tensor, bit: int, n: int, bits: int) -> torch.Tensor:
+    """The bytes of ``n`` codes of ``bits`` each starting at ``bit``, a multiple of 8."""
+    return stream[bit // 8 : bit // 8 + _packed_len(n, bits)]
 
 
 def _as_float(u8: torch.Tensor) -> torch.Tensor:

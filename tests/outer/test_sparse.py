@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diloco.outer import sparse as sparse_module
 from diloco.outer.codecs import Sparse, launch_reduce
 from diloco.outer.overlap_plan import choose_overlap
 from diloco.outer.perf_model import Link, SyncPlan, bandwidth_for, topk_bits_per_param, utilization, window_seconds
@@ -171,3 +172,24 @@ def test_a_group_that_does_not_contribute_sends_a_blank_payload_of_the_same_size
     payload, new_error = outgoing(codec, delta, error, 0.95, 2.0, torch.device("cpu"))
     assert torch.equal(payload, codec.encode(delta + 0.95 * error))
     torch.testing.assert_close(codec.decode(payload, 3000) + new_error, delta + 0.95 * error)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 32])
+def test_a_step_of_rows_at_a_time_gives_the_bits_of_one_step_over_everything(bits, monkeypatch):
+    """encode, decode, feedback and reduce_sparse go 8 chunks at a time (the fewest a step takes,
+    so every step's codes start on a byte): the same payload, ŝ, e and sum as one step over all."""
+    codec, numel = TopK(density=0.05, value_bits=bits, chunk=64), 64 * 37 + 5  # 38 chunks, the last partial
+    g = torch.Generator().manual_seed(3)
+    delta, error = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    monkeypatch.setattr(sparse_module, "STEP_VALUES", 1 << 30)
+    assert len(codec.steps(numel)) == 1
+    whole = feedback(codec, delta, error, 0.9)
+    summed = reduce_sparse([whole[0], codec.encode(error)], [1.0, 2.0], codec, numel, reference_groups=1)
+    monkeypatch.setattr(sparse_module, "STEP_VALUES", 1)
+    assert len(codec.steps(numel)) == 5
+    stepped = feedback(codec, delta, error, 0.9)
+    assert all(torch.equal(a, b) for a, b in zip(stepped, whole))
+    assert torch.equal(codec.encode(delta + 0.9 * error), whole[0])
+    assert torch.equal(codec.decode(whole[0], numel), whole[1])
+    again = reduce_sparse([stepped[0], codec.encode(error)], [1.0, 2.0], codec, numel, reference_groups=1)
+    assert torch.equal(again.view(torch.int32), summed.view(torch.int32))
