@@ -43,27 +43,30 @@ from experiments.scale.netns_hosts import MultihostJob, NetnsHosts
 
 NO_NETNS = netns_link.unavailable()
 GROUPS = 2
-# Enough steps that the job outlasts the three faults (about 45 s of them): at ~20 steps/s per group on
-# two idle cores, and fewer while the lighthouse is down (the groups train on, rounds skipped).
-OVERRIDES = ["trainer.max_steps=1400", "algo.sync_every=10"]
+# Enough steps that the job outlasts the three faults: on two busy cores they took 32 s and 460 steps
+# (~15 steps/s per group), then 940 more steps trained on for nothing the test looks at; on two idle
+# cores ~20 steps/s, fewer while the lighthouse is down (the groups train on, rounds skipped).
+OVERRIDES = ["trainer.max_steps=1000", "algo.sync_every=10"]
 LINK_DOWN_S = 8.0  # > cluster.timeouts.heartbeat (3 s): the group is dropped
 BACK_S = 60.0  # a restarted or cut-off group back at its peers' round; a lighthouse started again
 JOB_S = 240.0
-# Three groups, g0 | g1 cut for CUT_S: longer than the round at the cut takes to fail (a cut shorter than
-# cluster.timeouts.collective fails no round: its TCP connections resume), and steps enough that the job
-# outlasts it and the heal (~30 steps/s per group on two idle cores). No link is timed slow
+# Three groups, g0 | g1 cut for CUT_S: longer than the round at the cut takes to fail and the kept side's
+# next round to form (a cut shorter than cluster.timeouts.collective fails no round: its TCP connections
+# resume; on busy cores a round that opened 2 s into a 10-s cut failed at 7 s and the next one asked after
+# the link was back, so the kept side never met apart), and steps enough that the job outlasts it and the
+# heal (~30 steps/s per group on two idle cores). No link is timed slow
 # (cluster.slow_link_factor=0): on two busy cores a probe times the same unshaped link at 36 Mbit/s and at
 # 760, and the group it calls slow would sit out for a reason this test is not about.
 CUT_GROUPS = 3
 CUT_OVERRIDES = [
-    "trainer.max_steps=600",
+    "trainer.max_steps=800",
     "algo.sync_every=20",
     "trainer.warmup_share=0",
     "cluster.timeouts.collective=5",
     "cluster.timeouts.connect=5",
     "cluster.slow_link_factor=0",
 ]
-CUT_S = 10.0
+CUT_S = 16.0
 # The kept side commits again after the failed round, the cut-off group is back after the link, within
 # AGAIN_WITHIN_S or AGAIN_WITHIN_ROUNDS of the job's own round period before the cut, whichever is longer:
 # a group asks at its next round boundary, H steps on, and on busy cores those steps take seconds.
