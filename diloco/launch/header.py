@@ -24,10 +24,13 @@ from diloco.outer.codecs import Dense, codec_for
 NOT_SHAPE = ("vocab_size", "init_from")
 
 
-def header_lines(job: JobConfig, n_params: int, status_url: str | None, run_dir: Path) -> list[str]:
-    """The job's header, one fact per line (``status_url`` None: no lighthouse, so no page)."""
+def header_lines(
+    job: JobConfig, n_params: int, status_url: str | None, run_dir: Path, memory_line: str | None = None
+) -> list[str]:
+    """The job's header, one fact per line (``status_url`` None: no lighthouse, so no page); ``memory_line``:
+    what the processes' environment made of their memory (``diloco.huge_pages.huge_pages_line``)."""
     lines = [model_line(job, n_params), algo_line(job, n_params), tokens_line(job)]
-    lines += [line for line in (warmup_line(job), group_rules_line(job)) if line]
+    lines += [line for line in (warmup_line(job), group_rules_line(job), memory_line) if line]
     page = f", status page {status_url}/" if status_url else ""
     return [*lines, f"watch: run directory {run_dir}{page}"]  # the page last: tools read its URL off the end
 

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from diloco.config.base import ConfigError
 from diloco.config.job import JobConfig
 from diloco.files import write_json_atomically, writing
+from diloco.huge_pages import huge_pages_line
 from diloco.launch.faults import FaultInjector, plan_faults
 from diloco.launch.header import header_lines
 from diloco.launch.lighthouse_watch import LighthouseWatch
@@ -69,7 +70,7 @@ def _launch_claimed(
     n_params, signature = preflight(job, paths, warnings.append)
     cluster = LocalCluster(job, paths, signature, worker_prefix)
     status_url = cluster.lighthouse_url if job.algo.name != "local" else None  # algo=local runs no lighthouse
-    for line in [*header_lines(job, n_params, status_url, paths.root), *warnings]:
+    for line in [*header_lines(job, n_params, status_url, paths.root, huge_pages_line()), *warnings]:
         say(line, out)
     start = time.monotonic()
     events = EventLog(paths.events, time.time(), out)

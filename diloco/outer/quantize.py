@@ -46,7 +46,9 @@ _FP4_MAX = 6.0
 _FP4_MIDPOINTS = tuple((a + b) / 2 for a, b in itertools.pairwise(_FP4_GRID))
 
 _MAXIMA = {"fp8": _FP8_MAX, "int8": _INT8_MAX, "fp4": _FP4_MAX}
-CHUNK_VALUES = 1 << 18  # values an encode or decode step works on at once (1 MB of fp32)
+# Values an encode, decode or sum step works on at once, here and in the sparse codec: 1 MB of fp32, a
+# cache's worth, not the model's.
+STEP_VALUES = 1 << 18
 
 
 def _check(fmt: str, block: int) -> None:
@@ -61,8 +63,8 @@ def _n_blocks(numel: int, block: int) -> int:
 
 
 def _chunk(block: int) -> int:
-    """Values a chunk: whole blocks, about ``CHUNK_VALUES``, and even, so no fp4 byte straddles two chunks."""
-    values = max(1, CHUNK_VALUES // block) * block
+    """Values a chunk: whole blocks, about ``STEP_VALUES``, and even, so no fp4 byte straddles two chunks."""
+    values = max(1, STEP_VALUES // block) * block
     return values * (values % 2 + 1)
 
 

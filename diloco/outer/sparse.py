@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from diloco.config.algo import VALUE_BITS
+from diloco.outer.quantize import STEP_VALUES
 
 CHUNK = 4096  # the paper's chunk: 64 x 64 entries, as DeMo's DCT blocks
-STEP_VALUES = 1 << 18  # values encode, decode and feedback work on at once: a cache's worth, not the model's
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,10 @@ class TopK:
 
     def nbytes(self, numel: int) -> int:
         """Exact size of ``encode`` for ``numel`` values: what one group sends to each peer."""
-        n = self.chunks(numel) * self.kept(numel)
+        _, index_end = self._layout(numel)
         if self.value_bits == 32:
-            return 4 * n + _packed_len(n, self.index_bits(numel))
-        return 8 * self.chunks(numel) + _packed_len(n, self.index_bits(numel)) + _packed_len(n, self.value_bits)
+            return index_end  # the values are the fp32 section
+        return index_end + _packed_len(self.chunks(numel) * self.kept(numel), self.value_bits)
 
     def rows_per_step(self, numel: int) -> int:
         """Chunks handled at once: about ``STEP_VALUES`` values, a multiple of 8 so that every step's
@@ -161,37 +161,36 @@ class TopK:
         return out
 
 
-def feedback(
-    codec: TopK, delta: torch.Tensor, error: torch.Tensor, decay: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One round of error feedback: (payload, ŝ = what it decodes to, the new e = a − ŝ), a = β·e + Δ.
+def feedback(codec: TopK, delta: torch.Tensor, error: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round of error feedback: (payload, the new e = a − ŝ), a = β·e + Δ, ŝ what the payload decodes to.
 
+    The new e is written over ``delta`` (the round's own buffer), a step at a time once that step's a
+    is taken, and ŝ is a step's temporary: a round adds nothing of the model's size but the payload.
     β = 0 is no feedback: a = Δ (0·e is exact for a finite e).
     """
     numel, width = delta.numel(), codec.width(delta.numel())
     payload = torch.empty(codec.nbytes(numel), dtype=torch.uint8, device=delta.device)
-    sent, new_error = torch.empty_like(delta), torch.empty_like(delta)
     decoded = codec.decoder(payload, numel)  # views of the payload: each step reads the bytes just written
     for r0, r1 in codec.steps(numel):  # a, ŝ and e a step at a time, element by element as over the whole
         span = slice(r0 * width, r1 * width)
         accumulated = delta[span] + decay * error[span] if decay else delta[span].clone()
         codec.encode_rows(accumulated, numel, r0, payload)
-        sent[span] = decoded(r0, r1)
-        torch.sub(accumulated, sent[span], out=new_error[span])
-    return payload, sent, new_error
+        torch.sub(accumulated, decoded(r0, r1), out=delta[span])
+    return payload, delta
 
 
 def outgoing(
     codec: TopK, delta: torch.Tensor, error: torch.Tensor, decay: float, weight: float, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a group sends this round (on the CPU) and the e it keeps if the round commits, encoded on ``device``.
+    """What a group sends this round (on the CPU) and the e it keeps if the round commits, encoded on ``device``
+    (on the CPU, e is written over ``delta``: ``feedback``).
 
     At weight 0 (a healing group, or a non-finite Δ) Δ is not the group's work: a blank payload
     of the same size, so the gather keeps its shape, and e stays as it was.
     """
     if weight <= 0:
         return torch.zeros(codec.nbytes(delta.numel()), dtype=torch.uint8), error
-    payload, _, new_error = feedback(codec, delta.to(device), error.to(device), decay)
+    payload, new_error = feedback(codec, delta.to(device), error.to(device), decay)
     return payload.cpu(), new_error.cpu()
 
 

@@ -17,8 +17,10 @@ For each Llama preset of the ladder (``--sizes``: tiny, mini, midi, llama3_150m 
    records: a committed round's ``sync_ms`` (the training thread's whole wait, digest included
    unless hashed beside the inner steps) and the median of each phase (docs/algorithm.md, "An
    outer round's phases"), the healing round's ``heal`` phase (waiting for the peer's round
-   included), death to the restarted group's first commit, and each worker's peak resident
-   memory beside the bytes a plain loop holds (parameters, gradients, AdamW: 16 a parameter);
+   included), death to the restarted group's first commit, and the peak resident memory of the
+   worker that trained throughout (group 0, which served the heal) and of the one that healed;
+   beside them the peak of a plain loop (``algo=local``: the same worker, model, batch and AdamW,
+   with no outer sync), so what DiLoCo adds is read in bytes a parameter, measured;
 3. a checkpoint of a worker's state of the model's shapes (θ_l, AdamW, θ_g, momentum: 20 bytes a
    parameter) saved and loaded beside a bare write and read of the same bytes (``checkpoint_io``);
 4. with ``--variants``, the same job per payload and layout (``VARIANTS``: Streaming P=4 τ=1 fp4,
@@ -83,7 +85,7 @@ H = 5
 STEPS = {"tiny": 2000, "mini": 2000, "midi": 500}
 MIN_STEPS = 8 * H
 HEAL_BYTES_PER_PARAM = 16  # θ_g, the outer momentum and AdamW's two moments, fp32 (``_bytes_by_kind``)
-PLAIN_BYTES_PER_PARAM = 16  # a plain loop's parameters, gradients and AdamW's two moments, fp32
+PLAIN_STEPS = 2 * H  # the plain loop's: its peak is reached at the first optimizer step
 SHAPE = ["trainer.batch_size=1", "trainer.seq_len=32", "trainer.warmup_share=0", "algo.sync_warmup_steps=0"]
 PHASES = ("delta", "quorum", "finite", "encode", "wire", "decode", "commit", "outer_step", "digest")
 STREAMING_H = 8  # a multiple of its P = 4 fragments: a fragment round every 2 inner steps
@@ -293,15 +295,46 @@ def job_figures(size: str, run_dir: Path, variant: Variant = VARIANTS["fp32"]) -
     rounds = [r for r in records if r["committed"] and not r.get("join")]
     heals = [r["phases_ms"]["heal"] for r in records if r.get("healed") and "heal" in r.get("phases_ms", {})]
     back = [r["time"] for r in rounds if r["time"] > killed_at and r in restarted]
-    results = [json.loads(path.read_text()) for g in range(2) if (path := run.paths.result(g)).exists()]
+    results = {g: json.loads(path.read_text()) for g in range(2) if (path := run.paths.result(g)).exists()}
     return {
         "ok": len(results) == 2,
         "sync_ms": statistics.median(r["sync_ms"] for r in rounds),
         "phases_ms": {p: statistics.median(r["phases_ms"].get(p, 0.0) for r in rounds) for p in PHASES},
         "heal_ms": max(heals) if heals else None,
         "death_to_commit_s": min(back) - killed_at if back else None,
-        "peak_rss_mb": max((r.get("peak_rss_mb", 0.0) for r in results), default=None),
+        "peak_rss_mb": results[0]["peak_rss_mb"] if 0 in results else None,  # trained throughout, served the heal
+        "healed_peak_rss_mb": results[1]["peak_rss_mb"] if 1 in results else None,
     }
+
+
+def plain_peak_rss_mb(size: str, run_dir: Path, workers: int = 1) -> float | None:
+    """A worker's peak resident memory in a plain loop: the job's worker with ``algo=local`` (no outer
+    sync, nothing beside the model, its gradients and AdamW), one group, the same shape."""
+    steps = f"trainer.max_steps={PLAIN_STEPS}"
+    job = compose_job(
+        [f"model={size}", "algo=local", "cluster.groups=1", f"cluster.workers_per_group={workers}", steps]
+        + [o for o in SHAPE if not o.startswith("algo.")]
+    )
+    with ClusterRun(job, run_dir) as run:
+        run.cluster.wait_for(run.cluster.finished, 1800, "the plain loop's end", poll_s=1.0)
+        path = run.paths.result(0)
+    return json.loads(path.read_text())["peak_rss_mb"] if path.exists() else None
+
+
+def added_bytes_per_param(peak_mb: float | None, plain_mb: float | None, parameters: int) -> str:
+    """What a worker holds beside the plain loop's, in bytes a parameter of its shard (``parameters``)."""
+    return "n/a" if peak_mb is None or plain_mb is None else f"{(peak_mb - plain_mb) * 2**20 / parameters:.1f}"
+
+
+def memory_cells(job: dict[str, Any], parameters: int) -> list[str]:
+    """Peak RSS of the worker that trained throughout, of the one that healed, and of the plain loop, in MB;
+    then what each of the first two holds beside the plain loop, in bytes a parameter of a worker's shard."""
+    plain = job.get("plain_peak_rss_mb")
+    peaks = (job["peak_rss_mb"], job.get("healed_peak_rss_mb"))
+    return [
+        " / ".join(_ms(mb) for mb in (*peaks, plain)),
+        " / ".join(added_bytes_per_param(mb, plain, parameters) for mb in peaks),
+    ]
 
 
 def warm_memory(fraction: float = 0.8) -> None:
@@ -331,11 +364,15 @@ def measure(size: str, reps: int, root: Path, variants: tuple[str, ...] = ()) ->
     collectives = {name: VARIANTS[name].collective(size, numel) for name in fitting}
     row = {"size": size, "parameters": numel} | bare(shapes, reps, collectives)
     row |= checkpoint_figures(shapes, root / size / "checkpoint")
-    row |= job_figures(size, root / size)
+    plain = {
+        w: plain_peak_rss_mb(size, root / size / f"plain_{w}", w) for w in {1} | {VARIANTS[n].workers for n in fitting}
+    }
+    row |= job_figures(size, root / size) | {"plain_peak_rss_mb": plain[1]}
     row["variants"] = {}
     for name in fitting:
         kind, count = collectives[name]
         figures = job_figures(size, root / size / re.sub(r"[^A-Za-z0-9]+", "_", name), VARIANTS[name])
+        figures["plain_peak_rss_mb"] = plain[VARIANTS[name].workers]
         round_bytes = 4 * count if kind == "allreduce" else count
         row["variants"][name] = figures | {
             "collective": kind,
@@ -370,7 +407,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         "heal apply ms",
         "heal in the job ms",
         "death to commit s",
-        "peak RSS per worker MB (plain loop's state MB)",
+        "peak RSS per worker MB: trained / healed / plain loop",
+        "DiLoCo adds B/param: trained / healed",
         "checkpoint MB",
         "bare write ms: alone / synced",
         "checkpoint save ms",
@@ -382,7 +420,6 @@ def table(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in rows:
         others = ", ".join(f"{p} {ms:,.0f}" for p, ms in r["phases_ms"].items() if p != "wire" and ms >= 1)
-        plain_mb = r["parameters"] * PLAIN_BYTES_PER_PARAM / 2**20
         body.append(
             [
                 r["size"],
@@ -399,7 +436,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 _ms(r["heal_apply_ms"]),
                 _ms(r["heal_ms"]),
                 "n/a" if r["death_to_commit_s"] is None else f"{r['death_to_commit_s']:.1f}",
-                f"{_ms(r['peak_rss_mb'])} ({plain_mb:,.0f})",
+                *memory_cells(r, r["parameters"]),
                 f"{r['checkpoint_bytes'] / 2**20:,.0f}",
                 f"{_ms(r['raw_write_ms'])} / {_ms(r['raw_write_synced_ms'])}",
                 _ms(r["save_ms"]),
@@ -426,7 +463,8 @@ def variants_table(rows: list[dict[str, Any]]) -> str:
         "round's other phases ms",
         "heal in the job ms",
         "death to commit s",
-        "peak RSS per worker MB",
+        "peak RSS per worker MB: trained / healed / plain loop",
+        "DiLoCo adds B/param of a shard: trained / healed",
     ]
     body = []
     for r in rows:
@@ -446,7 +484,7 @@ def variants_table(rows: list[dict[str, Any]]) -> str:
                     others or "-",
                     _ms(job["heal_ms"]),
                     "n/a" if job["death_to_commit_s"] is None else f"{job['death_to_commit_s']:.1f}",
-                    _ms(job["peak_rss_mb"]),
+                    *memory_cells(job, r["parameters"] // VARIANTS[name].workers),
                 ]
             )
     return markdown_table(headers, body)

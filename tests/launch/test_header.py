@@ -6,6 +6,7 @@ from pathlib import Path
 
 from diloco.config.job import job_config_from_dict
 from diloco.config.warmups import warmup_line
+from diloco.huge_pages import huge_pages_line
 from diloco.launch.header import header_lines, model_preset, payload_of
 
 URL = "http://127.0.0.1:22747"
@@ -76,3 +77,22 @@ def test_ddp_and_local_say_how_they_sync_instead_of_h_and_rounds():
         "algo: local, every group trains alone (no sync; the no-communication baseline), inner adamw lr 0.003"
     )
     assert len(ddp) == len(local) == 4  # neither has warm-ups
+
+
+def test_huge_pages_are_said_when_on_with_the_kernel_granting_none_said_too_and_nothing_when_off(tmp_path):
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    on = huge_pages_line({"THP_MEM_ALLOC_ENABLE": "1"}, setting)
+    assert on == (
+        "memory: torch's CPU allocations of 2 MB or more ask for transparent huge pages (THP_MEM_ALLOC_ENABLE=1; =0 "
+        "turns it off)"
+    )
+    setting.write_text("always madvise [never]\n")
+    assert (
+        huge_pages_line({"THP_MEM_ALLOC_ENABLE": "1"}, setting)
+        == f"{on}, but the kernel grants none ({setting}: never)"
+    )
+    assert huge_pages_line({"THP_MEM_ALLOC_ENABLE": "1"}, tmp_path / "absent") == on
+    assert huge_pages_line({"THP_MEM_ALLOC_ENABLE": "0"}, setting) is None and huge_pages_line({}, setting) is None
+    lines = header_lines(job_config_from_dict({}), TINY_PARAMS, URL, RUN, on)
+    assert lines[-2:] == [on, f"watch: run directory {RUN}, status page {URL}/"], "before the page, which ends it"

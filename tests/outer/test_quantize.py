@@ -254,7 +254,7 @@ def test_chunk_by_chunk_gives_the_bits_of_the_whole_at_once(fmt, block, monkeypa
     xs[0][:200] = 0.0  # all-zero blocks
     whole = [quantize(x, fmt, block) for x in xs]
     summed, decoded = reduce_quantized(whole, fmt, 1001, block), dequantize(whole[1], fmt, 1001, block)
-    monkeypatch.setattr(quantize_module, "CHUNK_VALUES", 16)
+    monkeypatch.setattr(quantize_module, "STEP_VALUES", 16)
     assert quantize_module._chunk(block) < 1001  # many chunks, the last one partial
     chunked = [quantize(x, fmt, block) for x in xs]
     assert all(torch.equal(a, b) for a, b in zip(chunked, whole))

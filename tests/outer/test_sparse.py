@@ -69,10 +69,11 @@ def test_error_feedback_identity_sent_plus_new_error_is_input_plus_decayed_error
     g = torch.Generator().manual_seed(bits)
     delta = torch.randint(-64, 64, (5000,), generator=g).float()
     error = torch.randint(-8, 8, (5000,), generator=g).float()
-    codec = TopK(0.03, bits)
-    payload, sent, new_error = feedback(codec, delta, error, decay)
-    assert torch.equal(sent, codec.decode(payload, delta.numel())), "ŝ is what every peer decodes"
-    assert torch.equal(sent + new_error, delta + decay * error)
+    codec, accumulated = TopK(0.03, bits), delta + decay * error
+    payload, new_error = feedback(codec, delta, error, decay)
+    assert new_error.data_ptr() == delta.data_ptr(), "e is written over Δ: nothing of the model's size is made"
+    sent = codec.decode(payload, delta.numel())  # ŝ, what every peer decodes
+    assert torch.equal(sent + new_error, accumulated)
     assert int((sent != 0).sum()) <= codec.chunks(5000) * codec.kept(5000)
 
 
@@ -81,8 +82,8 @@ def test_error_feedback_delivers_what_was_dropped_in_later_rounds():
     codec, delta = TopK(0.25, 32, chunk=4), torch.tensor([4.0, 3.0, 2.0, 1.0])
     error, total = torch.zeros(4), torch.zeros(4)
     for _ in range(20):
-        _, sent, error = feedback(codec, delta, error, 1.0)
-        total += sent
+        payload, error = feedback(codec, delta.clone(), error, 1.0)
+        total += codec.decode(payload, 4)
     assert torch.all(total > 0)
     torch.testing.assert_close(total + error, 20 * delta)
 
@@ -124,7 +125,8 @@ def test_the_sparse_reduce_sends_the_planned_bytes_and_averages_over_contributor
     delta, extras = torch.randn(20_000), torch.tensor([1.0, 0.5, 2.0])
     payload = codec.encode(delta)
     sparse = Sparse(codec, decay=0.0)
-    pending = launch_reduce(MirrorLane(3), delta, 2.0, sparse, 3, error=torch.zeros(20_000), extras=extras)
+    given = delta.clone()  # the round's own: e is written over it
+    pending = launch_reduce(MirrorLane(3), given, 2.0, sparse, 3, error=torch.zeros(20_000), extras=extras)
     assert pending.bytes_sent == sparse.bytes_sent(delta.numel(), 3, n_extras=3)
     assert pending.bytes_sent == 2 * (payload.numel() + 16)
     average = pending.result(lambda work: None)
@@ -169,27 +171,28 @@ def test_a_group_that_does_not_contribute_sends_a_blank_payload_of_the_same_size
     codec, delta, error = TopK(0.05, 2), torch.randn(3000), torch.randn(3000)
     blank, kept = outgoing(codec, delta, error, 0.95, 0.0, torch.device("cpu"))
     assert kept is error and blank.numel() == codec.nbytes(3000) and not blank.any()
+    accumulated = delta + 0.95 * error
     payload, new_error = outgoing(codec, delta, error, 0.95, 2.0, torch.device("cpu"))
-    assert torch.equal(payload, codec.encode(delta + 0.95 * error))
-    torch.testing.assert_close(codec.decode(payload, 3000) + new_error, delta + 0.95 * error)
+    assert torch.equal(payload, codec.encode(accumulated)) and new_error.data_ptr() == delta.data_ptr()
+    torch.testing.assert_close(codec.decode(payload, 3000) + new_error, accumulated)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 32])
 def test_a_step_of_rows_at_a_time_gives_the_bits_of_one_step_over_everything(bits, monkeypatch):
     """encode, decode, feedback and reduce_sparse go 8 chunks at a time (the fewest a step takes,
-    so every step's codes start on a byte): the same payload, ŝ, e and sum as one step over all."""
+    so every step's codes start on a byte): the same payload, e and sum as one step over all."""
     codec, numel = TopK(density=0.05, value_bits=bits, chunk=64), 64 * 37 + 5  # 38 chunks, the last partial
     g = torch.Generator().manual_seed(3)
     delta, error = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
     monkeypatch.setattr(sparse_module, "STEP_VALUES", 1 << 30)
     assert len(codec.steps(numel)) == 1
-    whole = feedback(codec, delta, error, 0.9)
+    whole = feedback(codec, delta.clone(), error, 0.9)
     summed = reduce_sparse([whole[0], codec.encode(error)], [1.0, 2.0], codec, numel, reference_groups=1)
     monkeypatch.setattr(sparse_module, "STEP_VALUES", 1)
     assert len(codec.steps(numel)) == 5
-    stepped = feedback(codec, delta, error, 0.9)
+    stepped = feedback(codec, delta.clone(), error, 0.9)
     assert all(torch.equal(a, b) for a, b in zip(stepped, whole))
     assert torch.equal(codec.encode(delta + 0.9 * error), whole[0])
-    assert torch.equal(codec.decode(whole[0], numel), whole[1])
+    assert torch.equal(codec.decode(whole[0], numel) + whole[1], delta + 0.9 * error), "ŝ + e is a"
     again = reduce_sparse([stepped[0], codec.encode(error)], [1.0, 2.0], codec, numel, reference_groups=1)
     assert torch.equal(again.view(torch.int32), summed.view(torch.int32))
