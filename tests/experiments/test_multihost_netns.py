@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from diloco.config.cluster import TimeoutsConfig
+from diloco.library.build import HEARTBEATS_PER_TIMEOUT
 from experiments.communication import netns_link
 from experiments.scale.multihost_chaos import (
     KINDS,
@@ -72,10 +74,10 @@ CUT_S = 16.0
 # a group asks at its next round boundary, H steps on, and on busy cores those steps take seconds.
 AGAIN_WITHIN_S = 5.0
 AGAIN_WITHIN_ROUNDS = 3
-# The cut-off group sees its link back only at a probe: both sides probe every heartbeat interval (a third of
-# cluster.timeouts.heartbeat, 3 s), a connect taking up to cluster.timeouts.probe (2 s) on busy cores; and the
-# quorum its first ask after that finds may have formed without it (a round more).
-BACK_PROBE_S = 3.0 / 3 + 2.0
+# The cut-off group sees its link back only at a probe: both sides probe every heartbeat interval, a connect
+# taking up to cluster.timeouts.probe on busy cores; and the quorum its first ask after that finds may have
+# formed without it (a round more).
+BACK_PROBE_S = TimeoutsConfig().heartbeat / HEARTBEATS_PER_TIMEOUT + TimeoutsConfig().probe
 BACK_EXTRA_ROUNDS = 1
 
 
